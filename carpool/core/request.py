@@ -1,0 +1,118 @@
+"""One generation request as the scheduler sees it: token ids, progress, status.
+
+There is no prefill phase and no decode phase, only `num_computed_tokens`
+catching up with `num_tokens` (prompt + outputs so far). A request whose
+computed count reaches its token count samples one new token; a request that
+is preempted drops its KV cache, sets `num_computed_tokens` back to 0 and is
+recomputed later over prompt + outputs, keeping the outputs it already sent.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from carpool.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The `finish_reason` the OpenAI API reports, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    eos_token_id: int | None = None
+    # Hard cap from the model: prompt + outputs never exceed this.
+    max_model_len: int | None = None
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # The token id that ended the request via stop_token_ids / a stop string, if any.
+    stop_reason: int | str | None = None
+
+    # Timestamps for metrics (same clock as arrival_time).
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if self.queued_time is None:
+            self.queued_time = self.arrival_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + outputs: what the KV cache must eventually hold."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The tighter of `max_tokens` and what `max_model_len` leaves after the prompt."""
+        limits = []
+        if self.sampling_params.max_tokens is not None:
+            limits.append(self.sampling_params.max_tokens)
+        if self.max_model_len is not None:
+            limits.append(self.max_model_len - self.num_prompt_tokens)
+        return min(limits) if limits else None
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + outputs, without copying the rest.
+
+        |<-- prompt_token_ids -->|<-- output_token_ids -->|
+        0                  num_prompt_tokens          num_tokens
+        """
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason

@@ -1,0 +1,55 @@
+"""What one scheduler step decided, as plain ids and ints for the model runner.
+
+The runner builds its packed batch from this alone: for each scheduled request
+the token ids to feed, where they start, its block table, and whether the
+last of them produces a sampled token. Nothing here is a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from carpool.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    # Tokens fed this step: positions [num_computed_tokens, num_computed_tokens + len(token_ids)).
+    token_ids: Sequence[int]
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    block_ids: Sequence[int]  # the request's whole block table after this step's allocation
+    # True when this chunk reaches the end of prompt + outputs, so a token is sampled;
+    # False for a prefill chunk that stops part-way through the prompt.
+    sample: bool
+    sampling_params: SamplingParams
+    # Read-only views of the request's tokens, for penalties (do not mutate).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests whose KV blocks were freed this step to make room (recomputed later).
+    preempted_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the previous step (finished, aborted, failed):
+    # the runner drops any per-request state it keeps for them.
+    finished_ids: list[str] = field(default_factory=list)
+    # Extra tokens the static baseline computes and throws away (padding to the
+    # batch's longest prompt, and slots of members that already finished), so it
+    # pays the same cost Hugging Face `generate` pays. Always 0 when continuous.
+    num_padding_tokens: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,98 @@
+"""How one request wants its tokens chosen and when it should stop.
+
+Plain Python (no tensors) so the scheduler, the server's validation and the
+sampler all share one definition. Field names follow vLLM's `SamplingParams`.
+A bad value raises `ValueError` naming the field, which the server turns into
+an HTTP 400.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt; fanned out above the engine
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # EOS and stop tokens are ignored before this many outputs
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # >1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # same seed, same output, whatever the batch
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per output token (plus the chosen one)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        _require_int("n", self.n, minimum=1)
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens, minimum=1)
+        _require_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        _require_float("temperature", self.temperature, 0.0, 2.0)
+        _require_float("top_p", self.top_p, 0.0, 1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _require_int("top_k", self.top_k, minimum=0)
+        _require_float("min_p", self.min_p, 0.0, 1.0)
+        _require_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        _require_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _require_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _require_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids", token_id, minimum=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _require_int(name: str, value: object, *, minimum: int | None = None,
+                 maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+
+
+def _require_float(name: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) and not (value == math.inf and high == math.inf):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
