@@ -35,6 +35,9 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why, when finish_reason == "error"
+    # Set on the finishing output only: arrival_time, first_scheduled_time, first_token_time,
+    # finished_time (engine clock, time.monotonic) and num_preemptions, for metrics.
+    request_metrics: dict | None = None
 
     @property
     def finished(self) -> bool:
