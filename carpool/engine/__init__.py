@@ -1,0 +1,1 @@
+"""The step loop (LLMEngine), its tokenizer and the incremental detokenizer."""
