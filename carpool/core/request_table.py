@@ -1,0 +1,135 @@
+"""What every scheduler does the same way: admit-time checks, sampled tokens, stopping, finishing.
+
+`Scheduler` and `StaticScheduler` differ only in how they pick a step's
+requests; both keep their unfinished requests in a `RequestTable`, which
+rejects requests that could never run, appends sampled tokens, applies the
+stop rules and frees a finished request's blocks in the same call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+from carpool.core.block_manager import BlockManager
+from carpool.core.config import SchedulerConfig
+from carpool.core.request import Request, RequestStatus
+from carpool.core.scheduler_output import SchedulerOutput
+
+
+def stop_status(request: Request, token_id: int) -> RequestStatus | None:
+    """The finished status the just-appended `token_id` puts the request in, if any.
+
+    EOS (unless ignore_eos) and stop_token_ids count only once `min_tokens`
+    outputs exist; a stop token is recorded in `request.stop_reason`.
+    """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if (not params.ignore_eos and request.eos_token_id is not None
+                and token_id == request.eos_token_id):
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_output_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+class RequestTable:
+    """Base of the schedulers: owns the unfinished requests and the block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self._clock = clock
+        self._requests: dict[str, Request] = {}  # unfinished only
+        self._finished_ids: list[str] = []  # since the last schedule()
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests now (abort, error, stop string): frees their blocks, sets status and
+        finished_time. Unknown or already-finished ids are ignored. Returns those it ended."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status.name}")
+        finished = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    # -- for subclasses ---------------------------------------------------------------------
+
+    def _register(self, request: Request) -> None:
+        """Validate a new request and start tracking it (status WAITING, queued_time now)."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        max_model_len = self.config.max_model_len
+        if request.max_model_len is not None:
+            max_model_len = min(max_model_len, request.max_model_len)
+        if request.num_prompt_tokens + 1 > max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; with at least 1 output token "
+                f"that exceeds max_model_len ({max_model_len})")
+        request.max_model_len = max_model_len
+        num_tokens = request.num_prompt_tokens + request.max_output_tokens
+        num_blocks = self.block_manager.num_blocks_for(num_tokens)
+        if num_blocks > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} may need {num_tokens} tokens of KV cache "
+                f"({request.num_prompt_tokens} prompt + {request.max_output_tokens} max output) = "
+                f"{num_blocks} blocks of {self.block_manager.block_size}, but the whole pool "
+                f"has {self.block_manager.num_total_blocks} blocks; lower max_tokens")
+        request.status = RequestStatus.WAITING
+        request.queued_time = self._clock()
+        self._requests[request.request_id] = request
+
+    def _apply_step(self, scheduler_output: SchedulerOutput,
+                    sampled_token_ids: Mapping[str, int]) -> list[Request]:
+        produced = []
+        for scheduled in scheduler_output.scheduled:
+            request = self._requests.get(scheduled.request_id)
+            if request is None:
+                continue  # finished (aborted) between schedule() and update()
+            if request.num_computed_tokens != scheduled.num_computed_tokens:
+                raise ValueError(f"stale SchedulerOutput for {scheduled.request_id!r}: it was "
+                                 f"planned at {scheduled.num_computed_tokens} computed tokens, "
+                                 f"the request has {request.num_computed_tokens}")
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if scheduled.sample:
+                if scheduled.request_id not in sampled_token_ids:
+                    raise ValueError(f"no sampled token for {scheduled.request_id!r}")
+                self._append_token(request, sampled_token_ids[scheduled.request_id])
+                produced.append(request)
+        return produced
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        request.output_token_ids.append(token_id)
+        if request.first_token_time is None:
+            request.first_token_time = self._clock()
+        status = stop_status(request, token_id)
+        if status is not None:
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._remove(request)
+        request.status = status
+        request.finished_time = self._clock()
+        self.block_manager.free(request.request_id)
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _take_finished_ids(self) -> list[str]:
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return finished_ids
+
+    def _remove(self, request: Request) -> None:
+        """Take an unfinished request out of the subclass's queues (status not yet changed)."""
+        raise NotImplementedError

@@ -1,0 +1,59 @@
+"""The step being planned: which requests get how many tokens, under what budget.
+
+The scheduler fills a `StepPlan` while it walks running and waiting requests;
+preemption can take an entry back out (refunding its tokens), so the plan
+stays a mapping until `to_output` turns it into the runner's `SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+from carpool.core.block_manager import BlockManager
+from carpool.core.request import Request
+from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+class StepPlan:
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget  # tokens still free this step
+        self._entries: dict[str, tuple[Request, int]] = {}  # id -> (request, num new tokens)
+        self.preempted_ids: list[str] = []
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        """Schedule `num_new_tokens` of the request, spending that much budget."""
+        if not 0 < num_new_tokens <= self.token_budget:
+            raise ValueError(f"cannot schedule {num_new_tokens} tokens with "
+                             f"{self.token_budget} left in the budget")
+        self._entries[request.request_id] = (request, num_new_tokens)
+        self.token_budget -= num_new_tokens
+
+    def remove(self, request_id: str) -> None:
+        """Take a request back out (it was preempted), refunding its tokens; no-op if absent."""
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self.token_budget += entry[1]
+
+    def num_new_tokens(self, request_id: str) -> int:
+        entry = self._entries.get(request_id)
+        return entry[1] if entry is not None else 0
+
+    def to_output(self, block_manager: BlockManager, finished_ids: list[str]) -> SchedulerOutput:
+        scheduled = [_scheduled_request(request, n, block_manager)
+                     for request, n in self._entries.values()]
+        return SchedulerOutput(scheduled=scheduled, preempted_ids=list(self.preempted_ids),
+                               finished_ids=finished_ids)
+
+
+def _scheduled_request(request: Request, num_new_tokens: int,
+                       block_manager: BlockManager) -> ScheduledRequest:
+    start = request.num_computed_tokens
+    end = start + num_new_tokens
+    return ScheduledRequest(
+        request_id=request.request_id,
+        token_ids=request.token_ids_slice(start, end),
+        num_computed_tokens=start,
+        block_ids=block_manager.get_block_table(request.request_id),
+        sample=end == request.num_tokens,
+        sampling_params=request.sampling_params,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=request.output_token_ids,
+    )
