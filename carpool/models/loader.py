@@ -1,0 +1,114 @@
+"""Find a checkpoint (local folder or Hugging Face hub id) and load its safetensors weights.
+
+Weights are read with `safetensors` only, never pickle: a single
+`model.safetensors`, or shards listed in `model.safetensors.index.json`. The
+network is built on the meta device (no random init of a large model), then
+materialised on the target device and filled tensor by tensor, so every
+parameter is accounted for: a missing or unexpected tensor raises, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from carpool.models.config import ModelConfig
+from carpool.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors that are derived, not learned (older Llama exports carry them).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local folder as is; otherwise a hub id fetched with huggingface_hub (cache first).
+
+    Honours HF_HUB_OFFLINE. Raises FileNotFoundError naming what is missing.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} has no config.json")
+        return path
+    if path.exists():
+        raise FileNotFoundError(f"model path {path} is not a folder")
+    if str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
+        raise FileNotFoundError(f"model folder {path} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(repo_id=str(model), allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"])
+    except Exception as exc:  # offline, unknown repo, gated, no network
+        raise FileNotFoundError(
+            f"model {model!r} is neither a local folder nor a downloadable hub id "
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {exc}") from exc
+    return Path(local)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, single or sharded. Raises naming what is missing."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"shard(s) {missing} listed in {index} not found")
+        return [path / s for s in shards]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise FileNotFoundError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {path} (only safetensors checkpoints are supported)")
+
+
+def load_model(path: Path, config: ModelConfig, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    """Build the network for `config` on `device` in `dtype` and fill it from `path`'s weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(dtype)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty re-creates parameters; tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.reset()
+    _fill_parameters(model, weight_files(path), config, device)
+    model.eval()
+    return model
+
+
+def _fill_parameters(model: LlamaForCausalLM, files: list[Path], config: ModelConfig,
+                     device: torch.device) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if config.tie_word_embeddings:
+        params.pop("lm_head.weight")
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # some tied checkpoints store it anyway; the embedding wins
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {name!r} in {file.name} "
+                                     f"for {config.architecture}")
+                tensor = f.get_tensor(name)
+                target = params[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"tensor {name!r} in {file.name} has shape "
+                                     f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor.to(device=device, dtype=target.dtype))
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {files[0].parent} lacks tensor(s) {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")

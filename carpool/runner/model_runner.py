@@ -1,0 +1,128 @@
+"""Executes one scheduler step: packed inputs -> forward over the paged KV cache -> sampled tokens.
+
+The runner owns every tensor (weights, KV cache, generators); the scheduler
+owns every decision. `execute` takes the step's `SchedulerOutput` (ids, block
+tables, token counts) and returns one token per request that reached the end
+of its known tokens. Logits are computed only for those rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from carpool.models.config import ModelConfig, load_model_config
+from carpool.models.loader import load_model, resolve_model_path
+from carpool.outputs import PositionLogprobs
+from carpool.runner import kv_cache
+from carpool.runner.input_batch import build_input_batch
+from carpool.runner.sampler import Sampler
+from carpool.sampling_params import SamplingParams
+from carpool.utils.device import resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    # Only for requests whose sampling_params.logprobs is not None.
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Loads a checkpoint, sizes and allocates the KV cache, and runs steps."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 seed: int = 0) -> None:
+        path = resolve_model_path(model_path)
+        self.model_config: ModelConfig = load_model_config(path)
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.model = load_model(path, self.model_config, self.dtype, self.device)
+        self.sampler = Sampler(self.device, self.model_config.eos_token_ids, seed)
+        self._spec = kv_cache.KVCacheSpec.from_model(self.model_config, block_size, self.dtype)
+        self.num_kv_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory,
+                                                     gpu_memory_utilization)
+        self.kv_caches = kv_cache.allocate_kv_caches(self._spec, self.num_kv_blocks, self.device)
+        self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks, max_model_len)
+        logger.info("KV cache: %(num_blocks)d blocks of %(block_size)d tokens = %(num_tokens)d "
+                    "tokens, %(bytes)d bytes; max concurrency at max_model_len: "
+                    "%(max_concurrency).2f", self.kv_cache_info)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One forward over all scheduled tokens; a sampled token per request with sample=True.
+
+        Writes the new tokens' K/V into their slots. Padding tokens (static baseline)
+        run through the model against the scratch block and are discarded.
+        """
+        self.sampler.free(scheduler_output.finished_ids)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        batch = build_input_batch(scheduler_output, block_size=self.block_size,
+                                  scratch_block=self.num_kv_blocks, device=self.device,
+                                  sliding_window=self.model_config.sliding_window)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sampled:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) float32
+        sampled = self.sampler.sample(logits, batch.sampled)
+        output = ModelRunnerOutput()
+        for req, token_id, logprobs in zip(batch.sampled, sampled.token_ids, sampled.logprobs):
+            output.sampled_token_ids[req.request_id] = token_id
+            if logprobs is not None:
+                output.logprobs[req.request_id] = logprobs
+        return output
+
+    def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None,
+                           gpu_memory_utilization: float) -> int:
+        """Explicit count, else bytes, else CUDA profile, else a share of CPU RAM."""
+        if num_kv_blocks is not None:
+            if num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+            return num_kv_blocks
+        if kv_cache_memory is not None:
+            return kv_cache.num_blocks_for_bytes(self._spec, kv_cache_memory, "kv_cache_memory")
+        if self.device.type == "cuda":
+            self._profile_forward()
+            budget = kv_cache.cuda_free_bytes_after_profile(self.device, gpu_memory_utilization)
+            return kv_cache.num_blocks_for_bytes(self._spec, budget, "gpu_memory_utilization")
+        return kv_cache.num_blocks_for_bytes(self._spec, kv_cache.cpu_default_bytes(),
+                                             "the CPU default KV cache size")
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """Run the largest step the scheduler may send, against a throwaway cache, to find peak memory."""
+        num_tokens = self.max_num_batched_tokens
+        num_seqs = max(1, min(self.max_num_seqs, -(-num_tokens // self.max_model_len)))
+        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        num_blocks = sum(-(-n // self.block_size) for n in lengths)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.kv_caches = kv_cache.allocate_kv_caches(self._spec, num_blocks, self.device)
+        scheduled, next_block = [], 0
+        for i, length in enumerate(lengths):
+            blocks = list(range(next_block, next_block + -(-length // self.block_size)))
+            next_block += len(blocks)
+            scheduled.append(ScheduledRequest(
+                request_id=f"profile-{i}", token_ids=[0] * length, num_computed_tokens=0,
+                block_ids=blocks, sample=True, sampling_params=SamplingParams(temperature=0.0)))
+        self.num_kv_blocks = num_blocks
+        self.execute(SchedulerOutput(scheduled=scheduled))
+        del self.kv_caches
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()

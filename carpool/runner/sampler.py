@@ -1,0 +1,147 @@
+"""Choose the next token of every sampled request at once, from its last logits.
+
+Vectorised across the batch; per-request knobs become per-row tensors. Order:
+min_tokens mask -> repetition / presence / frequency penalties -> greedy rows
+take the argmax; the others: temperature -> min_p -> top_k -> top_p -> draw.
+The draw is an exponential race (argmax of probs / Exp(1) noise), which picks
+token i with probability probs[i]; a seeded request draws its noise from its
+own `torch.Generator`, so the same seed gives the same tokens whatever else is
+in the batch (and across preemption: the generator lives until the request ends).
+
+Logprobs are the log-softmax of the *raw* model logits, before any penalty,
+temperature or truncation (vLLM's default "raw_logprobs" mode): they describe
+the model, not the sampling settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from carpool.core.scheduler_output import ScheduledRequest
+from carpool.outputs import Logprob, PositionLogprobs
+from carpool.runner.penalties import apply_min_tokens, apply_penalties, needs_processing
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[PositionLogprobs | None]  # one per row; None where not asked
+
+
+class Sampler:
+    """Holds the global generator and each seeded request's generator."""
+
+    def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+        self.device = device
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def free(self, request_ids) -> None:
+        """Forget the generators of requests that ended."""
+        for request_id in request_ids:
+            self._request_generators.pop(request_id, None)
+
+    @property
+    def num_request_generators(self) -> int:
+        return len(self._request_generators)
+
+    def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> SamplerOutput:
+        """logits [N, V] float32, row i for requests[i] -> one token (and logprobs) per row."""
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if all(r.sampling_params.is_greedy for r in requests) and not needs_processing(
+                requests, self.eos_token_ids):
+            token_ids = logits.argmax(dim=-1)  # fast path
+        else:
+            token_ids = self._sample_processed(logits.clone(), requests)
+        token_list = token_ids.tolist()
+        return SamplerOutput(token_ids=token_list,
+                             logprobs=_gather_logprobs(raw_logprobs, token_ids, requests))
+
+    def _sample_processed(self, logits: torch.Tensor,
+                          requests: list[ScheduledRequest]) -> torch.Tensor:
+        apply_min_tokens(logits, requests, self.eos_token_ids)
+        apply_penalties(logits, requests)
+        greedy = torch.tensor([r.sampling_params.is_greedy for r in requests], device=self.device)
+        greedy_tokens = logits.argmax(dim=-1)
+        if bool(greedy.all()):
+            return greedy_tokens
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                   device=self.device, dtype=logits.dtype)
+        logits = logits / temperature[:, None]
+        logits = _apply_min_p(logits, params)
+        logits = _apply_top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        drawn = (probs / self._exponential_noise(probs, requests)).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, drawn)
+
+    def _exponential_noise(self, probs: torch.Tensor,
+                           requests: list[ScheduledRequest]) -> torch.Tensor:
+        """Exp(1) noise [N, V]: seeded rows from their own generator, others from the global one."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, req in enumerate(requests):
+            seed = req.sampling_params.seed
+            if seed is None or req.sampling_params.is_greedy:
+                continue
+            generator = self._request_generators.get(req.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                self._request_generators[req.request_id] = generator
+            noise[row].exponential_(generator=generator)
+        return noise
+
+
+def _apply_min_p(logits: torch.Tensor, params) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the top token's."""
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=logits.dtype)
+    if not bool((min_p > 0).any()):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
+    """Keep each row's top_k tokens (0: all), then the smallest prefix whose mass reaches top_p."""
+    vocab_size = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                         device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
+    if bool((top_k == vocab_size).all()) and bool((top_p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
+    ranks = torch.arange(vocab_size, device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
+                     requests: list[ScheduledRequest]) -> list[PositionLogprobs | None]:
+    """Chosen token's logprob and rank, plus the top-N, for rows that asked for them."""
+    if raw_logprobs is None:
+        return [None] * len(requests)
+    wanted = [r.sampling_params.logprobs for r in requests]
+    max_n = max(n for n in wanted if n is not None)
+    chosen = raw_logprobs.gather(1, token_ids[:, None])  # (N, 1)
+    chosen_rank = ((raw_logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = raw_logprobs.topk(max(max_n, 1), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    chosen, token_list = chosen[:, 0].tolist(), token_ids.tolist()
+    result: list[PositionLogprobs | None] = []
+    for row, n in enumerate(wanted):
+        if n is None:
+            result.append(None)
+            continue
+        entry: PositionLogprobs = {token_list[row]: Logprob(chosen[row], rank=chosen_rank[row])}
+        for rank, (token, value) in enumerate(zip(top_ids[row][:n], top_values[row][:n]), 1):
+            entry.setdefault(token, Logprob(value, rank=rank))
+        result.append(entry)
+    return result

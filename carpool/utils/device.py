@@ -1,0 +1,43 @@
+"""Pick the device and dtype a model runs in, from "auto" or an explicit name."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
+            "bf16": "bfloat16"}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" -> cuda if available, else cpu. An unavailable CUDA device raises naming it."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {str(device)!r} (cpu or cuda)")
+    return resolved
+
+
+def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    """"auto" takes the checkpoint's dtype, except float16 on CPU, which runs in float32."""
+    if dtype == "auto":
+        name = _ALIASES.get(checkpoint_dtype, checkpoint_dtype)
+        if name not in _DTYPES:
+            logger.warning("checkpoint dtype %r unknown; using float32", checkpoint_dtype)
+            name = "float32"
+        if name == "float16" and device.type == "cpu":
+            logger.warning("float16 checkpoint on CPU: running in float32 "
+                           "(half-precision matmuls are slow or missing on CPU)")
+            name = "float32"
+        return _DTYPES[name]
+    name = _ALIASES.get(dtype, dtype)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[name]
