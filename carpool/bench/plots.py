@@ -1,0 +1,124 @@
+"""Pictures of a run: who held which batch slot at each step, and what each step computed.
+
+The slot timeline gives every request a coloured bar on one lane (batch slot)
+from the step it was first scheduled to the step it finished. Under static
+batching a lane stays grey (idle) from the moment its request ends until the
+whole batch has ended — the convoy — while under continuous batching a waiting
+request takes the lane on the next step. The tokens plot stacks each step's
+prefill and decode tokens: without chunked prefill a long prompt shows as one
+tall spike that every decode waits behind; with it the prompt is spread over
+several steps capped at the budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+
+from carpool.bench.offline import OfflineRun
+
+_IDLE_COLOUR = "#e6e6e6"
+_PREFILL_COLOUR = "#d95f02"
+_DECODE_COLOUR = "#1b9e77"
+
+
+@dataclass(frozen=True)
+class SlotSpan:
+    lane: int
+    first_step: int  # inclusive
+    last_step: int  # inclusive
+    request_index: int
+
+
+def step_of(run: OfflineRun, t: float) -> int:
+    """Index of the step that was running (or had last started) at engine time `t`."""
+    starts = [s.start for s in run.steps]
+    return max(0, bisect.bisect_right(starts, t) - 1)
+
+
+def slot_spans(run: OfflineRun) -> list[SlotSpan]:
+    """Each finished request's [first, last] step on the lowest lane free at its first step."""
+    intervals = []
+    for i, result in enumerate(run.results):
+        if result.end_time is None:
+            continue
+        began = run.first_scheduled[i] if i < len(run.first_scheduled) else None
+        if began is None:
+            began = result.chunk_times[0] if result.chunk_times else result.end_time
+        intervals.append((step_of(run, began), step_of(run, result.end_time), i))
+    intervals.sort()
+    free_lanes: list[int] = []
+    busy: list[tuple[int, int]] = []  # (last_step, lane)
+    spans, num_lanes = [], 0
+    for first, last, index in intervals:
+        while busy and busy[0][0] < first:
+            heapq.heappush(free_lanes, heapq.heappop(busy)[1])
+        if free_lanes:
+            lane = heapq.heappop(free_lanes)
+        else:
+            lane, num_lanes = num_lanes, num_lanes + 1
+        heapq.heappush(busy, (last, lane))
+        spans.append(SlotSpan(lane, first, last, index))
+    return spans
+
+
+def draw_slot_timeline(ax, run: OfflineRun, num_steps: int) -> None:
+    spans = slot_spans(run)
+    num_lanes = max((s.lane for s in spans), default=-1) + 1
+    cmap = _colour_map()
+    for lane in range(num_lanes):
+        ax.broken_barh([(0, len(run.steps))], (lane + 0.1, 0.8), facecolors=_IDLE_COLOUR)
+    for span in spans:
+        ax.broken_barh([(span.first_step, span.last_step - span.first_step + 1)], (span.lane + 0.1, 0.8),
+                       facecolors=cmap(span.request_index % cmap.N), edgecolor="white", linewidth=0.3)
+    ax.set_xlim(0, num_steps)
+    ax.set_ylim(0, max(num_lanes, 1))
+    ax.yaxis.set_major_locator(_integer_locator())
+    ax.set_ylabel("batch slot")
+    ax.set_title(f"{run.variant}: {len(run.steps)} steps, {run.duration_s:.1f} s")
+
+
+def draw_tokens_per_step(ax, run: OfflineRun, num_steps: int) -> None:
+    x = range(len(run.steps))
+    prefill = [s.num_prefill_tokens for s in run.steps]
+    decode = [s.num_decode_tokens for s in run.steps]
+    ax.bar(x, prefill, width=1.0, align="edge", linewidth=0, color=_PREFILL_COLOUR, label="prefill tokens")
+    ax.bar(x, decode, width=1.0, align="edge", linewidth=0, bottom=prefill, color=_DECODE_COLOUR,
+           label="decode tokens")
+    ax.set_xlim(0, num_steps)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens in step")
+    ax.legend(loc="upper right", fontsize="small")
+
+
+def save_comparison_plot(path: str, runs: list[OfflineRun]) -> None:
+    """One column per run: slot timeline above, batched tokens per step below; same step axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not runs:
+        raise ValueError("save_comparison_plot needs at least one run")
+    num_steps = max(len(r.steps) for r in runs)
+    fig, axes = plt.subplots(2, len(runs), figsize=(4.5 * len(runs), 6), squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1]})
+    for column, run in enumerate(runs):
+        draw_slot_timeline(axes[0][column], run, num_steps)
+        draw_tokens_per_step(axes[1][column], run, num_steps)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _integer_locator():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
+def _colour_map():
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"]
