@@ -1,0 +1,25 @@
+"""Fixtures for runner tests: a runner factory and fixed prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def make_runner():
+    from carpool.runner.model_runner import ModelRunner
+
+    def make(path, **kwargs):
+        settings = dict(max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8,
+                        num_kv_blocks=96, block_size=4, device="cpu")
+        settings.update(kwargs)
+        return ModelRunner(path, **settings)
+
+    return make
+
+
+@pytest.fixture
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 512, (n,), generator=gen).tolist() for n in (37, 5, 70)]

@@ -1,0 +1,44 @@
+"""Packed inputs: positions, slots through the block table, logits rows, padding, groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from carpool.runner.input_batch import build_input_batch
+from carpool.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+P = SamplingParams()
+
+
+def test_packed_positions_slots_and_logits_rows():
+    prefill = ScheduledRequest("a", [5, 6, 7], 2, [9, 4], False, P)  # positions 2..4, block 4
+    decode = ScheduledRequest("b", [8], 6, [1, 3], True, P)  # position 6 -> block 3 slot 2
+    batch = build_input_batch(SchedulerOutput([prefill, decode], num_padding_tokens=2),
+                              block_size=4, scratch_block=10, device=CPU)
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 0, 0]
+    assert batch.positions.tolist() == [2, 3, 4, 6, 0, 0]
+    assert batch.meta.slot_mapping.tolist() == [9 * 4 + 2, 9 * 4 + 3, 4 * 4 + 0, 3 * 4 + 2, 40, 40]
+    assert batch.logits_indices.tolist() == [3]
+    assert [r.request_id for r in batch.sampled] == ["b"]
+    decodes, prefills = batch.meta.groups
+    assert decodes.valid_tokens.tolist() == [3, 4, 5]  # the decode, then the padding tokens
+    assert prefills.valid_tokens.tolist() == [0, 1, 2]
+    assert decodes.block_tables[0].tolist() == [1, 3]
+    assert decodes.block_tables[1].tolist()[0] == 10  # padding reads the scratch block
+
+
+def test_causal_mask_per_request():
+    req = ScheduledRequest("a", [1, 2, 3], 2, [0, 1], True, P)
+    batch = build_input_batch(SchedulerOutput([req]), block_size=4, scratch_block=9, device=CPU)
+    (group,) = batch.meta.groups
+    mask = group.mask[0, 0]  # (max_q, max_ctx)
+    assert mask.sum(dim=-1).tolist() == [3, 4, 5]  # positions 2, 3, 4 see 0..pos
+
+
+def test_too_few_blocks_is_named():
+    req = ScheduledRequest("short", [1] * 5, 0, [0], True, P)
+    with pytest.raises(ValueError, match="short"):
+        build_input_batch(SchedulerOutput([req]), block_size=4, scratch_block=9, device=CPU)
