@@ -1,0 +1,340 @@
+"""The engine behind the HTTP server: one thread owns it, everyone else sends commands.
+
+Shaped like TGI's router. The loop thread builds the `LLMEngine`, then runs
+its step loop; nothing else ever touches engine or scheduler state. Requests
+and aborts arrive through a thread-safe command queue, drained before every
+step; each HTTP request gets an `OutputStream` that the loop thread fills via
+`loop.call_soon_threadsafe`. With nothing to run the thread blocks on the
+queue (no busy spin). After every step it publishes a stats snapshot (read by
+/metrics and /health) and records per-step metrics.
+
+Closing a stream aborts its unfinished requests; the engine frees their KV
+blocks when the abort command is handled, i.e. before the next step. If the
+loop dies with an exception that the engine could not contain, every open
+stream gets `EngineDeadError` and `on_fatal` is called (the server exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from carpool.outputs import StepOutput
+from carpool.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped; no request can be served any more."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One engine request: the server fans `n` and prompt lists out into several."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side may know of the engine, captured once it is loaded."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    kv_cache_info: dict
+    tokenizer: Any  # the HTTP side's own copy: never shared with the loop thread
+
+
+class OutputStream:
+    """The deltas of one HTTP request's engine requests, as `(index, StepOutput)`.
+
+    Filled by the loop thread (through `call_soon_threadsafe`), read by one
+    asyncio task. Iteration ends when every request has finished. `close()`
+    aborts whatever is unfinished and is safe to call more than once.
+    """
+
+    def __init__(self, engine: "AsyncEngine", loop: asyncio.AbstractEventLoop,
+                 request_ids: list[str]) -> None:
+        self._engine = engine
+        self.loop = loop
+        self.request_ids = list(request_ids)
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._admitted: asyncio.Future = loop.create_future()
+        self._unfinished = set(self.request_ids)
+
+    async def admitted(self) -> None:
+        """Wait until the engine accepted every request; raises its ValueError if not."""
+        await self._admitted
+
+    def __aiter__(self) -> "OutputStream":
+        return self
+
+    async def __anext__(self) -> tuple[int, StepOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return self._index[item.request_id], item
+
+    def close(self) -> None:
+        """Abort the requests that have not finished (the client is gone or done)."""
+        if self._unfinished:
+            self._engine.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+    # Called on the event loop, scheduled by the loop thread.
+    def _set_admitted(self, error: BaseException | None) -> None:
+        if self._admitted.done():
+            return
+        if error is None:
+            self._admitted.set_result(None)
+        else:
+            self._unfinished.clear()
+            self._admitted.set_exception(error)
+
+    def _put(self, item: StepOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` on its own thread; see the module docstring."""
+
+    def __init__(self, engine_factory: Callable[[], Any], *,
+                 metrics_factory: Callable[[EngineInfo], Any] | None = None,
+                 on_ready: Callable[[EngineInfo], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self._factory = engine_factory
+        self._metrics_factory = metrics_factory
+        self.on_ready = on_ready
+        self.on_fatal = on_fatal
+        self.metrics: Any = None
+        self.info: EngineInfo | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders "is it dead?" against "queue a command"
+        self._streams: dict[str, OutputStream] = {}  # loop thread only
+        self._snapshot: dict = {}
+        self._ready = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
+
+    # ---- HTTP side -------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (True) or loading failed / timed out (False)."""
+        self._ready.wait(timeout)
+        return self.is_ready
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def snapshot(self) -> dict:
+        """The engine stats published after the latest step (a fresh dict each time)."""
+        return self._snapshot
+
+    def add(self, requests: list[GenerationRequest]) -> OutputStream:
+        """Queue requests for the engine; await `admitted()` on the stream, then iterate it."""
+        stream = OutputStream(self, asyncio.get_running_loop(), [r.request_id for r in requests])
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(("add", requests, stream, time.monotonic()))
+                return stream
+        stream._set_admitted(EngineDeadError(f"the engine has stopped: {self._dead!r}"))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(("abort", list(request_ids)))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(llm_engine)` on the loop thread between two steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+            self._commands.put(("call", fn, future, loop))
+        return await future
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread; open streams get EngineDeadError."""
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # ---- loop thread -----------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+            self._on_loaded(engine)
+        except BaseException as exc:  # noqa: BLE001 - anything here means no engine
+            self._die(exc, "loading the model failed")
+            return
+        self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready(self.info)
+        try:
+            self._loop(engine)
+        except BaseException as exc:  # noqa: BLE001 - the step loop cannot continue
+            self._die(exc, "the engine step loop failed")
+            return
+        self._die(EngineDeadError("the engine was shut down"), None)
+
+    def _on_loaded(self, engine: Any) -> None:
+        try:
+            tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared
+            tokenizer = engine.tokenizer
+        self.info = EngineInfo(
+            served_model_name=engine.served_model_name, max_model_len=engine.max_model_len,
+            vocab_size=engine.model_config.vocab_size,
+            max_num_seqs=engine.scheduler_config.max_num_seqs,
+            kv_cache_info=dict(engine.runner.kv_cache_info), tokenizer=tokenizer)
+        if self._metrics_factory is not None:
+            self.metrics = self._metrics_factory(self.info)
+        self._publish(engine)
+
+    def _loop(self, engine: Any) -> None:
+        while True:
+            commands = self._take_commands(block=not engine.has_unfinished_requests())
+            for command in commands:
+                if command[0] == "stop":
+                    return
+                self._handle(engine, command)
+            if commands:
+                self._publish(engine)  # aborts freed blocks: show it before the next step
+            if not engine.has_unfinished_requests():
+                continue
+            outputs = engine.step()
+            now = time.monotonic()
+            self._deliver(outputs)
+            stats = self._publish(engine)
+            if self.metrics is not None:
+                self.metrics.record_step(outputs, stats, now)
+
+    def _take_commands(self, block: bool) -> list[tuple]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _handle(self, engine: Any, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            self._add(engine, *command[1:])
+        elif kind == "abort":
+            live = [rid for rid in command[1] if self._streams.pop(rid, None) is not None]
+            if live:
+                engine.abort_request(live)
+        elif kind == "call":
+            fn, future, loop = command[1:]
+            try:
+                result, error = fn(engine), None
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                result, error = None, exc
+            _notify(loop, _settle, future, result, error)
+
+    def _add(self, engine: Any, requests: list[GenerationRequest], stream: OutputStream,
+             arrival_time: float) -> None:
+        added: list[str] = []
+        try:
+            for r in requests:
+                engine.add_request(r.request_id, r.prompt, r.sampling_params,
+                                   arrival_time=arrival_time)
+                added.append(r.request_id)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            if added:
+                engine.abort_request(added)
+            _notify(stream.loop, stream._set_admitted, exc)
+            return
+        for rid in added:
+            self._streams[rid] = stream
+        _notify(stream.loop, stream._set_admitted, None)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        """Hand each output to its stream: one thread-safe call per event loop per step."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, StepOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted: its client is gone
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, batch in batches.items():
+            _notify(loop, _put_all, batch)
+
+    def _publish(self, engine: Any) -> dict:
+        stats = dict(engine.stats())
+        stats["time"] = time.monotonic()
+        self._snapshot = stats
+        if self.metrics is not None:
+            self.metrics.update_gauges(stats)
+        return stats
+
+    def _die(self, exc: BaseException, what: str | None) -> None:
+        if what is not None:
+            logger.critical("%s: %r", what, exc, exc_info=exc)
+        with self._lock:
+            self._dead = exc
+            pending = self._take_commands(block=False)
+        error = EngineDeadError(f"the engine has stopped: {exc!r}")
+        for command in pending:
+            if command[0] == "add":
+                _notify(command[2].loop, command[2]._set_admitted, error)
+            elif command[0] == "call":
+                _notify(command[3], _settle, command[2], None, error)
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            _notify(stream.loop, stream._put, error)
+        self._streams.clear()
+        self._ready.set()
+        if what is not None and self.on_fatal is not None:
+            self.on_fatal(exc)
+
+
+def _notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    """Schedule `fn(*args)` on `loop` from the loop thread; a closed loop has no one to tell."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _put_all(batch: list[tuple[OutputStream, StepOutput]]) -> None:
+    for stream, out in batch:
+        stream._put(out)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,112 @@
+"""OpenAI's error body for every failure, so clients see one shape whatever went wrong.
+
+Every rejection the server makes, including FastAPI's own request validation
+(422 by default) and unknown paths, becomes
+`{"error": {"message", "type", "param", "code"}}` with the status OpenAI uses.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+# A ValueError from SamplingParams / the engine starts with the field's name.
+_LEADING_FIELD = re.compile(r"^([a-z_][a-z0-9_]*)\b")
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI fields."""
+
+    def __init__(self, status_code: int, message: str, *, param: str | None = None,
+                 code: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type or _TYPES.get(status_code, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def error_body(message: str, error_type: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def bad_request(exc: Exception, known_fields: frozenset[str] | set[str] = frozenset()) -> APIError:
+    """A 400 from a ValueError; `param` is the field its message starts with, if a known one."""
+    message = str(exc)
+    match = _LEADING_FIELD.match(message)
+    param = match.group(1) if match and match.group(1) in known_fields else None
+    return APIError(400, message, param=param)
+
+
+def not_found_model(name: str, served: str) -> APIError:
+    return APIError(404, f"The model '{name}' does not exist; this server serves '{served}'.",
+                    param="model", code="model_not_found")
+
+
+def engine_error(message: str) -> APIError:
+    return APIError(500, f"The engine failed on this request: {message}", code="engine_error")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 turned into a 400 naming the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "Invalid request body.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"Malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
+                        code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if not _is_type_tag(part)]
+    param = loc[0] if loc else None
+    where = f"{'.'.join(loc)}: " if loc else ""
+    message = f"{where}{first.get('msg', 'invalid value')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return APIError(400, message, param=param)
+
+
+def _is_type_tag(part: object) -> bool:
+    """Pydantic's location parts that name a union member ('str', 'list[int]'), not a field."""
+    return part == "body" or (isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception the app can raise to OpenAI's error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        return APIError(500, f"Internal server error: {type(exc).__name__}").response()

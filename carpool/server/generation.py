@@ -1,0 +1,156 @@
+"""What both generation routes share: fan-out, admission, collecting, and disconnects.
+
+A request with `n` choices over `k` prompts becomes `n * k` engine requests
+`<id>-<index>` (choice `index = prompt * n + i`; with a seed, choice `i` of a
+prompt gets `seed + i`), all in one `OutputStream`. Whoever holds the stream
+must `close()` it when done, which aborts whatever is unfinished: that is how
+a client that goes away frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
+                                         GenerationRequest, OutputStream)
+from carpool.outputs import PositionLogprobs, StepOutput
+from carpool.sampling_params import SamplingParams
+from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
+from carpool.server.protocol import REQUEST_FIELDS
+
+# A single HTTP request may not fan out into more engine requests than this.
+MAX_CHOICES_PER_REQUEST = 4096
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def ready_engine(request: Request) -> AsyncEngine:
+    """The app's engine, or a 503 while the model is loading or after the loop died."""
+    engine: AsyncEngine = request.app.state.engine
+    if engine.dead_error is not None:
+        raise APIError(503, f"The engine has stopped: {engine.dead_error!r}", code="engine_dead")
+    if not engine.is_ready:
+        raise APIError(503, "The model is still loading.", code="model_loading",
+                       headers={"Retry-After": "5"})
+    return engine
+
+
+def check_model(name: str | None, info: EngineInfo) -> None:
+    if name is not None and name != info.served_model_name:
+        raise not_found_model(name, info.served_model_name)
+
+
+def fan_out(base_id: str, prompts: list, params: SamplingParams,
+            info: EngineInfo) -> list[GenerationRequest]:
+    n = params.n
+    if n > info.max_num_seqs:
+        raise ValueError(f"n must be <= max_num_seqs ({info.max_num_seqs}), got {n}")
+    if n * len(prompts) > MAX_CHOICES_PER_REQUEST:
+        raise ValueError(f"prompt: n ({n}) x number of prompts ({len(prompts)}) must be <= "
+                         f"{MAX_CHOICES_PER_REQUEST}")
+    requests = []
+    for p, prompt in enumerate(prompts):
+        for i in range(n):
+            seed = None if params.seed is None else params.seed + i
+            child = dataclasses.replace(params, n=1, seed=seed)
+            requests.append(GenerationRequest(f"{base_id}-{p * n + i}", prompt, child))
+    return requests
+
+
+async def start(engine: AsyncEngine, requests: list[GenerationRequest]) -> OutputStream:
+    """Queue the requests and wait until the engine admitted them; a refusal is a 400."""
+    stream = engine.add(requests)
+    try:
+        await stream.admitted()
+    except BaseException as exc:
+        stream.close()  # nothing to abort if refused; a cancelled wait must not leak
+        if not isinstance(exc, Exception):
+            raise
+        raise _admission_error(exc) from None
+    return stream
+
+
+def _admission_error(exc: Exception) -> APIError:
+    if isinstance(exc, ValueError):
+        return bad_request(exc, REQUEST_FIELDS)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    return engine_error(f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class Choice:
+    """One choice folded from its deltas, for a non-streaming response."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    def add(self, out: StepOutput) -> None:
+        self.text += out.new_text
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            self.logprobs.extend(out.new_logprobs)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        if out.finished:
+            self.finish_reason, self.stop_reason, self.error = (
+                out.finish_reason, out.stop_reason, out.error)
+
+
+async def collect(stream: OutputStream, request: Request, num_choices: int) -> list[Choice]:
+    """Fold every delta into its choice; stop early (a 499) if the client disconnects."""
+    choices = [Choice(i) for i in range(num_choices)]
+
+    async def consume() -> None:
+        async for index, out in stream:
+            choices[index].add(out)
+
+    try:
+        await until_disconnected(consume(), request)
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), code="engine_dead") from None
+    failed = [c for c in choices if c.finish_reason == "error"]
+    if failed:
+        raise engine_error(failed[0].error or "unknown error")
+    return choices
+
+
+async def until_disconnected(coro, request: Request):
+    """Run `coro`; if the client disconnects first, cancel it and raise a 499 APIError."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(499, "The client closed the connection.", code="client_disconnected")
+    finally:
+        task.cancel()
+        watcher.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def usage(choices_prompt_tokens: dict[int, int], num_completion_tokens: int) -> dict:
+    """OpenAI's usage block; prompt tokens count once per prompt, not once per choice."""
+    num_prompt_tokens = sum(choices_prompt_tokens.values())
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}

@@ -1,0 +1,71 @@
+"""Logprobs in the two shapes OpenAI uses: legacy completions and chat.
+
+The engine gives, per output position, a dict token id -> `Logprob` holding the
+chosen token and the top-N. Completions get parallel lists (`tokens`,
+`token_logprobs`, `top_logprobs`, `text_offset`); chat gets one entry per token
+with its `bytes` and a `top_logprobs` list, most likely first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from carpool.outputs import Logprob, PositionLogprobs
+
+_FLOOR = -9999.0  # JSON has no -inf
+
+
+def _value(lp: Logprob | None) -> float | None:
+    return None if lp is None else max(lp.logprob, _FLOOR)
+
+
+def token_text(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def _ranked(position: PositionLogprobs) -> list[tuple[int, Logprob]]:
+    return sorted(position.items(), key=lambda item: -item[1].logprob)
+
+
+def completion_logprobs(tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs],
+                        text_offset: int) -> tuple[dict, int]:
+    """The legacy `logprobs` object for these tokens, and the text offset after them."""
+    result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id)
+        text = token_text(tokenizer, token_id, chosen)
+        result["tokens"].append(text)
+        result["token_logprobs"].append(_value(chosen))
+        result["top_logprobs"].append(
+            {token_text(tokenizer, t, lp): _value(lp) for t, lp in _ranked(position)})
+        result["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return result, text_offset
+
+
+def merge_completion_logprobs(parts: list[dict]) -> dict:
+    merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+    for part in parts:
+        for key in merged:
+            merged[key].extend(part[key])
+    return merged
+
+
+def chat_logprobs(tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs],
+                  num_top: int) -> dict:
+    """The chat `logprobs` object: `{"content": [...]}`, `num_top` alternatives per token."""
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        chosen = position.get(token_id)
+        text = token_text(tokenizer, token_id, chosen)
+        top = []
+        for t, lp in _ranked(position)[:num_top]:
+            alt = token_text(tokenizer, t, lp)
+            top.append({"token": alt, "logprob": _value(lp), "bytes": list(alt.encode("utf-8"))})
+        content.append({"token": text, "logprob": _value(chosen),
+                        "bytes": list(text.encode("utf-8")), "top_logprobs": top})
+    return {"content": content}

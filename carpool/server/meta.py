@@ -1,0 +1,55 @@
+"""Routes about the server rather than generation: models, health, version, metrics."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import carpool
+from carpool.engine.async_engine import AsyncEngine
+from carpool.server.errors import APIError
+from carpool.server.generation import ready_engine
+
+router = APIRouter()
+_STARTED = int(time.time())
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once the model is loaded and the step loop is alive; 503 before and after."""
+    engine: AsyncEngine = request.app.state.engine
+    if engine.dead_error is not None:
+        raise APIError(503, f"The engine has stopped: {engine.dead_error!r}", code="engine_dead")
+    if not engine.is_ready:
+        raise APIError(503, "The model is still loading.", code="model_loading")
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": carpool.__version__}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    info = ready_engine(request).info
+    return {"object": "list", "data": [{
+        "id": info.served_model_name, "object": "model", "created": _STARTED,
+        "owned_by": "carpool", "root": info.served_model_name,
+        "max_model_len": info.max_model_len}]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    engine: AsyncEngine = request.app.state.engine
+    body = engine.metrics.render() if engine.metrics is not None else b""
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/stats", include_in_schema=False)
+async def stats(request: Request) -> JSONResponse:
+    """The engine's latest published stats snapshot (block counts, queue lengths)."""
+    return JSONResponse(ready_engine(request).snapshot())

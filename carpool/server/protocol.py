@@ -1,0 +1,157 @@
+"""Request bodies of the OpenAI API (plus vLLM's sampling extras), and their SamplingParams.
+
+Pydantic checks types; ranges are checked once, by `SamplingParams`, whose
+`ValueError` names the field and becomes a 400. Unknown fields are ignored,
+as vLLM does, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from carpool.sampling_params import MAX_LOGPROBS, SamplingParams
+
+TokenIds = list[int]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_kwargs(self) -> dict:
+        kwargs = dict(
+            n=self.n, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        return kwargs
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids); raises if empty."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif not prompt:
+            raise ValueError("prompt must not be empty")
+        elif isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        for p in prompts:
+            if isinstance(p, list) and not p:
+                raise ValueError("prompt must not hold an empty list of token ids")
+        return prompts
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("logprobs together with echo is not supported "
+                             "(prompt logprobs are not computed)")
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                              **self._sampling_kwargs())
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs())
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+# Field names a 400's `param` may name (a ValueError message starting with one of them).
+REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
+    ChatCompletionRequest.model_fields)
