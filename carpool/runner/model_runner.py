@@ -91,7 +91,7 @@ class ModelRunner:
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None,
                            gpu_memory_utilization: float) -> int:
-        """Explicit count, else bytes, else CUDA profile, else a share of CPU RAM."""
+        """Explicit count, else bytes, else CUDA profile, else a share of CPU RAM (capped at need)."""
         if num_kv_blocks is not None:
             if num_kv_blocks < 1:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
@@ -102,8 +102,10 @@ class ModelRunner:
             self._profile_forward()
             budget = kv_cache.cuda_free_bytes_after_profile(self.device, gpu_memory_utilization)
             return kv_cache.num_blocks_for_bytes(self._spec, budget, "gpu_memory_utilization")
-        return kv_cache.num_blocks_for_bytes(self._spec, kv_cache.cpu_default_bytes(),
-                                             "the CPU default KV cache size")
+        num_blocks = kv_cache.num_blocks_for_bytes(self._spec, kv_cache.cpu_default_bytes(),
+                                                   "the CPU default KV cache size")
+        # No point holding more than max_num_seqs requests of max_model_len could fill.
+        return min(num_blocks, self.max_num_seqs * -(-self.max_model_len // self.block_size))
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:

@@ -1,0 +1,96 @@
+"""ModelRunner setup (device, dtype, KV sizing) and per-request state across steps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+
+from runner_driver import Driver, DriverRequest
+from carpool.runner import kv_cache
+from carpool.sampling_params import SamplingParams
+
+
+def test_explicit_blocks_and_info(llama_checkpoint, make_runner):
+    runner = make_runner(llama_checkpoint, num_kv_blocks=40, block_size=8, max_model_len=100)
+    assert runner.num_kv_blocks == 40 and runner.block_size == 8
+    info = runner.kv_cache_info
+    # 2 layers * 2 (k, v) * 8 tokens * 2 kv heads * 16 dims * 4 bytes = 4096 bytes a block
+    assert info["bytes"] == 40 * 4096 and info["num_tokens"] == 320
+    assert math.isclose(info["max_concurrency"], 40 / 13)
+    assert runner.kv_caches[0].shape == (2, 41, 8, 2, 16)  # + the scratch block
+
+
+def test_blocks_from_bytes(llama_checkpoint, make_runner):
+    runner = make_runner(llama_checkpoint, num_kv_blocks=None, kv_cache_memory=10 * 4096 + 5,
+                         block_size=8)
+    assert runner.num_kv_blocks == 10
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        make_runner(llama_checkpoint, num_kv_blocks=None, kv_cache_memory=100)
+
+
+def test_cpu_default_size_is_bounded(llama_checkpoint, make_runner, caplog):
+    with caplog.at_level(logging.INFO):
+        runner = make_runner(llama_checkpoint, num_kv_blocks=None)
+    # 10% of RAM is far more than 8 requests of 512 tokens can use: capped at that need.
+    assert runner.num_kv_blocks == 8 * 512 // 4
+    assert "max concurrency" in caplog.text
+    assert 0 < kv_cache.cpu_default_bytes() <= kv_cache.CPU_DEFAULT_MAX_BYTES
+
+
+def test_max_model_len_beyond_the_model_is_named(llama_checkpoint, make_runner):
+    with pytest.raises(ValueError, match="max_model_len"):
+        make_runner(llama_checkpoint, max_model_len=4096)
+
+
+def test_float16_checkpoint_runs_in_float32_on_cpu(make_checkpoint, make_runner, tmp_path):
+    path = make_checkpoint("qwen2", dtype="float16")
+    assert make_runner(path).dtype == torch.float32
+    assert make_runner(path, dtype="bfloat16").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        make_runner(path, dtype="int8")
+
+
+def test_device_auto_is_cpu_without_cuda(llama_checkpoint, make_runner):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert make_runner(llama_checkpoint, device="auto").device.type == "cpu"
+    with pytest.raises(ValueError, match="cuda"):
+        make_runner(llama_checkpoint, device="cuda")
+
+
+def test_seeded_sampling_survives_preemption_and_batching(llama_checkpoint, make_runner, prompts):
+    def seeded(arrival=0):
+        return DriverRequest("s", prompts[0], SamplingParams(seed=7, max_tokens=10),
+                             arrival_step=arrival)
+
+    alone = Driver(make_runner(llama_checkpoint, seed=1)).run([seeded()])["s"]
+    others = [DriverRequest("o1", prompts[1], SamplingParams(max_tokens=12)),
+              DriverRequest("o2", prompts[2], SamplingParams(seed=3, max_tokens=6))]
+    runner = make_runner(llama_checkpoint, seed=2)
+    mixed = Driver(runner, chunk=8).run(others + [seeded(arrival=2)], preempt_at={8: "s"})["s"]
+    assert mixed == alone
+    assert runner.sampler.num_request_generators == 0  # finished ids dropped them
+
+
+def test_logprobs_through_the_runner(llama_checkpoint, make_runner, prompts):
+    import transformers
+
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5)
+    req = DriverRequest("a", prompts[0], params)
+    Driver(make_runner(llama_checkpoint)).run([req])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(llama_checkpoint),
+                                                           dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompts[0] + req.outputs])).logits[0]
+    for step, entry in enumerate(req.logprobs):
+        expected = torch.log_softmax(logits[len(prompts[0]) - 1 + step], dim=-1)
+        top = expected.topk(5)
+        assert list(entry)[:1] == [req.outputs[step]] and entry[req.outputs[step]].rank == 1
+        assert set(entry) == set(top.indices.tolist())
+        for token_id, lp in entry.items():
+            assert math.isclose(lp.logprob, expected[token_id].item(), abs_tol=1e-4)

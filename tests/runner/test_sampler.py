@@ -1,0 +1,146 @@
+"""Each sampling knob on hand-made logits, batched; seeds reproduce whatever the batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from carpool.core.scheduler_output import ScheduledRequest
+from carpool.runner.penalties import apply_penalties
+from carpool.runner.sampler import Sampler
+
+from carpool.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+EOS = 0
+
+
+def _req(request_id="r", prompt=(1,), outputs=(), **params) -> ScheduledRequest:
+    return ScheduledRequest(request_id, [1], 0, [0], True, SamplingParams(**params),
+                            list(prompt), list(outputs))
+
+
+def _logits_from_probs(probs, rows=1) -> torch.Tensor:
+    return torch.tensor([probs] * rows).log()
+
+
+def _draw(logits, requests, seed=0):
+    return Sampler(CPU, (EOS,), seed).sample(logits, requests).token_ids
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    reqs = [_req(f"r{i}", temperature=0.0) for i in range(5)]
+    assert _draw(logits, reqs) == logits.argmax(dim=-1).tolist()
+
+
+def test_temperature_draws_follow_the_distribution():
+    probs = [0.1, 0.6, 0.3]
+    tokens = _draw(_logits_from_probs(probs, 3000), [_req(f"r{i}") for i in range(3000)])
+    freq = [tokens.count(t) / 3000 for t in range(3)]
+    assert all(abs(f - p) < 0.04 for f, p in zip(freq, probs)), freq
+    cold = _draw(_logits_from_probs(probs, 200), [_req(f"r{i}", temperature=0.05)
+                                                  for i in range(200)])
+    assert set(cold) == {1}
+
+
+@pytest.mark.parametrize("knob, allowed", [
+    (dict(top_k=1), {1}),
+    (dict(top_k=2), {1, 2}),
+    (dict(top_p=0.45), {1}),  # the top token alone (0.5) covers 0.45
+    (dict(top_p=0.75), {1, 2}),  # 0.5 + 0.3 covers 0.75
+    (dict(min_p=0.5), {1, 2}),  # keep p >= 0.5 * 0.5
+    (dict(min_p=0.9), {1}),
+])
+def test_truncation_knobs(knob, allowed):
+    probs = [0.05, 0.5, 0.3, 0.1, 0.05]
+    tokens = _draw(_logits_from_probs(probs, 400), [_req(f"r{i}", **knob) for i in range(400)])
+    assert set(tokens) == allowed
+
+
+def test_knobs_apply_per_row():
+    probs = [0.05, 0.5, 0.3, 0.1, 0.05]
+    reqs = [_req(f"r{i}", top_k=1 if i % 2 else 0) for i in range(400)]
+    tokens = _draw(_logits_from_probs(probs, 400), reqs)
+    assert set(tokens[1::2]) == {1}
+    assert len(set(tokens[0::2])) > 2
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5]])
+    apply_penalties(logits, [_req(prompt=[0], outputs=[1], repetition_penalty=2.0)])
+    assert logits.tolist() == [[1.0, -2.0, 3.0, 0.5]]
+
+
+def test_presence_and_frequency_penalties_count_outputs_only():
+    logits = torch.zeros(1, 4)
+    apply_penalties(logits, [_req(prompt=[3, 3], outputs=[1, 1, 2],
+                                  presence_penalty=0.5, frequency_penalty=0.25)])
+    assert logits.tolist() == [[0.0, -1.0, -0.75, 0.0]]
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]] * 2)
+    reqs = [_req("a", outputs=[1], temperature=0.0, repetition_penalty=2.0),
+            _req("b", outputs=[1], temperature=0.0)]
+    assert _draw(logits, reqs) == [2, 1]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[5.0, 1.0, 4.0, 3.0]] * 4)
+    reqs = [_req("a", outputs=[], temperature=0.0, min_tokens=2, stop_token_ids=(2,)),
+            _req("b", outputs=[7, 7], temperature=0.0, min_tokens=2, stop_token_ids=(2,)),
+            _req("c", outputs=[], temperature=0.0, min_tokens=2, ignore_eos=True),
+            _req("d", outputs=[], temperature=0.0)]
+    assert _draw(logits, reqs) == [3, 0, 0, 0]
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 100, generator=gen)
+    seeded = _req("s", seed=1234)
+    others = [_req("o1"), _req("o2", seed=9), _req("o3", temperature=0.0)]
+
+    def run(batch_logits, batch, sampler_seed, steps=5):
+        sampler = Sampler(CPU, (EOS,), sampler_seed)
+        row = [r.request_id for r in batch].index("s")
+        return [sampler.sample(batch_logits, batch).token_ids[row] for _ in range(steps)]
+
+    alone = run(logits[:1], [seeded], sampler_seed=0)
+    in_batch = run(torch.cat([logits[1:3], logits[:1], logits[3:]]),
+                   [others[0], others[1], seeded, others[2]], sampler_seed=99)
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # it did sample, not argmax
+    assert run(logits[:1], [_req("s", seed=4321)], sampler_seed=0) != alone
+
+
+def test_finished_requests_drop_their_generator():
+    sampler = Sampler(CPU, (EOS,), 0)
+    sampler.sample(torch.zeros(2, 10), [_req("a", seed=1), _req("b", seed=2)])
+    assert sampler.num_request_generators == 2
+    sampler.free(["a", "unknown"])
+    assert sampler.num_request_generators == 1
+
+
+def test_logprobs_are_raw_with_chosen_token_and_ranks():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0]])
+    reqs = [_req("a", temperature=0.0, logprobs=2, repetition_penalty=10.0, outputs=[1]),
+            _req("b", temperature=0.0)]
+    out = Sampler(CPU, (EOS,), 0).sample(logits, reqs)
+    assert out.token_ids == [2, 1]  # the penalty moved a's choice off token 1
+    assert out.logprobs[1] is None
+    entry = out.logprobs[0]
+    expected = torch.log_softmax(logits[0], dim=-1)  # raw: before the penalty
+    assert set(entry) == {1, 2}  # top-2 is {1, 2}; the chosen token 2 is among them
+    assert entry[2].rank == 2 and entry[1].rank == 1
+    assert math.isclose(entry[2].logprob, expected[2].item(), abs_tol=1e-6)
+
+
+def test_logprobs_zero_returns_only_the_chosen_token():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = Sampler(CPU, (EOS,), 0).sample(logits, [_req(temperature=0.0, logprobs=0,
+                                                       min_tokens=1, stop_token_ids=(1,))])
+    assert out.token_ids == [2]
+    assert list(out.logprobs[0]) == [2] and out.logprobs[0][2].rank == 2
