@@ -82,7 +82,7 @@ def build_engine(model: str, kwargs: dict):
     llm = LLM(model=model, **kwargs)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2, temperature=0.0),
                  use_tqdm=False)
-    return llm.llm_engine
+    return llm.engine
 
 
 def drive(engine, requests: list[BenchRequest], variant: str) -> OfflineRun:
@@ -100,7 +100,7 @@ def drive(engine, requests: list[BenchRequest], variant: str) -> OfflineRun:
         while next_index < len(order) and start + (requests[order[next_index]].arrival_time or 0.0) <= now:
             i = order[next_index]
             params = SamplingParams(max_tokens=requests[i].max_tokens, temperature=0.0, ignore_eos=True)
-            engine.add_request(_request_id(i), {"prompt_token_ids": list(requests[i].prompt_token_ids)}, params)
+            engine.add_request(_request_id(i), list(requests[i].prompt_token_ids), params)
             results[i] = RequestResult(start_time=now, num_prompt_tokens=len(requests[i].prompt_token_ids))
             next_index += 1
         if not engine.has_unfinished_requests():

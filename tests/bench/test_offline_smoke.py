@@ -1,0 +1,77 @@
+"""`carpool bench offline` end to end on a tiny checkpoint with a handful of requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from carpool.bench.offline import run_variant
+from carpool.bench.plots import slot_spans
+from carpool.bench.workloads import WorkloadConfig, build_workload
+from carpool.cli import main
+from carpool.engine.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    return make_checkpoint("llama")
+
+
+def test_compare_runs_every_variant_on_the_same_requests(checkpoint, tmp_path, capsys):
+    plot, result = tmp_path / "slots.png", tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(checkpoint), "--workload", "mix", "--num-prompts", "6",
+               "--input-len", "12", "--short-output-len", "2", "--long-output-len", "10",
+               "--max-num-seqs", "3", "--compare", "--plot", str(plot), "--result-file", str(result)])
+    assert rc == 0
+    expected = build_workload(WorkloadConfig(name="mix", num_prompts=6, input_len=12, short_output_len=2,
+                                             long_output_len=10), load_tokenizer(checkpoint))
+    data = json.loads(result.read_text())
+    (round_,) = data["rounds"]
+    assert list(round_) == ["static", "continuous", "chunked"]
+    for summary in round_.values():
+        assert summary["num_completed"] == 6 and summary["num_failed"] == 0
+        assert summary["total_output_tokens"] == sum(r.max_tokens for r in expected)
+        assert summary["total_input_tokens"] == sum(len(r.prompt_token_ids) for r in expected)
+        assert summary["peak_concurrency"] <= 6
+    assert set(data["ratios"]) == {"continuous", "chunked"}
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    out = capsys.readouterr().out
+    assert "Ratios vs static" in out and "Offline static, round 1/1" in out
+
+
+def test_static_slots_wait_for_the_whole_batch(checkpoint):
+    requests = build_workload(WorkloadConfig(name="mix", num_prompts=6, input_len=8, short_output_len=2,
+                                             long_output_len=12, range_ratio=0.0), load_tokenizer(checkpoint))
+    runs = {v: run_variant(str(checkpoint), requests, v, {"max_num_seqs": 3}, max_model_len=64)
+            for v in ("static", "continuous")}
+    static_spans = sorted(slot_spans(runs["static"]), key=lambda s: s.first_step)
+    first_batch, second_batch = static_spans[:3], static_spans[3:]
+    assert max(s.lane for s in static_spans) <= 2
+    assert max(s.last_step for s in first_batch) < min(s.first_step for s in second_batch)
+    # continuous starts a waiting request before the first batch's longest member ends
+    continuous = sorted(slot_spans(runs["continuous"]), key=lambda s: s.first_step)
+    assert continuous[3].first_step <= max(s.last_step for s in continuous[:3])
+    assert len(runs["continuous"].steps) < len(runs["static"].steps)
+
+
+def test_chunked_prefill_caps_the_step_while_long_prompts_arrive(checkpoint):
+    config = WorkloadConfig(name="mixed-load", num_prompts=3, input_len=8, long_output_len=12,
+                            num_long_prompts=2, long_prompt_len=200, long_prompt_interval=0.05,
+                            short_output_len=2, range_ratio=0.0)
+    requests = build_workload(config, load_tokenizer(checkpoint))
+    common = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
+    unchunked = run_variant(str(checkpoint), requests, "continuous", common, max_model_len=256)
+    chunked = run_variant(str(checkpoint), requests, "chunked", common, max_model_len=256)
+    assert max(s.num_prefill_tokens for s in unchunked.steps) >= 200
+    assert max(s.num_prefill_tokens + s.num_decode_tokens for s in chunked.steps) <= 64
+    for run in (unchunked, chunked):
+        assert [r.num_output_tokens for r in run.results] == [r.max_tokens for r in requests]
+        assert all(r.success and len(r.chunk_times) == r.num_output_tokens for r in run.results)
+        assert all(s.end >= s.start for s in run.steps)
+
+
+def test_bad_variant_is_an_error(checkpoint, capsys):
+    rc = main(["bench", "offline", "--model", str(checkpoint), "--compare", "static,warp"])
+    assert rc == 2
+    assert "--compare" in capsys.readouterr().err
