@@ -107,24 +107,44 @@ class ModelRunner:
         # No point holding more than max_num_seqs requests of max_model_len could fill.
         return min(num_blocks, self.max_num_seqs * -(-self.max_model_len // self.block_size))
 
-    @torch.inference_mode()
     def _profile_forward(self) -> None:
-        """Run the largest step the scheduler may send, against a throwaway cache, to find peak memory."""
-        num_tokens = self.max_num_batched_tokens
-        num_seqs = max(1, min(self.max_num_seqs, -(-num_tokens // self.max_model_len)))
-        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        num_blocks = sum(-(-n // self.block_size) for n in lengths)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        """Run the largest steps the scheduler may send, against a throwaway cache, for peak memory."""
+        num_blocks, steps = profiling_steps(self.max_num_batched_tokens, self.max_num_seqs,
+                                            self.max_model_len, self.block_size)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        saved = getattr(self, "kv_caches", None), self.num_kv_blocks
         self.kv_caches = kv_cache.allocate_kv_caches(self._spec, num_blocks, self.device)
-        scheduled, next_block = [], 0
-        for i, length in enumerate(lengths):
-            blocks = list(range(next_block, next_block + -(-length // self.block_size)))
-            next_block += len(blocks)
-            scheduled.append(ScheduledRequest(
-                request_id=f"profile-{i}", token_ids=[0] * length, num_computed_tokens=0,
-                block_ids=blocks, sample=True, sampling_params=SamplingParams(temperature=0.0)))
         self.num_kv_blocks = num_blocks
-        self.execute(SchedulerOutput(scheduled=scheduled))
-        del self.kv_caches
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        try:
+            for step in steps:
+                self.execute(step)
+        finally:
+            self.kv_caches, self.num_kv_blocks = saved
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+def profiling_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                    block_size: int) -> tuple[int, list[SchedulerOutput]]:
+    """(blocks needed, steps): a full-budget prefill, and max_num_seqs decodes at max_model_len.
+
+    The decodes' block tables repeat a few blocks, so the gather reads max_model_len keys
+    per request (the real peak) from a small throwaway cache.
+    """
+    greedy = SamplingParams(temperature=0.0)
+    num_seqs = max(1, min(max_num_seqs, -(-max_num_batched_tokens // max_model_len)))
+    lengths = [max_num_batched_tokens // num_seqs + (i < max_num_batched_tokens % num_seqs)
+               for i in range(num_seqs)]
+    prefills, next_block = [], 0
+    for i, length in enumerate(lengths):
+        blocks = list(range(next_block, next_block + -(-length // block_size)))
+        next_block += len(blocks)
+        prefills.append(ScheduledRequest(f"profile-prefill-{i}", [0] * length, 0, blocks, True,
+                                         greedy))
+    blocks_per_seq = -(-max_model_len // block_size)
+    table = [b % next_block for b in range(blocks_per_seq)]
+    decodes = [ScheduledRequest(f"profile-decode-{i}", [0], max_model_len - 1, table, True, greedy)
+               for i in range(max_num_seqs)]
+    return next_block, [SchedulerOutput(scheduled=prefills), SchedulerOutput(scheduled=decodes)]

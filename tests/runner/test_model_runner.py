@@ -94,3 +94,20 @@ def test_logprobs_through_the_runner(llama_checkpoint, make_runner, prompts):
         assert set(entry) == set(top.indices.tolist())
         for token_id, lp in entry.items():
             assert math.isclose(lp.logprob, expected[token_id].item(), abs_tol=1e-4)
+
+
+def test_profiling_steps_run_and_leave_the_cache_alone(llama_checkpoint, make_runner):
+    """The CUDA sizing pass (a full-budget prefill, then max_num_seqs long decodes) runs on any device."""
+    from carpool.runner.model_runner import profiling_steps
+
+    num_blocks, steps = profiling_steps(100, 3, 64, 8)
+    assert [len(s.token_ids) for s in steps[0].scheduled] == [50, 50]
+    assert len(steps[1].scheduled) == 3
+    assert all(s.num_computed_tokens == 63 for s in steps[1].scheduled)
+    assert num_blocks == 14
+    runner = make_runner(llama_checkpoint, max_num_batched_tokens=100, max_num_seqs=3,
+                         max_model_len=64)
+    caches = runner.kv_caches
+    runner._profile_forward()
+    assert runner.kv_caches is caches and runner.num_kv_blocks == 96
+    assert all(c.abs().sum() == 0 for c in caches)
