@@ -127,6 +127,11 @@ def parse_rope_config(raw: dict) -> RopeConfig:
     """Both spellings -> RopeConfig. `rope_parameters` wins over `rope_scaling` when both exist."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
     theta = params.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
     original = params.get("original_max_position_embeddings",
                           raw.get("original_max_position_embeddings"))

@@ -119,7 +119,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    # Rows with top_p == 1 keep everything, even where float rounding makes the mass reach 1 early.
+    drop = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 

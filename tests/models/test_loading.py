@@ -50,7 +50,11 @@ def test_unsupported_architecture_is_named(llama_copy):
 
 def test_unsupported_rope_type_is_named():
     with pytest.raises(ValueError, match="longrope"):
-        parse_rope_config({"rope_scaling": {"type": "longrope", "factor": 2.0}})
+        parse_rope_config({"rope_scaling": {"type": "longrope"}})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        parse_rope_config({"rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="factor"):
+        parse_rope_config({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}})
 
 
 def test_missing_files_are_named(llama_copy, tmp_path):
