@@ -82,3 +82,13 @@ def test_request_alone_equals_in_batch(make_checkpoint, make_runner, prompts):
     batch = _requests(prompts) + [DriverRequest("x", prompts[2], params, arrival_step=2)]
     together = Driver(make_runner(path), chunk=16).run(batch)
     assert together["x"] == alone["x"]
+
+
+def test_one_token_and_long_prompts_match_hf(make_checkpoint, make_runner):
+    path = make_checkpoint("mistral", **SHARP)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [[17], torch.randint(1, 512, (320,), generator=gen).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    requests = [DriverRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    outputs = Driver(make_runner(path, num_kv_blocks=200), chunk=64).run(requests)
+    _check(outputs, {f"r{i}": hf_greedy(path, p, MAX_TOKENS) for i, p in enumerate(prompts)})
