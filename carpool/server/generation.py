@@ -2,15 +2,15 @@
 
 A request with `n` choices over `k` prompts becomes `n * k` engine requests
 `<id>-<index>` (choice `index = prompt * n + i`; with a seed, choice `i` of a
-prompt gets `seed + i`), all in one `OutputStream`. Whoever holds the stream
-must `close()` it when done, which aborts whatever is unfinished: that is how
-a client that goes away frees its KV blocks.
+prompt gets `seed + i`, exactly as `LLM.generate` fans out), all in one
+`OutputStream`. Whoever holds the stream must `close()` it when done, which
+aborts whatever is unfinished: that is how a client that goes away frees its
+KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 from dataclasses import dataclass, field
 
@@ -18,6 +18,7 @@ from fastapi import Request
 
 from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
                                          GenerationRequest, OutputStream)
+from carpool.llm import _child_params as child_params
 from carpool.outputs import PositionLogprobs, StepOutput
 from carpool.sampling_params import SamplingParams
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
@@ -58,8 +59,7 @@ def fan_out(base_id: str, prompts: list, params: SamplingParams,
     requests = []
     for p, prompt in enumerate(prompts):
         for i in range(n):
-            seed = None if params.seed is None else params.seed + i
-            child = dataclasses.replace(params, n=1, seed=seed)
+            child = child_params(params, i)  # the offline LLM's fan-out, seeds and all
             requests.append(GenerationRequest(f"{base_id}-{p * n + i}", prompt, child))
     return requests
 

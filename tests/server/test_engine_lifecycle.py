@@ -1,0 +1,83 @@
+"""The step loop's life: 503 while loading, and a loop that dies takes the server down loudly."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+
+from carpool.config import EngineConfig
+from carpool.core.config import SchedulerConfig
+from carpool.engine.async_engine import AsyncEngine
+from carpool.server.app import build_app
+from tests.server.conftest import free_port
+
+
+def _engine_factory(checkpoint, break_scheduler: bool):
+    def factory():
+        from carpool.engine.llm_engine import LLMEngine
+        engine = LLMEngine.from_config(EngineConfig(
+            model=str(checkpoint), num_kv_blocks=64, max_model_len=128,
+            scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=8)))
+        if break_scheduler:
+            def broken_schedule():
+                raise RuntimeError("injected scheduler fault")
+            engine.scheduler.schedule = broken_schedule  # outside the step's contained part
+        return engine
+    return factory
+
+
+def test_uncontainable_step_loop_fault_makes_health_503(llama_checkpoint):
+    fatal: list[BaseException] = []
+    engine = AsyncEngine(_engine_factory(llama_checkpoint, True), on_fatal=fatal.append)
+    app = build_app(engine)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 503  # still loading
+            engine.start()
+            await asyncio.to_thread(engine.wait_ready, 120)
+            assert (await http.get("/health")).status_code == 200
+            response = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            assert response.status_code == 503
+            assert "injected scheduler fault" in response.json()["error"]["message"]
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+            again = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            assert again.status_code == 503
+
+    asyncio.run(main())
+    assert len(fatal) == 1 and "injected" in str(fatal[0])
+
+
+def test_in_process_app_serves_and_shuts_down(llama_checkpoint):
+    engine = AsyncEngine(_engine_factory(llama_checkpoint, False))
+    app = build_app(engine)
+    engine.start()
+    assert engine.wait_ready(120)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            body = {"prompt": "x = ", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 4
+            check = await engine.call(lambda e: e.check_integrity() or e.stats())
+            assert check["num_free_blocks"] == check["num_total_blocks"]
+
+    asyncio.run(main())
+    engine.shutdown()
+    assert engine.dead_error is not None and not engine.is_ready
+
+
+def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
+    process = subprocess.run(
+        [sys.executable, "-m", "carpool.cli", "serve", str(tmp_path / "no-such-model"),
+         "--port", str(free_port()), "--log-level", "error"],
+        capture_output=True, text=True, timeout=120)
+    assert process.returncode == 1
+    assert "no-such-model" in process.stderr

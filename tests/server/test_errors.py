@@ -1,0 +1,157 @@
+"""Every rejection gets OpenAI's error body and the right status; FastAPI's 422 never leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+COMPLETION = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 4}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def assert_error(response, status: int, param: str | None = None,
+                 mentions: tuple[str, ...] = ()) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    for word in mentions:
+        assert word in error["message"], error["message"]
+    return error
+
+
+INVALID_COMPLETION_FIELDS = [
+    ({"max_tokens": -1}, "max_tokens", ()),
+    ({"max_tokens": 0}, "max_tokens", ()),
+    ({"max_tokens": "many"}, "max_tokens", ()),
+    ({"temperature": 2.5}, "temperature", ()),
+    ({"temperature": -0.1}, "temperature", ()),
+    ({"top_p": 1.5}, "top_p", ()),
+    ({"top_p": 0}, "top_p", ()),
+    ({"n": 0}, "n", ()),
+    ({"n": 10**6}, "n", ()),
+    ({"logprobs": -1}, "logprobs", ()),
+    ({"logprobs": 10**6}, "logprobs", ()),
+    ({"presence_penalty": 3}, "presence_penalty", ()),
+    ({"frequency_penalty": -3}, "frequency_penalty", ()),
+    ({"top_k": -5}, "top_k", ()),
+    ({"min_p": 2}, "min_p", ()),
+    ({"repetition_penalty": 0}, "repetition_penalty", ()),
+    ({"min_tokens": 9}, "min_tokens", ()),
+    ({"stop": [""]}, "stop", ()),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", ()),
+    ({"seed": "abc"}, "seed", ()),
+    ({"stream": "sometimes"}, "stream", ()),
+    ({"prompt": []}, "prompt", ()),
+    ({"prompt": [[]]}, "prompt", ()),
+    ({"prompt": [1, 2, 10**9]}, None, ("10", "out of range")),
+    ({"prompt": None}, "prompt", ()),
+    ({"max_tokens": 253}, None, ("256", "253")),  # 5 prompt tokens + 253 > max_model_len 256
+    ({"max_tokens": 10**12}, None, ("256",)),
+    ({"echo": True, "logprobs": 1}, None, ("echo",)),
+]
+
+
+@pytest.mark.parametrize("fields,param,mentions", INVALID_COMPLETION_FIELDS,
+                         ids=[str(f) for f, _, _ in INVALID_COMPLETION_FIELDS])
+def test_invalid_completion_field_is_400(server, fields, param, mentions):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={**COMPLETION, **fields})
+    assert_error(response, 400, param, mentions)
+
+
+INVALID_CHAT_FIELDS = [
+    ({"messages": []}, "messages", ()),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", ()),
+    ({"messages": [{"content": "hi"}]}, "messages", ()),
+    ({"messages": "hi"}, "messages", ()),
+    ({"top_logprobs": 2}, "top_logprobs", ("logprobs",)),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", ()),
+    ({"max_completion_tokens": -3}, "max_tokens", ()),
+    ({"stream_options": {"include_usage": "maybe"}}, "stream_options", ()),
+]
+
+
+@pytest.mark.parametrize("fields,param,mentions", INVALID_CHAT_FIELDS,
+                         ids=[str(f) for f, _, _ in INVALID_CHAT_FIELDS])
+def test_invalid_chat_field_is_400(server, fields, param, mentions):
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json={**CHAT, **fields})
+    assert_error(response, 400, param, mentions)
+
+
+def test_streaming_request_rejected_before_the_stream(server):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={**COMPLETION, "stream": True,
+                                                        "max_tokens": 1000})
+    assert_error(response, 400, None, ("256",))
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity"])
+def test_non_finite_sampling_floats_are_400(server, literal):
+    body = b'{"model": "%s", "prompt": "x", "temperature": %s}' % (MODEL_NAME.encode(), literal)
+    with server.http() as http:
+        response = http.post("/v1/completions", content=body,
+                             headers={"Content-Type": "application/json"})
+    assert_error(response, 400, "temperature")
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"", b"[1, 2]", b'{"prompt": "x",}'])
+def test_malformed_json_is_400(server, body):
+    with server.http() as http:
+        response = http.post("/v1/completions", content=body,
+                             headers={"Content-Type": "application/json"})
+    assert_error(response, 400)
+
+
+def test_missing_required_field_is_400_not_422(server):
+    with server.http() as http:
+        assert_error(http.post("/v1/completions", json={"model": MODEL_NAME}), 400, "prompt")
+        assert_error(http.post("/v1/chat/completions", json={"model": MODEL_NAME}), 400,
+                     "messages")
+        assert_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+        assert_error(http.post("/tokenize", json={}), 400, "prompt")
+
+
+def test_unknown_model_is_404(server):
+    with server.http() as http:
+        for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+            error = assert_error(http.post(path, json={**body, "model": "gpt-17"}), 404, "model")
+            assert error["code"] == "model_not_found" and "gpt-17" in error["message"]
+
+
+def test_unknown_route_is_404_with_openai_body(server):
+    with server.http() as http:
+        assert_error(http.get("/v1/nothing-here"), 404)
+        assert_error(http.get("/v1/completions"), 405)
+
+
+def test_api_key_required_everywhere_but_health(server):
+    import httpx
+    with httpx.Client(base_url=server.base_url, timeout=30) as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                             ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/version"),
+                             ("POST", "/tokenize"), ("POST", "/detokenize")):
+            error = assert_error(anonymous.request(method, path, json=COMPLETION), 401)
+            assert error["code"] == "invalid_api_key"
+        wrong = anonymous.post("/v1/completions", json=COMPLETION,
+                               headers={"Authorization": "Bearer test-key-124"})
+        assert_error(wrong, 401)
+
+
+def test_openai_client_sees_errors_as_exceptions(server):
+    import openai
+    bad_key = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model=MODEL_NAME, prompt="x", temperature=3)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=CHAT["messages"])

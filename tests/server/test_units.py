@@ -1,0 +1,198 @@
+"""The server's pieces on their own: flags, request models, error bodies, SSE, metrics."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from carpool.metrics import ServerMetrics
+from carpool.outputs import StepOutput
+from carpool.server import cli
+from carpool.server.app import ServerSettings
+from carpool.server.errors import APIError, bad_request
+from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
+from carpool.server.sse import DONE, sse_event
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_map_to_engine_config():
+    args = parse("/m", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                 "--max-model-len", "1024", "--max-num-partial-prefills", "4",
+                 "--max-long-partial-prefills", "2", "--long-prefill-token-threshold", "64",
+                 "--block-size", "32", "--kv-cache-memory", "1GiB", "--scheduler", "static",
+                 "--dtype", "float32", "--device", "cpu", "--seed", "5",
+                 "--served-model-name", "m", "--gpu-memory-utilization", "0.5")
+    config = cli.engine_config_from_args(args)
+    s = config.scheduler
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (8, 512, 1024)
+    assert (s.max_num_partial_prefills, s.max_long_partial_prefills) == (4, 2)
+    assert (s.long_prefill_token_threshold, s.block_size, s.scheduler) == (64, 32, "static")
+    assert config.kv_cache_memory == 2**30 and config.max_model_len == 1024
+    assert (config.model, config.dtype, config.device, config.seed) == ("/m", "float32", "cpu", 5)
+    assert config.served_model_name == "m" and config.gpu_memory_utilization == 0.5
+
+
+def test_defaults_and_unchunked_budget():
+    args = parse()
+    assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
+    config = cli.engine_config_from_args(parse("--no-enable-chunked-prefill",
+                                               "--max-model-len", "4096"))
+    assert not config.scheduler.enable_chunked_prefill
+    assert config.scheduler.max_num_batched_tokens == 4096  # the longest prompt fits one step
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        cli.engine_config_from_args(parse("--max-long-partial-prefills", "3"))
+
+
+def test_every_flag_has_one_line_help():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 20
+    for action in flags:
+        assert action.help and "\n" not in action.help, action.option_strings
+    names = {opt for a in flags for opt in a.option_strings}
+    for required in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                     "--enable-chunked-prefill", "--max-num-partial-prefills",
+                     "--max-long-partial-prefills", "--long-prefill-token-threshold",
+                     "--block-size", "--gpu-memory-utilization", "--kv-cache-memory",
+                     "--scheduler", "--dtype", "--device", "--served-model-name", "--api-key",
+                     "--host", "--port", "--seed"):
+        assert required in names
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("CARPOOL_API_KEY", "from-env")
+    assert parse().api_key == "from-env"
+    assert parse("--api-key", "flag").api_key == "flag"
+    with pytest.raises(ValueError, match="api_key"):
+        ServerSettings(api_key="")
+
+
+@pytest.mark.parametrize("text,expected", [("1000", 1000), ("4GiB", 4 * 2**30),
+                                           ("512MiB", 512 * 2**20), ("2e9", 2 * 10**9),
+                                           ("1.5 GB", 1_500_000_000)])
+def test_parse_bytes(text, expected):
+    assert cli.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "4 parsecs", "1e"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_bytes(text)
+
+
+def test_prompt_shapes():
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    for empty in ([], [[]], [[1], []]):
+        with pytest.raises(ValueError, match="prompt"):
+            CompletionRequest(prompt=empty).prompts()
+
+
+def test_sampling_fields_map_to_sampling_params():
+    params = CompletionRequest(prompt="a", max_tokens=7, temperature=0.5, top_p=0.9, n=3,
+                               stop="x", seed=4, top_k=5, min_p=0.1, repetition_penalty=1.2,
+                               min_tokens=2, ignore_eos=True, stop_token_ids=[9],
+                               logprobs=2).to_sampling_params()
+    assert (params.max_tokens, params.temperature, params.top_p, params.n) == (7, 0.5, 0.9, 3)
+    assert (params.stop, params.seed, params.top_k, params.min_p) == (("x",), 4, 5, 0.1)
+    assert (params.repetition_penalty, params.min_tokens, params.ignore_eos) == (1.2, 2, True)
+    assert (params.stop_token_ids, params.logprobs) == ((9,), 2)
+    assert CompletionRequest(prompt="a").to_sampling_params().max_tokens == 16
+
+
+def test_chat_fields_map_to_sampling_params():
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                          "text": "b"}]}]
+    request = ChatCompletionRequest(messages=msgs, max_tokens=9, max_completion_tokens=4,
+                                    logprobs=True, top_logprobs=3)
+    assert request.messages[0].text() == "ab"
+    params = request.to_sampling_params()
+    assert (params.max_tokens, params.logprobs) == (4, 3)
+    assert ChatCompletionRequest(messages=msgs).to_sampling_params().max_tokens is None
+    assert ChatCompletionRequest(messages=msgs, logprobs=True).to_sampling_params().logprobs == 0
+    with pytest.raises(ValueError, match="top_logprobs"):
+        ChatCompletionRequest(messages=msgs, top_logprobs=2).to_sampling_params()
+
+
+def test_bad_request_names_known_fields_only():
+    error = bad_request(ValueError("temperature must be in [0.0, 2.0], got 3"), REQUEST_FIELDS)
+    assert error.status_code == 400 and error.param == "temperature"
+    assert bad_request(ValueError("This model's maximum context length is 8"),
+                       REQUEST_FIELDS).param is None
+    body = APIError(401, "no", code="invalid_api_key").body()
+    assert body == {"error": {"message": "no", "type": "invalid_request_error", "param": None,
+                              "code": "invalid_api_key"}}
+
+
+def test_sse_event_format():
+    assert sse_event({"a": "é", "b": [1]}) == 'data: {"a":"é","b":[1]}\n\n'
+    assert DONE == "data: [DONE]\n\n"
+
+
+def _samples(metrics: ServerMetrics) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items()
+                                             if k not in ("model_name", "le"))))
+            if "le" not in sample.labels:
+                out[key] = sample.value
+    return out
+
+
+def test_metrics_record_steps():
+    metrics = ServerMetrics("m")
+    metrics.update_gauges({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25})
+    first = [StepOutput("a", [5], "x", num_prompt_tokens=7, num_output_tokens=1),
+             StepOutput("b", [6], "y", num_prompt_tokens=3, num_output_tokens=1)]
+    metrics.record_step(first, {"last_step_num_tokens": 10, "num_preemptions": 1}, now=1.0)
+    done = StepOutput("a", [8], "z", num_prompt_tokens=7, num_output_tokens=2,
+                      finish_reason="length",
+                      request_metrics={"arrival_time": 0.0, "first_scheduled_time": 0.25,
+                                       "first_token_time": 0.5, "finished_time": 1.5,
+                                       "num_preemptions": 1})
+    aborted = StepOutput("b", [], "", num_prompt_tokens=3, num_output_tokens=1,
+                         finish_reason="abort")
+    metrics.record_step([done, aborted], {"last_step_num_tokens": 1, "num_preemptions": 1},
+                        now=1.5)
+    s = _samples(metrics)
+    assert s[("carpool:num_requests_running", ())] == 2
+    assert s[("carpool:kv_cache_usage_perc", ())] == 0.25
+    assert s[("carpool:prompt_tokens_total", ())] == 10
+    assert s[("carpool:generation_tokens_total", ())] == 3
+    assert s[("carpool:num_preemptions_total", ())] == 1
+    assert s[("carpool:request_success_total", (("finished_reason", "length"),))] == 1
+    assert s[("carpool:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert s[("carpool:iteration_tokens_total_sum", ())] == 11
+    assert s[("carpool:inter_token_latency_seconds_sum", ())] == 0.5
+    assert s[("carpool:time_to_first_token_seconds_sum", ())] == 0.5
+    assert s[("carpool:e2e_request_latency_seconds_sum", ())] == 1.5
+    assert s[("carpool:request_queue_time_seconds_sum", ())] == 0.25
+    assert s[("carpool:request_num_preemptions_sum", ())] == 1
+
+
+def test_metrics_log_line_while_busy(caplog):
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+    stats = {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.5, "num_preemptions": 0}
+    out = lambda rid: [StepOutput(rid, [1, 2], "ab", num_prompt_tokens=10, num_output_tokens=2)]
+    with caplog.at_level("INFO", logger="carpool.metrics"):
+        metrics.record_step(out("a"), stats, now=100.0)
+        metrics.record_step(out("b"), stats, now=102.0)
+        assert not caplog.records
+        metrics.record_step(out("c"), stats, now=105.0)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "Running: 3 reqs" in message and "Waiting: 1 reqs" in message
+    assert "KV cache usage: 50.0%" in message
+    assert "Avg prompt throughput: 4.0 tokens/s" in message  # b and c: 20 tokens in 5 s
+    assert "Avg generation throughput: 0.8 tokens/s" in message
