@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
+from carpool.bench.local_server import LocalServer
 from carpool.bench.workloads import WorkloadConfig, build_workload
 from carpool.cli import main
 from carpool.engine.tokenizer import load_tokenizer
@@ -19,49 +14,15 @@ from carpool.engine.tokenizer import load_tokenizer
 MODEL_NAME = "bench-tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(make_checkpoint, tmp_path_factory):
     """`carpool serve` on the tiny checkpoint; yields (base_url, checkpoint)."""
     checkpoint = make_checkpoint("llama")
-    port = _free_port()
+    flags = ["--served-model-name", MODEL_NAME, "--max-model-len", "256", "--max-num-seqs", "4",
+             "--num-kv-blocks", "256", "--log-level", "warning"]
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "carpool.cli", "serve", str(checkpoint), "--port", str(port),
-             "--served-model-name", MODEL_NAME, "--max-model-len", "256", "--max-num-seqs", "4",
-             "--num-kv-blocks", "256", "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(process, base_url, log_path)
+    with LocalServer(checkpoint, flags, log_path) as base_url:
         yield base_url, checkpoint
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_healthy(process, base_url, log_path, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{log_path.read_text()}")
 
 
 def test_load_generator_streams_every_request(server, tmp_path, capsys):
