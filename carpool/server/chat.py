@@ -12,16 +12,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
-from carpool.engine.async_engine import EngineDeadError, OutputStream
+from carpool.engine.async_engine import OutputStream
 from carpool.engine.tokenizer import encode_chat
-from carpool.server.errors import APIError, bad_request
-from carpool.server.generation import (Choice, check_model, collect, fan_out, new_id,
-                                       ready_engine, start, usage)
+from carpool.server.errors import bad_request
+from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
+                                       respond, usage)
 from carpool.server.logprobs import chat_logprobs
 from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
-from carpool.server.sse import DONE, EventStreamResponse, sse_event
+from carpool.server.sse import sse_event
 
 router = APIRouter()
 
@@ -72,16 +71,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         requests = fan_out(ctx.id, [prompt_ids], params, info)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
-    stream = await start(engine, requests)
-    if body.stream:
-        return EventStreamResponse(_events(stream, ctx, len(requests), body.include_usage),
-                                   on_close=stream.close)
-    try:
-        choices = await collect(stream, request, len(requests))
-    finally:
-        stream.close()
-    return JSONResponse(_response(ctx, choices))
-
+    return await respond(
+        request, engine, requests, body.stream,
+        lambda stream: _events(stream, ctx, len(requests), body.include_usage),
+        lambda choices: _response(ctx, choices))
 
 def _response(ctx: _Context, choices: list[Choice]) -> dict:
     body = ctx.envelope("chat.completion", [
@@ -104,21 +97,17 @@ async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
                   include_usage: bool) -> AsyncIterator[str]:
     num_prompt_tokens = 0
     num_completion_tokens = 0
-    try:
-        for index in range(num_choices):
-            yield _chunk(ctx, index, {"role": "assistant", "content": ""}, None, None)
-        async for index, out in stream:
-            num_prompt_tokens = out.num_prompt_tokens
-            delta = {"content": out.new_text} if out.new_text else {}
-            logprobs = ctx.logprobs(out.new_token_ids, out.new_logprobs or [])
-            if out.finished:
-                num_completion_tokens += out.num_output_tokens
-            if delta or logprobs or out.finished:
-                yield _chunk(ctx, index, delta, logprobs, out.finish_reason)
-        if include_usage:
-            body = ctx.envelope("chat.completion.chunk", [])
-            body["usage"] = usage({0: num_prompt_tokens}, num_completion_tokens)
-            yield sse_event(body)
-    except EngineDeadError as exc:
-        yield sse_event(APIError(503, str(exc), code="engine_dead").body())
-    yield DONE
+    for index in range(num_choices):
+        yield _chunk(ctx, index, {"role": "assistant", "content": ""}, None, None)
+    async for index, out in stream:
+        num_prompt_tokens = out.num_prompt_tokens
+        delta = {"content": out.new_text} if out.new_text else {}
+        logprobs = ctx.logprobs(out.new_token_ids, out.new_logprobs or [])
+        if out.finished:
+            num_completion_tokens += out.num_output_tokens
+        if delta or logprobs or out.finished:
+            yield _chunk(ctx, index, delta, logprobs, out.finish_reason)
+    if include_usage:
+        body = ctx.envelope("chat.completion.chunk", [])
+        body["usage"] = usage({0: num_prompt_tokens}, num_completion_tokens)
+        yield sse_event(body)

@@ -12,16 +12,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
-from carpool.engine.async_engine import EngineDeadError, OutputStream
+from carpool.engine.async_engine import OutputStream
 from carpool.outputs import StepOutput
-from carpool.server.errors import APIError, bad_request
-from carpool.server.generation import (Choice, check_model, collect, fan_out, new_id,
-                                       ready_engine, start, usage)
+from carpool.server.errors import bad_request
+from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
+                                       respond, usage)
 from carpool.server.logprobs import completion_logprobs
 from carpool.server.protocol import REQUEST_FIELDS, CompletionRequest
-from carpool.server.sse import DONE, EventStreamResponse, sse_event
+from carpool.server.sse import sse_event
 
 router = APIRouter()
 
@@ -64,16 +63,10 @@ async def create_completion(body: CompletionRequest, request: Request):
         requests = fan_out(ctx.id, prompts, params, info)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
-    stream = await start(engine, requests)
-    if body.stream:
-        return EventStreamResponse(_events(stream, ctx, len(requests), body.include_usage),
-                                   on_close=stream.close)
-    try:
-        choices = await collect(stream, request, len(requests))
-    finally:
-        stream.close()
-    return JSONResponse(_response(ctx, choices))
-
+    return await respond(
+        request, engine, requests, body.stream,
+        lambda stream: _events(stream, ctx, len(requests), body.include_usage),
+        lambda choices: _response(ctx, choices))
 
 def _response(ctx: _Context, choices: list[Choice]) -> dict:
     body = ctx.envelope([_choice_body(ctx, c) for c in choices])
@@ -104,24 +97,20 @@ async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
     offsets = [0] * num_choices
     prompt_tokens: dict[int, int] = {}
     num_completion_tokens = 0
-    try:
-        if ctx.echo:
-            for index in range(num_choices):
-                yield _chunk(ctx, index, ctx.echo_text(index), None, None)
-        async for index, out in stream:
-            prompt_tokens[ctx.prompt_index(index)] = out.num_prompt_tokens
-            logprobs = None
-            if ctx.logprobs is not None and out.new_token_ids:
-                logprobs, offsets[index] = completion_logprobs(
-                    ctx.tokenizer, out.new_token_ids, out.new_logprobs or [], offsets[index])
-            if out.finished:
-                num_completion_tokens += out.num_output_tokens
-            if out.new_text or logprobs or out.finished:
-                yield _chunk(ctx, index, out.new_text, logprobs, out)
-        if include_usage:
-            body = ctx.envelope([])
-            body["usage"] = usage(prompt_tokens, num_completion_tokens)
-            yield sse_event(body)
-    except EngineDeadError as exc:
-        yield sse_event(APIError(503, str(exc), code="engine_dead").body())
-    yield DONE
+    if ctx.echo:
+        for index in range(num_choices):
+            yield _chunk(ctx, index, ctx.echo_text(index), None, None)
+    async for index, out in stream:
+        prompt_tokens[ctx.prompt_index(index)] = out.num_prompt_tokens
+        logprobs = None
+        if ctx.logprobs is not None and out.new_token_ids:
+            logprobs, offsets[index] = completion_logprobs(
+                ctx.tokenizer, out.new_token_ids, out.new_logprobs or [], offsets[index])
+        if out.finished:
+            num_completion_tokens += out.num_output_tokens
+        if out.new_text or logprobs or out.finished:
+            yield _chunk(ctx, index, out.new_text, logprobs, out)
+    if include_usage:
+        body = ctx.envelope([])
+        body["usage"] = usage(prompt_tokens, num_completion_tokens)
+        yield sse_event(body)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
                                          GenerationRequest, OutputStream)
@@ -23,6 +25,7 @@ from carpool.outputs import PositionLogprobs, StepOutput
 from carpool.sampling_params import SamplingParams
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
 from carpool.server.protocol import REQUEST_FIELDS
+from carpool.server.sse import DONE, EventStreamResponse, sse_event
 
 # A single HTTP request may not fan out into more engine requests than this.
 MAX_CHOICES_PER_REQUEST = 4096
@@ -83,6 +86,30 @@ def _admission_error(exc: Exception) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_dead")
     return engine_error(f"{type(exc).__name__}: {exc}")
+
+
+async def respond(request: Request, engine: AsyncEngine, requests: list[GenerationRequest],
+                  streaming: bool, events: Callable[[OutputStream], AsyncIterator[str]],
+                  build: Callable[[list[Choice]], dict]) -> Response:
+    """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
+    stream = await start(engine, requests)
+    if streaming:
+        return EventStreamResponse(_ended(events(stream)), on_close=stream.close)
+    try:
+        choices = await collect(stream, request, len(requests))
+    finally:
+        stream.close()
+    return JSONResponse(build(choices))
+
+
+async def _ended(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The route's events, an error event if the engine died, and always `[DONE]`."""
+    try:
+        async for event in events:
+            yield event
+    except EngineDeadError as exc:
+        yield sse_event(APIError(503, str(exc), code="engine_dead").body())
+    yield DONE
 
 
 @dataclass
