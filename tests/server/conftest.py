@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,25 +9,20 @@ from pathlib import Path
 import httpx
 import pytest
 
+from carpool.bench.local_server import LocalServer
+
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny-llama"
 SERVER_FLAGS = ["--num-kv-blocks", "512", "--max-model-len", "256", "--max-num-seqs", "64",
-                "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--log-level", "warning"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+                "--served-model-name", MODEL_NAME, "--api-key", API_KEY]
 
 
 @dataclass
 class Server:
-    process: subprocess.Popen
+    local: LocalServer
     base_url: str
     model: str
     checkpoint: Path
-    log_path: Path
 
     def client(self, **kwargs):
         import openai
@@ -42,48 +33,13 @@ class Server:
         return httpx.Client(base_url=self.base_url, timeout=60,
                             headers={"Authorization": f"Bearer {API_KEY}"}, **kwargs)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def start_server(checkpoint: Path, log_path: Path, flags: list[str], timeout: float = 120.0) -> Server:
-    port = free_port()
-    log = open(log_path, "wb")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("CARPOOL_API_KEY", None)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "carpool.cli", "serve", str(checkpoint), "--port", str(port),
-         *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(process, f"http://127.0.0.1:{port}", MODEL_NAME, checkpoint, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
-
-
-def stop_server(server: Server) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
-
 
 @pytest.fixture(scope="session")
 def server(llama_checkpoint, tmp_path_factory):
-    srv = start_server(llama_checkpoint, tmp_path_factory.mktemp("server") / "server.log",
-                       SERVER_FLAGS)
-    yield srv
-    stop_server(srv)
+    local = LocalServer(llama_checkpoint, SERVER_FLAGS,
+                        tmp_path_factory.mktemp("server") / "server.log")
+    with local as base_url:
+        yield Server(local, base_url, MODEL_NAME, Path(llama_checkpoint))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from carpool.config import EngineConfig
 from carpool.core.config import SchedulerConfig
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import build_app
-from tests.server.conftest import free_port
+from carpool.bench.local_server import free_port
 
 
 def _engine_factory(checkpoint, break_scheduler: bool):

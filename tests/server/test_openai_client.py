@@ -173,3 +173,10 @@ def test_models_version_tokenize_detokenize(client, server):
         chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
         out = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=1)
         assert chat["count"] == out.usage.prompt_tokens
+
+
+def test_startup_log_states_the_kv_cache(server):
+    log = server.local.log()
+    assert "KV cache: 512 blocks of 16 tokens = 8192 tokens" in log
+    assert "max concurrency at max_model_len 256: 32.00 requests" in log
+    assert "test-key-123" not in log  # the API key is never logged
