@@ -4,4 +4,12 @@ __version__ = "0.1.0"
 
 from carpool.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # `LLM` is imported on first use, so `carpool simulate` and the CLI stay light.
+    if name == "LLM":
+        from carpool.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'carpool' has no attribute {name!r}")

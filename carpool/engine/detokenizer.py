@@ -42,10 +42,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
         self._tokenizer = tokenizer
+        self._skip_special_tokens = params.skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        if self._decode(self._ids).endswith(_REPLACEMENT_CHAR):
+            # The prompt ends mid-character: its context would swallow the output's first
+            # bytes. Decode the output on its own, as decode(output_ids) would.
+            self._ids = []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._skip_special_tokens = params.skip_special_tokens
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens

@@ -1,0 +1,79 @@
+"""What the engine checks before a request is queued: the context length and prompt tokens.
+
+Resolved once from the model and the user's settings, so every front end (the
+offline `LLM`, the HTTP server) rejects the same requests with the same words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from carpool.core.config import SchedulerConfig
+from carpool.sampling_params import SamplingParams
+
+# With no max_model_len given, the model's own limit is capped here, so a 128k-context
+# model does not size its budgets for contexts nobody sends to a small server.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """`requested`, or the model's limit capped at DEFAULT_MAX_MODEL_LEN_CAP."""
+    if requested is None:
+        return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
+    if requested > max_position_embeddings:
+        raise ValueError(f"max_model_len ({requested}) is larger than the model's "
+                         f"max_position_embeddings ({max_position_embeddings})")
+    return requested
+
+
+def resolve_scheduler_config(config: SchedulerConfig, max_model_len: int) -> SchedulerConfig:
+    """The scheduler config with the engine's max_model_len; without chunked prefill the
+    step budget is raised to max_model_len so the longest prompt fits one step (as vLLM)."""
+    budget = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        budget = max(budget, max_model_len)
+    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
+
+
+def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """ValueError for an empty prompt or a token id outside [0, vocab_size)."""
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    for token_id in prompt_token_ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"prompt token id {token_id} is out of range [0, {vocab_size})")
+
+
+def check_context_length(num_prompt_tokens: int, params: SamplingParams,
+                         max_model_len: int) -> None:
+    """ValueError in OpenAI's words when prompt + completion cannot fit max_model_len."""
+    num_completion_tokens = params.max_tokens if params.max_tokens is not None else 1
+    total = num_prompt_tokens + num_completion_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt_tokens} in the prompt, "
+            f"{num_completion_tokens} for the completion). Please reduce the length of the "
+            "prompt or completion.")
+
+
+def check_fits_kv_cache(num_prompt_tokens: int, params: SamplingParams, max_model_len: int,
+                        block_size: int, num_total_blocks: int) -> None:
+    """ValueError when the prompt plus its largest possible output needs more KV blocks than
+    the whole pool holds (the scheduler could never finish it); the scheduler checks the same."""
+    num_output_tokens = max_model_len - num_prompt_tokens
+    if params.max_tokens is not None:
+        num_output_tokens = min(num_output_tokens, params.max_tokens)
+    num_tokens = num_prompt_tokens + num_output_tokens
+    num_blocks = -(-num_tokens // block_size)
+    if num_blocks > num_total_blocks:
+        raise ValueError(
+            f"this request may need {num_tokens} tokens of KV cache ({num_prompt_tokens} prompt "
+            f"+ {num_output_tokens} max output) = {num_blocks} blocks of {block_size} tokens, "
+            f"but the whole cache has {num_total_blocks} blocks; lower max_tokens, shorten the "
+            "prompt or give the KV cache more memory")

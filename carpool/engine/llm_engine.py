@@ -1,0 +1,267 @@
+"""The step loop: schedule -> execute -> update -> detokenize, one packed batch per step.
+
+`LLMEngine` glues the parts and owns no policy: the scheduler decides what runs,
+the model runner computes one token for each request whose chunk reaches its
+end, the scheduler applies the token-level stops, and the detokenizer turns the
+new tokens into text deltas and applies stop strings. Each `step()` returns one
+`StepOutput` per request that advanced or finished, carrying only that step's
+new tokens and text.
+
+A fault in the model step fails exactly the requests scheduled in that step;
+the engine keeps serving the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from carpool.config import EngineConfig
+from carpool.core.request import Request, RequestStatus
+from carpool.core.scheduler_output import SchedulerOutput
+from carpool.engine import limits
+from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from carpool.engine.step_stats import StepStats
+from carpool.engine.tokenizer import encode_prompt, load_tokenizer
+from carpool.outputs import StepOutput
+from carpool.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    """What the engine keeps per live request beside the scheduler's `Request`."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int = 0  # output tokens already returned in a StepOutput
+
+
+class LLMEngine:
+    # Tests only: called with each non-empty SchedulerOutput just before the model runs.
+    step_hook: Callable[[SchedulerOutput], None] | None = None
+
+    def __init__(self, config: EngineConfig, model_path: str, runner, tokenizer, scheduler,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.scheduler_config = scheduler.config
+        self.model_config = runner.model_config
+        self.max_model_len = self.scheduler_config.max_model_len
+        self.served_model_name = config.served_model_name or str(config.model or model_path)
+        self._clock = clock
+        self._states: dict[str, _RequestState] = {}
+        self._aborted_outputs: list[StepOutput] = []
+        self._token_texts = TokenTextCache(tokenizer)
+        self._stats = StepStats()
+        eos_ids = self.model_config.eos_token_ids or (
+            (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+        self._eos_token_id = eos_ids[0] if eos_ids else None
+        self._extra_eos_ids = tuple(eos_ids[1:])
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """Load the model, tokenizer and KV cache named by `config` and build the scheduler."""
+        from carpool.core.scheduler import Scheduler
+        from carpool.core.static_scheduler import StaticScheduler
+        from carpool.models.config import load_model_config
+        from carpool.models.loader import resolve_model_path
+        from carpool.runner.model_runner import ModelRunner
+
+        model = config.model
+        if model is None:
+            from carpool.default_model_path import default_model_path
+            model = str(default_model_path())
+        path = resolve_model_path(model)
+        model_config = load_model_config(path)
+        max_model_len = limits.resolve_max_model_len(config.max_model_len,
+                                                     model_config.max_position_embeddings)
+        sched_config = limits.resolve_scheduler_config(config.scheduler, max_model_len)
+        runner = ModelRunner(
+            path, dtype=config.dtype, device=config.device, block_size=sched_config.block_size,
+            num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=max_model_len,
+            max_num_batched_tokens=sched_config.max_num_batched_tokens,
+            max_num_seqs=sched_config.max_num_seqs, seed=config.seed)
+        scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
+        scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
+        return cls(config, model, runner, load_tokenizer(path), scheduler)
+
+    # ---- requests in -------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt (tokenized) or a token-id prompt (checked, copied)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            prompt_token_ids = encode_prompt(self.tokenizer, prompt)
+        elif isinstance(prompt, (list, tuple)):
+            prompt_token_ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, "
+                             f"got {type(prompt).__name__}")
+        limits.check_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size)
+        return prompt_token_ids
+
+    def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Every check `add_request` makes, without adding: ValueError naming what is wrong."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
+        if sampling_params.n != 1:
+            raise ValueError(f"the engine takes n=1 requests only (got n={sampling_params.n}); "
+                             "fan out n > 1 into separate requests above it")
+        limits.check_context_length(len(prompt_token_ids), sampling_params, self.max_model_len)
+        limits.check_fits_kv_cache(len(prompt_token_ids), sampling_params, self.max_model_len,
+                                   self.scheduler_config.block_size,
+                                   self.scheduler.block_manager.num_total_blocks)
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams, arrival_time: float | None = None) -> int:
+        """Queue one request; returns its number of prompt tokens. ValueError if it is invalid."""
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = self.encode_prompt(prompt)
+        self.validate_request(prompt_token_ids, sampling_params)
+        if self._extra_eos_ids and not sampling_params.ignore_eos:
+            stop_ids = sampling_params.stop_token_ids + tuple(
+                i for i in self._extra_eos_ids if i not in sampling_params.stop_token_ids)
+            sampling_params = _replace(sampling_params, stop_token_ids=stop_ids)
+        request = Request(
+            request_id=request_id, prompt_token_ids=prompt_token_ids,
+            sampling_params=sampling_params,
+            arrival_time=self._clock() if arrival_time is None else arrival_time,
+            eos_token_id=self._eos_token_id, max_model_len=self.max_model_len)
+        self.scheduler.add_request(request)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
+        self._states[request_id] = _RequestState(request, detokenizer)
+        return len(prompt_token_ids)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Finish these requests now and free their blocks; unknown ids are ignored.
+
+        Each aborted request gets one last StepOutput (finish_reason "abort") from the next step().
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        live = [rid for rid in dict.fromkeys(ids) if rid in self._states]
+        if not live:
+            return
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        for rid in live:
+            state = self._states.pop(rid)
+            self._aborted_outputs.append(self._final_output(state, "abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states) or bool(self._aborted_outputs)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one model step over the scheduled batch; return the deltas it produced."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            self._stats.record_idle()
+            return outputs
+        self._stats.record_step(sched_out, self._states)
+        try:
+            if self.step_hook is not None:
+                self.step_hook(sched_out)
+            runner_out = self.runner.execute(sched_out)
+        except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
+            logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
+            return outputs + self._fail_step(sched_out, exc)
+        advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
+        for request in advanced:
+            state = self._states.get(request.request_id)
+            if state is not None:
+                outputs.append(self._advance(state, runner_out.logprobs.get(request.request_id)))
+        return outputs
+
+    def _advance(self, state: _RequestState, position_logprobs) -> StepOutput:
+        """The delta of one request that got a token this step; finishes it on a stop string."""
+        request = state.request
+        new_token_ids = request.output_token_ids[state.num_sent_tokens:]
+        state.num_sent_tokens = request.num_output_tokens
+        self._stats.num_generated_tokens += len(new_token_ids)
+        if request.num_output_tokens == len(new_token_ids):
+            self._stats.num_prompt_tokens += request.num_prompt_tokens
+        delta = state.detokenizer.update(new_token_ids, finished=request.is_finished)
+        if delta.stop_string is not None:
+            self._finish_on_stop_string(request, delta.stop_string)
+        new_logprobs = None
+        if request.sampling_params.logprobs is not None and position_logprobs is not None:
+            new_logprobs = [self._token_texts.fill(position_logprobs)]
+        output = StepOutput(
+            request_id=request.request_id, new_token_ids=list(new_token_ids),
+            new_text=delta.text, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens, new_logprobs=new_logprobs)
+        if request.is_finished:
+            self._states.pop(request.request_id, None)
+            output.finish_reason = request.finish_reason
+            output.stop_reason = request.stop_reason
+            output.request_metrics = self._metrics(request)
+        return output
+
+    def _finish_on_stop_string(self, request: Request, stop_string: str) -> None:
+        if request.is_finished:  # a token-level stop fired on the same token: the string wins
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        request.stop_reason = stop_string
+
+    def _fail_step(self, sched_out: SchedulerOutput, exc: BaseException) -> list[StepOutput]:
+        ids = [s.request_id for s in sched_out.scheduled if s.request_id in self._states]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        message = f"{type(exc).__name__}: {exc}"
+        return [self._final_output(self._states.pop(rid), "error", error=message) for rid in ids]
+
+    def _final_output(self, state: _RequestState, reason: str, error: str | None = None) -> StepOutput:
+        request = state.request
+        if request.finished_time is None:
+            request.finished_time = self._clock()
+        return StepOutput(
+            request_id=request.request_id, new_token_ids=[], new_text="",
+            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=state.num_sent_tokens,
+            finish_reason=reason, error=error, request_metrics=self._metrics(request))
+
+    def _metrics(self, request: Request) -> dict:
+        if request.finished_time is None:
+            request.finished_time = self._clock()
+        return {"arrival_time": request.arrival_time,
+                "first_scheduled_time": request.first_scheduled_time,
+                "first_token_time": request.first_token_time,
+                "finished_time": request.finished_time,
+                "num_preemptions": request.num_preemptions}
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters since start and the last step's shape, for logs, metrics and tests."""
+        blocks = self.scheduler.block_manager
+        return self._stats.as_dict() | {
+            "num_preemptions": self.scheduler.num_preemptions_total,
+            "num_free_blocks": blocks.num_free_blocks,
+            "num_total_blocks": blocks.num_total_blocks,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": blocks.usage,
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if block accounting is off, or blocks are held while idle."""
+        blocks = self.scheduler.block_manager
+        blocks.check_integrity()
+        if not self.scheduler.has_unfinished_requests():
+            assert blocks.num_free_blocks == blocks.num_total_blocks, (
+                f"engine idle but {blocks.num_total_blocks - blocks.num_free_blocks} blocks held")
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(params, **changes)

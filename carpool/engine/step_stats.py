@@ -1,0 +1,45 @@
+"""Counters the engine keeps about its steps, for `LLMEngine.stats()`.
+
+The shape of the last step (how many prefill vs decode tokens) comes from the
+SchedulerOutput alone; a token is a decode token when it is an output token
+fed back (its position is past the prompt), otherwise a prefill token
+(including a preempted request's recomputation of its prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Mapping
+
+from carpool.core.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class StepStats:
+    num_steps: int = 0  # steps that ran the model
+    num_generated_tokens: int = 0  # output tokens sampled and returned
+    num_prompt_tokens: int = 0  # prompt tokens of requests that produced their first token
+    last_step_num_tokens: int = 0
+    last_step_num_prefill_tokens: int = 0
+    last_step_num_decode_tokens: int = 0
+
+    def record_step(self, sched_out: SchedulerOutput, states: Mapping) -> None:
+        """Count one model step; `states` maps request id -> state with `.request`."""
+        num_decode = 0
+        for s in sched_out.scheduled:
+            state = states.get(s.request_id)
+            if state is not None and s.num_computed_tokens >= state.request.num_prompt_tokens:
+                num_decode += s.num_new_tokens
+        num_tokens = sched_out.num_scheduled_tokens
+        self.num_steps += 1
+        self.last_step_num_tokens = num_tokens
+        self.last_step_num_decode_tokens = num_decode
+        self.last_step_num_prefill_tokens = num_tokens - num_decode
+
+    def record_idle(self) -> None:
+        self.last_step_num_tokens = 0
+        self.last_step_num_prefill_tokens = 0
+        self.last_step_num_decode_tokens = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)

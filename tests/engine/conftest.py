@@ -1,0 +1,49 @@
+"""Fixtures for the engine tests: tiny well-separated checkpoints and cached HF references."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+# Random tiny models have nearly flat logits; initializer_range=0.2 separates the top
+# tokens enough (gaps >= 1e-4 on every reference position) for exact greedy comparisons.
+SEPARATED = dict(initializer_range=0.2)
+VOCAB_SIZE = 512
+
+
+def random_prompt(rng: random.Random, num_tokens: int) -> list[int]:
+    return [rng.randrange(VOCAB_SIZE) for _ in range(num_tokens)]
+
+
+@pytest.fixture(scope="session")
+def separated_checkpoint(make_checkpoint):
+    """make_checkpoint(arch) with logits separated enough for exact greedy comparisons."""
+    return lambda arch="llama": make_checkpoint(arch, **SEPARATED)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(separated_checkpoint):
+    """hf_greedy(arch, prompt_ids, max_new_tokens) -> new token ids from transformers'
+    own greedy `generate`, one prompt at a time, float32; cached for the session."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models: dict[str, object] = {}
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(arch: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (arch, tuple(prompt_ids), max_new_tokens)
+        if key not in cache:
+            if arch not in models:
+                models[arch] = AutoModelForCausalLM.from_pretrained(
+                    str(separated_checkpoint(arch)), dtype=torch.float32).eval()
+            input_ids = torch.tensor([prompt_ids])
+            with torch.no_grad():
+                out = models[arch].generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                    max_new_tokens=max_new_tokens)
+            cache[key] = out[0, len(prompt_ids):].tolist()
+        return cache[key]
+
+    return generate
