@@ -52,7 +52,17 @@ class LLM:
             served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
             scheduler=scheduler_config, max_model_len=max_model_len)
-        self.engine = LLMEngine.from_config(config)
+        self._attach(LLMEngine.from_config(config))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM over an engine built from a ready EngineConfig (the CLI's path)."""
+        llm = cls.__new__(cls)
+        llm._attach(LLMEngine.from_config(config))
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
