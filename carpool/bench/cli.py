@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--repeat", type=int, default=1, help="Rounds, for min/median/max of each ratio.")
     offline.add_argument("--plot", help="PNG: slot timeline and tokens per step, one column per variant.")
     offline.add_argument("--result-file", help="Write the figures as JSON here.")
+    offline.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                         help="Time figures by wall clock, or by this process's CPU time (idle waits "
+                         "skipped): steadier on a machine shared with other jobs; use with "
+                         "OMP_NUM_THREADS=1.")
+    offline.add_argument("--no-progress", action="store_true")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--num-kv-blocks",
                  "--max-num-partial-prefills", "--max-long-partial-prefills",
                  "--long-prefill-token-threshold"):
@@ -131,7 +136,8 @@ def _run_offline(args: argparse.Namespace) -> int:
         rounds.append({})
         last_runs = []
         for variant in variants:
-            run_ = run_variant(args.model, requests, variant, common, max_model_len)
+            run_ = run_variant(args.model, requests, variant, common, max_model_len, args.clock,
+                               show_progress=not args.no_progress)
             last_runs.append(run_)
             rounds[-1][variant] = summarize(run_.results, run_.duration_s)
             print(format_summary(rounds[-1][variant],
@@ -146,7 +152,7 @@ def _run_offline(args: argparse.Namespace) -> int:
         print(f"plot written to {args.plot}")
     if args.result_file:
         _write_json(args.result_file, {"workload": vars(_workload_config(args)), "engine": common,
-                                       "max_model_len": max_model_len,
+                                       "max_model_len": max_model_len, "clock": args.clock,
                                        **comparison_json(rounds, baseline)})
     return 0
 

@@ -15,6 +15,7 @@ Variants, compared one after another on identical requests:
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -32,9 +33,13 @@ VARIANTS: dict[str, dict] = {
 DEFAULT_COMPARE = ("static", "continuous", "chunked")
 
 
+CLOCKS = ("wall", "cpu")
+MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing before a run is declared stuck
+
+
 @dataclass(frozen=True)
 class StepRecord:
-    start: float  # engine clock (time.monotonic)
+    start: float  # bench clock
     end: float
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -48,8 +53,38 @@ class OfflineRun:
     results: list[RequestResult]
     steps: list[StepRecord]
     duration_s: float
-    # Engine-clock time each request was first scheduled (from its finishing output's metrics).
-    first_scheduled: list[float | None] = field(default_factory=list)
+    # Per request: the step it was first scheduled in and the step it finished in (inclusive).
+    request_steps: list[tuple[int, int]] = field(default_factory=list)
+    clock: str = "wall"  # what the seconds are: wall time or CPU time
+
+
+class BenchClock:
+    """The seconds figures are made of: wall time, or this process's CPU time.
+
+    On a machine shared with other jobs, wall time also counts the time the OS
+    gave to others, which swamps a 30 ms step. CPU time counts the engine's own
+    work only (meaningful when torch runs one thread, OMP_NUM_THREADS=1); idle
+    waits for a request's arrival are skipped over instead of slept.
+    """
+
+    def __init__(self, kind: str = "wall") -> None:
+        if kind not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {kind!r}")
+        self.kind = kind
+        self._read = time.monotonic if kind == "wall" else time.process_time
+        self._num_skipped_s = 0.0
+
+    def now(self) -> float:
+        return self._read() + self._num_skipped_s
+
+    def wait_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay <= 0:
+            return
+        if self.kind == "wall":
+            time.sleep(delay)
+        else:
+            self._num_skipped_s += delay
 
 
 def engine_kwargs(variant: str, common: dict, max_model_len: int) -> dict:
@@ -85,61 +120,94 @@ def build_engine(model: str, kwargs: dict):
     return llm.engine
 
 
-def drive(engine, requests: list[BenchRequest], variant: str) -> OfflineRun:
+def drive(engine, requests: list[BenchRequest], variant: str, clock: BenchClock | None = None,
+          show_progress: bool = False) -> OfflineRun:
     """Run `requests` to completion on `engine`, timestamping every output delta."""
+    from tqdm import tqdm
+
+    clock = clock or BenchClock()
+    progress = tqdm(total=len(requests), desc=variant, disable=not show_progress)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time or 0.0)
+    run = _RunRecorder(len(requests))
+    start = clock.now()
+    num_added = 0
+    while num_added < len(order) or engine.has_unfinished_requests():
+        while num_added < len(order) and start + (requests[order[num_added]].arrival_time or 0.0) <= clock.now():
+            _add(engine, order[num_added], requests[order[num_added]], run, clock.now())
+            num_added += 1
+        if not engine.has_unfinished_requests():
+            clock.wait_until(start + (requests[order[num_added]].arrival_time or 0.0))
+            continue
+        engine_start, step_start = time.monotonic(), clock.now()
+        outputs = engine.step()
+        stats = engine.stats()
+        run.step(engine_start, StepRecord(step_start, clock.now(), stats["last_step_num_prefill_tokens"],
+                                          stats["last_step_num_decode_tokens"]))
+        run.check_progress(stats["last_step_num_tokens"])
+        for out in outputs:
+            run.output(out)
+            progress.update(out.finished)
+    progress.close()
+    return run.finish(variant, clock.now() - start, clock.kind)
+
+
+def _add(engine, index: int, request: BenchRequest, run: _RunRecorder, now: float) -> None:
     from carpool.sampling_params import SamplingParams
 
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time or 0.0)
-    results: dict[int, RequestResult] = {}
-    first_scheduled: dict[int, float | None] = {}
-    steps: list[StepRecord] = []
-    start = time.monotonic()
-    next_index = 0
-    while next_index < len(order) or engine.has_unfinished_requests():
-        now = time.monotonic()
-        while next_index < len(order) and start + (requests[order[next_index]].arrival_time or 0.0) <= now:
-            i = order[next_index]
-            params = SamplingParams(max_tokens=requests[i].max_tokens, temperature=0.0, ignore_eos=True)
-            engine.add_request(_request_id(i), list(requests[i].prompt_token_ids), params)
-            results[i] = RequestResult(start_time=now, num_prompt_tokens=len(requests[i].prompt_token_ids))
-            next_index += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, start + (requests[order[next_index]].arrival_time or 0.0) - time.monotonic()))
-            continue
-        step_start = time.monotonic()
-        outputs = engine.step()
-        step_end = time.monotonic()
-        stats = engine.stats()
-        steps.append(StepRecord(step_start, step_end, stats["last_step_num_prefill_tokens"],
-                                stats["last_step_num_decode_tokens"]))
-        for out in outputs:
-            _record(results, out, step_end, first_scheduled)
-    duration = time.monotonic() - start
-    ordered = [results[i] for i in range(len(requests))]
-    return OfflineRun(variant, ordered, steps, duration,
-                      [first_scheduled.get(i) for i in range(len(requests))])
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(f"bench-{index}", list(request.prompt_token_ids), params)
+    run.results[index] = RequestResult(start_time=now, num_prompt_tokens=len(request.prompt_token_ids))
 
 
-def _request_id(index: int) -> str:
-    return f"bench-{index}"
+class _RunRecorder:
+    """Collects one run: results by request index, steps, and which steps each request spanned."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.results: dict[int, RequestResult] = {}
+        self.steps: list[StepRecord] = []
+        self._engine_starts: list[float] = []  # engine clock (time.monotonic), to place metrics
+        self._first_scheduled: dict[int, float | None] = {}
+        self._last_step: dict[int, int] = {}
+        self._num_requests = num_requests
+        self._num_idle_steps = 0
+
+    def check_progress(self, num_step_tokens: int) -> None:
+        """Raise rather than spin when the engine keeps scheduling nothing with requests left."""
+        self._num_idle_steps = 0 if num_step_tokens else self._num_idle_steps + 1
+        if self._num_idle_steps > MAX_IDLE_STEPS:
+            raise RuntimeError(f"the engine scheduled nothing for {MAX_IDLE_STEPS} steps with "
+                               f"{self._num_requests - len(self._last_step)} requests unfinished")
+
+    def step(self, engine_start: float, record: StepRecord) -> None:
+        self._engine_starts.append(engine_start)
+        self.steps.append(record)
+
+    def output(self, out) -> None:
+        index = int(out.request_id.removeprefix("bench-"))
+        result = self.results[index]
+        now = self.steps[-1].end
+        if out.new_token_ids:
+            result.chunk_times.append(now)
+        result.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            result.end_time = now
+            self._last_step[index] = len(self.steps) - 1
+            if out.finish_reason in ("abort", "error"):
+                result.success, result.error = False, out.error or out.finish_reason
+            self._first_scheduled[index] = (out.request_metrics or {}).get("first_scheduled_time")
+
+    def finish(self, variant: str, duration_s: float, clock: str) -> OfflineRun:
+        request_steps = []
+        for i in range(self._num_requests):
+            last = self._last_step[i]
+            began = self._first_scheduled.get(i)
+            first = last if began is None else max(0, bisect.bisect_right(self._engine_starts, began) - 1)
+            request_steps.append((min(first, last), last))
+        return OfflineRun(variant, [self.results[i] for i in range(self._num_requests)], self.steps,
+                          duration_s, request_steps, clock)
 
 
-def _record(results: dict[int, RequestResult], out, now: float,
-            first_scheduled: dict[int, float | None]) -> None:
-    index = int(out.request_id.removeprefix("bench-"))
-    result = results[index]
-    if out.new_token_ids:
-        result.chunk_times.append(now)
-    result.num_output_tokens = out.num_output_tokens
-    if out.finished:
-        result.end_time = now
-        if out.finish_reason in ("abort", "error"):
-            result.success, result.error = False, out.error or out.finish_reason
-        metrics = out.request_metrics or {}
-        first_scheduled[index] = metrics.get("first_scheduled_time")
-
-
-def run_variant(model: str, requests: list[BenchRequest], variant: str, common: dict,
-                max_model_len: int) -> OfflineRun:
+def run_variant(model: str | None, requests: list[BenchRequest], variant: str, common: dict,
+                max_model_len: int, clock: str = "wall", show_progress: bool = False) -> OfflineRun:
     engine = build_engine(model, engine_kwargs(variant, common, max_model_len))
-    return drive(engine, requests, variant)
+    return drive(engine, requests, variant, BenchClock(clock), show_progress)

@@ -12,7 +12,6 @@ several steps capped at the budget.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -31,23 +30,9 @@ class SlotSpan:
     request_index: int
 
 
-def step_of(run: OfflineRun, t: float) -> int:
-    """Index of the step that was running (or had last started) at engine time `t`."""
-    starts = [s.start for s in run.steps]
-    return max(0, bisect.bisect_right(starts, t) - 1)
-
-
 def slot_spans(run: OfflineRun) -> list[SlotSpan]:
-    """Each finished request's [first, last] step on the lowest lane free at its first step."""
-    intervals = []
-    for i, result in enumerate(run.results):
-        if result.end_time is None:
-            continue
-        began = run.first_scheduled[i] if i < len(run.first_scheduled) else None
-        if began is None:
-            began = result.chunk_times[0] if result.chunk_times else result.end_time
-        intervals.append((step_of(run, began), step_of(run, result.end_time), i))
-    intervals.sort()
+    """Each request's [first, last] step on the lowest lane free at its first step."""
+    intervals = sorted((first, last, i) for i, (first, last) in enumerate(run.request_steps))
     free_lanes: list[int] = []
     busy: list[tuple[int, int]] = []  # (last_step, lane)
     spans, num_lanes = [], 0
@@ -76,7 +61,8 @@ def draw_slot_timeline(ax, run: OfflineRun, num_steps: int) -> None:
     ax.set_ylim(0, max(num_lanes, 1))
     ax.yaxis.set_major_locator(_integer_locator())
     ax.set_ylabel("batch slot")
-    ax.set_title(f"{run.variant}: {len(run.steps)} steps, {run.duration_s:.1f} s")
+    unit = "s" if run.clock == "wall" else "CPU s"
+    ax.set_title(f"{run.variant}: {len(run.steps)} steps, {run.duration_s:.1f} {unit}")
 
 
 def draw_tokens_per_step(ax, run: OfflineRun, num_steps: int) -> None:

