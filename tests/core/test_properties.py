@@ -183,7 +183,9 @@ def drive(scheduler, config: SchedulerConfig, specs: list[Spec], abort_steps: li
             observer.add(request.request_id)
         if not pending and not scheduler.has_unfinished_requests():
             return requests, observer
+        busy = scheduler.has_unfinished_requests()
         output = scheduler.schedule()
+        assert output.scheduled or not busy, "unfinished requests but nothing scheduled"
         observer.check_step(scheduler, output)
         if continuous:
             observer.check_continuous(output)
