@@ -117,7 +117,7 @@ class Choice:
     """One choice folded from its deltas, for a non-streaming response."""
 
     index: int
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0
@@ -125,8 +125,12 @@ class Choice:
     stop_reason: int | str | None = None
     error: str | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
     def add(self, out: StepOutput) -> None:
-        self.text += out.new_text
+        self.text_parts.append(out.new_text)
         self.token_ids.extend(out.new_token_ids)
         if out.new_logprobs:
             self.logprobs.extend(out.new_logprobs)

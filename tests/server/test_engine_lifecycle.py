@@ -15,63 +15,51 @@ from carpool.server.app import build_app
 from carpool.bench.local_server import free_port
 
 
-def _engine_factory(checkpoint, break_scheduler: bool):
-    def factory():
-        from carpool.engine.llm_engine import LLMEngine
-        engine = LLMEngine.from_config(EngineConfig(
-            model=str(checkpoint), num_kv_blocks=64, max_model_len=128,
-            scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=8)))
-        if break_scheduler:
-            def broken_schedule():
-                raise RuntimeError("injected scheduler fault")
-            engine.scheduler.schedule = broken_schedule  # outside the step's contained part
-        return engine
-    return factory
+def _load_engine(checkpoint):
+    from carpool.engine.llm_engine import LLMEngine
+    return LLMEngine.from_config(EngineConfig(
+        model=str(checkpoint), num_kv_blocks=64, max_model_len=128,
+        scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=8)))
 
 
-def test_uncontainable_step_loop_fault_makes_health_503(llama_checkpoint):
+def _break_scheduler(llm_engine) -> None:
+    """Inject a fault outside the step's contained part (the model call), as a bug would."""
+    def broken_schedule():
+        raise RuntimeError("injected scheduler fault")
+    llm_engine.scheduler.schedule = broken_schedule
+
+
+def test_health_follows_the_step_loop_from_loading_to_death(llama_checkpoint):
     fatal: list[BaseException] = []
-    engine = AsyncEngine(_engine_factory(llama_checkpoint, True), on_fatal=fatal.append)
+    engine = AsyncEngine(lambda: _load_engine(llama_checkpoint), on_fatal=fatal.append)
     app = build_app(engine)
+    body = {"prompt": "x = ", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            assert (await http.get("/health")).status_code == 503  # still loading
+            assert (await http.get("/health")).status_code == 503  # not started: loading
             engine.start()
             await asyncio.to_thread(engine.wait_ready, 120)
             assert (await http.get("/health")).status_code == 200
-            response = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            response = await http.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 4
+            stats = await engine.call(lambda e: e.check_integrity() or e.stats())
+            assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+            await engine.call(_break_scheduler)
+            response = await http.post("/v1/completions", json=body)
             assert response.status_code == 503
             assert "injected scheduler fault" in response.json()["error"]["message"]
             health = await http.get("/health")
             assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-            again = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            again = await http.post("/v1/completions", json=body)
             assert again.status_code == 503
 
     asyncio.run(main())
     assert len(fatal) == 1 and "injected" in str(fatal[0])
-
-
-def test_in_process_app_serves_and_shuts_down(llama_checkpoint):
-    engine = AsyncEngine(_engine_factory(llama_checkpoint, False))
-    app = build_app(engine)
-    engine.start()
-    assert engine.wait_ready(120)
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
-            body = {"prompt": "x = ", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            response = await http.post("/v1/completions", json=body)
-            assert response.status_code == 200, response.text
-            assert response.json()["usage"]["completion_tokens"] == 4
-            check = await engine.call(lambda e: e.check_integrity() or e.stats())
-            assert check["num_free_blocks"] == check["num_total_blocks"]
-
-    asyncio.run(main())
-    engine.shutdown()
-    assert engine.dead_error is not None and not engine.is_ready
+    assert not engine.is_ready
 
 
 def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):

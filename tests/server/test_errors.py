@@ -57,14 +57,6 @@ INVALID_COMPLETION_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("fields,param,mentions", INVALID_COMPLETION_FIELDS,
-                         ids=[str(f) for f, _, _ in INVALID_COMPLETION_FIELDS])
-def test_invalid_completion_field_is_400(server, fields, param, mentions):
-    with server.http() as http:
-        response = http.post("/v1/completions", json={**COMPLETION, **fields})
-    assert_error(response, 400, param, mentions)
-
-
 INVALID_CHAT_FIELDS = [
     ({"messages": []}, "messages", ()),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", ()),
@@ -77,11 +69,16 @@ INVALID_CHAT_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("fields,param,mentions", INVALID_CHAT_FIELDS,
-                         ids=[str(f) for f, _, _ in INVALID_CHAT_FIELDS])
-def test_invalid_chat_field_is_400(server, fields, param, mentions):
+INVALID_FIELDS = ([("/v1/completions", COMPLETION, *case) for case in INVALID_COMPLETION_FIELDS]
+                  + [("/v1/chat/completions", CHAT, *case) for case in INVALID_CHAT_FIELDS])
+
+
+@pytest.mark.parametrize("path,base,fields,param,mentions", INVALID_FIELDS,
+                         ids=[f"{path.rsplit('/', 1)[-1]}-{fields}"
+                              for path, _, fields, _, _ in INVALID_FIELDS])
+def test_invalid_field_is_400(server, path, base, fields, param, mentions):
     with server.http() as http:
-        response = http.post("/v1/chat/completions", json={**CHAT, **fields})
+        response = http.post(path, json={**base, **fields})
     assert_error(response, 400, param, mentions)
 
 

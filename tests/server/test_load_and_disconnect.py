@@ -61,11 +61,12 @@ def test_fifty_concurrent_streams_complete_with_correct_counts(server):
 def test_clients_closing_mid_stream_are_aborted_and_blocks_freed(server):
     aborts_before = _aborts(server)
     num_leavers = 4
+    choices_per_leaver = [1 + i % 2 for i in range(num_leavers)]  # n=2 leavers too
 
     async def leaver(client, i: int) -> int:
         stream = await client.completions.create(
             model=server.model, prompt=PROMPTS[i], max_tokens=200, temperature=0, stream=True,
-            extra_body={"ignore_eos": True})
+            n=choices_per_leaver[i], extra_body={"ignore_eos": True})
         received = 0
         async for _ in stream:
             received += 1
@@ -76,7 +77,7 @@ def test_clients_closing_mid_stream_are_aborted_and_blocks_freed(server):
 
     async def stayer(client, i: int) -> int:
         out = await client.completions.create(
-            model=server.model, prompt=PROMPTS[i], max_tokens=20, temperature=0,
+            model=server.model, prompt=PROMPTS[i], max_tokens=10, temperature=0,
             extra_body={"ignore_eos": True})
         return out.usage.completion_tokens
 
@@ -88,15 +89,15 @@ def test_clients_closing_mid_stream_are_aborted_and_blocks_freed(server):
                                         *(stayer(client, i) for i in range(3)))
 
     results = asyncio.run(main())
-    assert results[:num_leavers] == [3] * num_leavers and results[num_leavers:] == [20] * 3
+    assert results[:num_leavers] == [3] * num_leavers and results[num_leavers:] == [10] * 3
     _assert_all_blocks_free(server)
-    assert _aborts(server) - aborts_before == num_leavers
+    assert _aborts(server) - aborts_before == sum(choices_per_leaver)
 
 
 def test_non_streaming_client_that_leaves_is_aborted(server):
     aborts_before = _aborts(server)
     body = {"model": server.model, "prompt": "while True:", "max_tokens": 240, "temperature": 0,
-            "ignore_eos": True}
+            "ignore_eos": True, "n": 2}
     with httpx.Client(base_url=server.base_url, timeout=httpx.Timeout(10, read=0.3),
                       headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         for _ in range(2):
@@ -107,9 +108,9 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
             else:
                 raise AssertionError("240 tokens in 0.3 s: make the request longer")
     deadline = time.monotonic() + 20
-    while _aborts(server) - aborts_before < 2 and time.monotonic() < deadline:
+    while _aborts(server) - aborts_before < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _aborts(server) - aborts_before == 2
+    assert _aborts(server) - aborts_before == 4  # two clients, n=2 each
     _assert_all_blocks_free(server)
 
 
