@@ -46,12 +46,19 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Accepted so that clients sending them get a clear 400 rather than silent neglect.
+    logit_bias: dict | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def _check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+
     def _sampling_kwargs(self) -> dict:
+        self._check_unsupported()
         kwargs = dict(
             n=self.n, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -123,6 +130,15 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def _check_unsupported(self) -> None:
+        super()._check_unsupported()
+        if self.tools:
+            raise ValueError("tools are not supported (no tool-call parsing)")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: only {'type': 'text'} is supported")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

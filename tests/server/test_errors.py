@@ -54,6 +54,8 @@ INVALID_COMPLETION_FIELDS = [
     ({"max_tokens": 253}, None, ("256", "253")),  # 5 prompt tokens + 253 > max_model_len 256
     ({"max_tokens": 10**12}, None, ("256",)),
     ({"echo": True, "logprobs": 1}, None, ("echo",)),
+    ({"logit_bias": {"5": 10}}, "logit_bias", ()),
+    ({"suffix": "end"}, "suffix", ()),
 ]
 
 
@@ -66,6 +68,8 @@ INVALID_CHAT_FIELDS = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", ()),
     ({"max_completion_tokens": -3}, "max_tokens", ()),
     ({"stream_options": {"include_usage": "maybe"}}, "stream_options", ()),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ()),
+    ({"response_format": {"type": "json_object"}}, "response_format", ()),
 ]
 
 
