@@ -5,6 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+
+# One torch thread: on a 2-core machine shared with other jobs, OpenMP threads spin
+# against each other and every small matmul of these tiny models slows ~10x.
+torch.set_num_threads(1)
 
 # Random tiny models have nearly flat logits; initializer_range=0.2 separates the top
 # tokens enough (gaps >= 1e-4 on every reference position) for exact greedy comparisons.

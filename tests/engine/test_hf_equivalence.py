@@ -1,6 +1,6 @@
 """carpool's greedy outputs equal Hugging Face transformers' own `generate`, token for token.
 
-For each architecture, nine prompts of 1 to 333 tokens run through
+For each architecture, a dozen prompts of 1 to 333 tokens run through
 transformers one at a time (float32, do_sample=False); carpool runs them all at
 once, each several times with different max_tokens (greedy outputs are prefixes
 of each other), under four settings. HF's EOS handling is matched: both stop at
@@ -18,8 +18,8 @@ from carpool import LLM, SamplingParams
 from conftest import random_prompt  # tests/engine/conftest.py
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-PROMPT_LENGTHS = (1, 2, 7, 16, 17, 33, 100, 200, 333)
-OUTPUT_LENGTHS = (64, 1, 5, 40, 2, 17, 64, 8, 12)
+PROMPT_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 200, 333)
+OUTPUT_LENGTHS = (64, 1, 40, 5, 64, 2, 17, 33, 8, 64, 12, 3)
 EOS_TOKEN_ID = 0  # the test tokenizer's <|endoftext|>
 
 SETTINGS = {
@@ -29,6 +29,11 @@ SETTINGS = {
     # 96 blocks of 4 tokens: the longest request alone needs 87, so the others' growth
     # preempts (4 preemptions on every arch).
     "preemption": dict(num_kv_blocks=96, block_size=4, max_num_batched_tokens=512),
+    # Beyond the four the issue names: several partial prefills at once (chunks capped at
+    # 24 tokens), and continuous batching with prompts prefilled whole.
+    "partial_prefills": dict(num_kv_blocks=256, max_num_batched_tokens=64,
+                             max_num_partial_prefills=3, long_prefill_token_threshold=24),
+    "unchunked": dict(num_kv_blocks=256, enable_chunked_prefill=False),
     # Request-level batches of 8, padded to their longest prompt.
     "static": dict(num_kv_blocks=256, scheduler="static", max_num_seqs=8),
 }
@@ -58,10 +63,10 @@ def test_greedy_matches_transformers(arch, setting, separated_checkpoint, hf_gre
         num_partial_chunks += sum(not s.sample for s in sched_out.scheduled)
 
     llm.engine.step_hook = count_partial_chunks
-    # Short prompts twice (full length and half): 15 requests at once, longest prompt
-    # first, so the long ones hold most of the KV pool while the short ones grow.
+    # Each prompt three times (full length, half, one token): 36 requests at once, longest
+    # prompt first, so the long ones hold most of the KV pool while the short ones grow.
     requests = [(ids, ref, max_tokens) for (ids, n), ref in zip(prompts, references)
-                for max_tokens in ((n, max(1, n // 2)) if len(ids) < 64 else (n,))][::-1]
+                for max_tokens in (n, max(1, n // 2), 1)][::-1]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests],
                            [SamplingParams(temperature=0.0, max_tokens=m) for _, _, m in requests],
                            use_tqdm=False)
@@ -78,8 +83,10 @@ def test_greedy_matches_transformers(arch, setting, separated_checkpoint, hf_gre
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     llm.engine.check_integrity()
-    if setting == "chunked_prefill":
+    if setting in ("chunked_prefill", "partial_prefills"):
         assert num_partial_chunks > 0
+    if setting == "unchunked":
+        assert num_partial_chunks == 0
     if setting == "preemption":
         assert stats["num_preemptions"] > 0
     else:
