@@ -82,25 +82,24 @@ class ServerMetrics:
         if num_preemptions > self._num_preemptions_seen:
             self.num_preemptions.inc(num_preemptions - self._num_preemptions_seen)
         self._num_preemptions_seen = num_preemptions
+        num_prompt_tokens = num_generation_tokens = 0
         for out in outputs:
-            self._record_output(out, now)
+            if out.new_token_ids:
+                previous = self._last_token_time.get(out.request_id)
+                if previous is None:  # its first token: the prompt has been processed
+                    num_prompt_tokens += out.num_prompt_tokens
+                else:
+                    self.itl.observe(now - previous)
+                self._last_token_time[out.request_id] = now
+                num_generation_tokens += len(out.new_token_ids)
+            if out.finished:
+                self._last_token_time.pop(out.request_id, None)
+                self._record_finished(out)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generation_tokens)
+        self._totals["prompt"] += num_prompt_tokens
+        self._totals["generation"] += num_generation_tokens
         self._maybe_log(stats, now)
-
-    def _record_output(self, out: StepOutput, now: float) -> None:
-        num_new = len(out.new_token_ids)
-        if num_new:
-            previous = self._last_token_time.get(out.request_id)
-            if previous is None:
-                self.prompt_tokens.inc(out.num_prompt_tokens)
-                self._totals["prompt"] += out.num_prompt_tokens
-            else:
-                self.itl.observe(now - previous)
-            self._last_token_time[out.request_id] = now
-            self.generation_tokens.inc(num_new)
-            self._totals["generation"] += num_new
-        if out.finished:
-            self._last_token_time.pop(out.request_id, None)
-            self._record_finished(out)
 
     def _record_finished(self, out: StepOutput) -> None:
         self.request_success.labels(finished_reason=out.finish_reason, **self._labels).inc()

@@ -1,0 +1,102 @@
+"""What passes between the HTTP side and the engine's loop thread: requests in, deltas out.
+
+An `OutputStream` belongs to one HTTP request (all its choices and prompts)
+and is read by one asyncio task; the loop thread fills it through
+`loop.call_soon_threadsafe`, never directly, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from carpool.outputs import StepOutput
+from carpool.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped; no request can be served any more."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One engine request: the server fans `n` and prompt lists out into several."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side may know of the engine, captured once it is loaded."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    kv_cache_info: dict
+    tokenizer: Any  # the HTTP side's own copy: never shared with the loop thread
+
+
+class OutputStream:
+    """The deltas of one HTTP request's engine requests, as `(index, StepOutput)`.
+
+    Filled by the loop thread (through `call_soon_threadsafe`), read by one
+    asyncio task. Iteration ends when every request has finished. `close()`
+    aborts whatever is unfinished and is safe to call more than once.
+    """
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop,
+                 request_ids: list[str]) -> None:
+        self._engine = engine
+        self.loop = loop
+        self.request_ids = list(request_ids)
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._admitted: asyncio.Future = loop.create_future()
+        self._unfinished = set(self.request_ids)
+
+    async def admitted(self) -> None:
+        """Wait until the engine accepted every request; raises its ValueError if not."""
+        await self._admitted
+
+    def __aiter__(self) -> "OutputStream":
+        return self
+
+    async def __anext__(self) -> tuple[int, StepOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return self._index[item.request_id], item
+
+    def close(self) -> None:
+        """Abort the requests that have not finished (the client is gone or done)."""
+        if self._unfinished:
+            self._engine.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+    # Called on the event loop, scheduled by the loop thread.
+    def _set_admitted(self, error: BaseException | None) -> None:
+        if self._admitted.done():
+            return
+        if error is None:
+            self._admitted.set_result(None)
+        else:
+            self._unfinished.clear()
+            self._admitted.set_exception(error)
+
+    def _put(self, item: StepOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+def put_all(batch: list[tuple[OutputStream, StepOutput]]) -> None:
+    """Deliver one step's outputs to their streams (runs on the streams' event loop)."""
+    for stream, out in batch:
+        stream._put(out)
