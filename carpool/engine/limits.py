@@ -7,6 +7,7 @@ offline `LLM`, the HTTP server) rejects the same requests with the same words.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Sequence
 
 from carpool.core.config import SchedulerConfig
@@ -38,15 +39,23 @@ def resolve_scheduler_config(config: SchedulerConfig, max_model_len: int) -> Sch
     return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
 
 
-def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
-    """ValueError for an empty prompt or a token id outside [0, vocab_size)."""
+def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The ids as a list of plain ints (numpy ints accepted); ValueError for an empty prompt,
+    a non-integer, or an id outside [0, vocab_size)."""
     if not prompt_token_ids:
         raise ValueError("prompt must not be empty")
+    token_ids = []
     for token_id in prompt_token_ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
+        if isinstance(token_id, bool):
             raise ValueError(f"prompt token ids must be integers, got {token_id!r}")
+        try:
+            token_id = operator.index(token_id)
+        except TypeError:
+            raise ValueError(f"prompt token ids must be integers, got {token_id!r}") from None
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"prompt token id {token_id} is out of range [0, {vocab_size})")
+        token_ids.append(token_id)
+    return token_ids
 
 
 def check_context_length(num_prompt_tokens: int, params: SamplingParams,

@@ -101,12 +101,11 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty")
             prompt_token_ids = encode_prompt(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)):
-            prompt_token_ids = list(prompt)
+            prompt_token_ids = prompt
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, "
                              f"got {type(prompt).__name__}")
-        limits.check_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size)
-        return prompt_token_ids
+        return limits.check_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size)
 
     def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Every check `add_request` makes, without adding: ValueError naming what is wrong."""

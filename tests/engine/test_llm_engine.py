@@ -54,6 +54,8 @@ def prompts(seed: int, num: int, low: int = 1, high: int = 60) -> list[list[int]
     ([], SamplingParams(), "prompt must not be empty"),
     ([1, 512], SamplingParams(), r"prompt token id 512 is out of range \[0, 512\)"),
     ([1, -1], SamplingParams(), "out of range"),
+    ([1, 2.0], SamplingParams(), "must be integers, got 2.0"),
+    ([True], SamplingParams(), "must be integers"),
     ([1] * 250, SamplingParams(max_tokens=10), "maximum context length is 256 tokens. However, "
      r"you requested 260 tokens \(250 in the prompt, 10 for the completion\)"),
     ([1] * 256, SamplingParams(max_tokens=None), "maximum context length is 256"),
@@ -80,6 +82,15 @@ def test_add_request_rejects_duplicates_and_requests_that_never_fit(model_dir):
     tiny = LLMEngine.from_config(config)
     with pytest.raises(ValueError, match="8 blocks"):
         tiny.add_request("b", [1] * 30, SamplingParams(max_tokens=10))
+
+
+def test_numpy_token_ids_are_accepted_as_ints(model_dir):
+    import numpy as np
+
+    engine = make_engine(model_dir)
+    assert engine.add_request("r", list(np.arange(5, 12)), GREEDY) == 7
+    assert engine.scheduler.get_request("r").prompt_token_ids == list(range(5, 12))
+    assert all(type(t) is int for t in engine.scheduler.get_request("r").prompt_token_ids)
 
 
 def test_max_tokens_none_fills_up_to_max_model_len(model_dir):
