@@ -90,9 +90,11 @@ def save_comparison_plot(path: str, runs: list[OfflineRun]) -> None:
     num_steps = max(len(r.steps) for r in runs)
     fig, axes = plt.subplots(2, len(runs), figsize=(4.5 * len(runs), 6), squeeze=False,
                              gridspec_kw={"height_ratios": [2, 1]})
+    max_tokens = max((s.num_prefill_tokens + s.num_decode_tokens for r in runs for s in r.steps), default=1)
     for column, run in enumerate(runs):
         draw_slot_timeline(axes[0][column], run, num_steps)
         draw_tokens_per_step(axes[1][column], run, num_steps)
+        axes[1][column].set_ylim(0, max_tokens * 1.05)  # one scale, so a tall prefill spike shows as one
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
