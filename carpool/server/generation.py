@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
                                          GenerationRequest, OutputStream)
 from carpool.llm import _child_params as child_params
-from carpool.outputs import PositionLogprobs, StepOutput
+from carpool.engine.output_builder import CompletionBuilder
+from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
 from carpool.server.protocol import REQUEST_FIELDS
@@ -113,36 +114,23 @@ async def _ended(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 @dataclass
-class Choice:
-    """One choice folded from its deltas, for a non-streaming response."""
+class Choice(CompletionBuilder):
+    """One choice folded from its deltas (the offline `LLM`'s builder), plus its prompt size."""
 
-    index: int
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
     num_prompt_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return "".join(self.text_chunks)
 
     def add(self, out: StepOutput) -> None:
-        self.text_parts.append(out.new_text)
-        self.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs:
-            self.logprobs.extend(out.new_logprobs)
+        super().add(out)
         self.num_prompt_tokens = out.num_prompt_tokens
-        if out.finished:
-            self.finish_reason, self.stop_reason, self.error = (
-                out.finish_reason, out.stop_reason, out.error)
 
 
 async def collect(stream: OutputStream, request: Request, num_choices: int) -> list[Choice]:
     """Fold every delta into its choice; stop early (a 499) if the client disconnects."""
-    choices = [Choice(i) for i in range(num_choices)]
+    choices = [Choice(i, want_logprobs=True) for i in range(num_choices)]
 
     async def consume() -> None:
         async for index, out in stream:
