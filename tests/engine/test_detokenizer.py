@@ -57,7 +57,7 @@ def test_any_text_round_trips(tokenizer, text, prompt):
     prompt_ids = tokenizer.encode(prompt) or [tokenizer.eos_token_id]
     output = tokenizer.encode(text)
     deltas, _ = stream(tokenizer, prompt_ids, output, SamplingParams())
-    assert "".join(deltas) == tokenizer.decode(output)
+    assert "".join(deltas) == tokenizer.decode(output, skip_special_tokens=True)
 
 
 def test_trailing_partial_character_is_flushed_on_finish(tokenizer):
@@ -65,6 +65,15 @@ def test_trailing_partial_character_is_flushed_on_finish(tokenizer):
     deltas, _ = stream(tokenizer, [1], output, SamplingParams(), finish=False)
     assert "\ufffd" not in "".join(deltas)
     deltas, _ = stream(tokenizer, [1], output, SamplingParams(), finish=True)
+    assert "".join(deltas) == tokenizer.decode(output)
+
+
+def test_prompt_ending_mid_character_does_not_swallow_output_bytes(tokenizer):
+    prompt = tokenizer.encode("ab日")[:-1]  # the prompt's last character is cut short
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    continuation = tokenizer.encode("日")  # its first token is a continuation byte
+    output = continuation[-1:] + tokenizer.encode(" x = 1")
+    deltas, _ = stream(tokenizer, prompt, output, SamplingParams())
     assert "".join(deltas) == tokenizer.decode(output)
 
 
