@@ -223,6 +223,12 @@ class AsyncEngine:
         with self._lock:
             self._dead = exc
             pending = self._take_commands(block=False)
+        self._ready.set()
+        if what is not None and self.on_fatal is not None:
+            try:  # first, so the server is already stopping when clients hear of it
+                self.on_fatal(exc)
+            except Exception:  # noqa: BLE001 - the streams below must still be told
+                logger.exception("on_fatal failed")
         error = EngineDeadError(f"the engine has stopped: {exc!r}")
         for command in pending:
             if command[0] == "add":
@@ -232,9 +238,6 @@ class AsyncEngine:
         for stream in {id(s): s for s in self._streams.values()}.values():
             _notify(stream.loop, stream._put, error)
         self._streams.clear()
-        self._ready.set()
-        if what is not None and self.on_fatal is not None:
-            self.on_fatal(exc)
 
 
 def _notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

@@ -29,6 +29,34 @@ def _break_scheduler(llm_engine) -> None:
     llm_engine.scheduler.schedule = broken_schedule
 
 
+def _fail_next_step(llm_engine) -> None:
+    def hook(scheduler_output):
+        llm_engine.step_hook = None
+        raise RuntimeError("injected step fault")
+    llm_engine.step_hook = hook
+
+
+async def _check_step_faults_fail_only_their_requests(http, engine, body) -> None:
+    """A contained fault: a 500 (or finish_reason "error" when streaming), blocks freed."""
+    await engine.call(_fail_next_step)
+    response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert "injected step fault" in error["message"] and error["type"] == "server_error"
+
+    await engine.call(_fail_next_step)
+    streamed = await http.post("/v1/chat/completions", json={
+        **body, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    lines = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason":"error"' in lines[-2]
+
+    response = await http.post("/v1/completions", json=body)  # the engine serves on
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    stats = await engine.call(lambda e: e.check_integrity() or e.stats())
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_health_follows_the_step_loop_from_loading_to_death(llama_checkpoint):
     fatal: list[BaseException] = []
     engine = AsyncEngine(lambda: _load_engine(llama_checkpoint), on_fatal=fatal.append)
@@ -47,6 +75,8 @@ def test_health_follows_the_step_loop_from_loading_to_death(llama_checkpoint):
             assert response.json()["usage"]["completion_tokens"] == 4
             stats = await engine.call(lambda e: e.check_integrity() or e.stats())
             assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+            await _check_step_faults_fail_only_their_requests(http, engine, body)
 
             await engine.call(_break_scheduler)
             response = await http.post("/v1/completions", json=body)
