@@ -105,7 +105,8 @@ class LLM:
             return prompt, self.engine.encode_prompt(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self.engine.encode_prompt(list(prompt["prompt_token_ids"]))
+                ids = self.engine.encode_prompt(list(prompt["prompt_token_ids"]))
+                return prompt.get("prompt"), ids
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.engine.encode_prompt(prompt["prompt"])
         raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids' "

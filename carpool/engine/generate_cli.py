@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
         for completion in output.outputs:
             label = f"[{completion.index}] " if len(output.outputs) > 1 else ""
             print(f"{label}{completion.text}")
-            print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}"
-                  + (f", stop_reason={completion.stop_reason!r}" if completion.stop_reason else ""))
+            stop = f", stop_reason={completion.stop_reason!r}" if completion.stop_reason else ""
+            print(f"--- {len(completion.token_ids)} tokens, "
+                  f"finish_reason={completion.finish_reason}{stop}")
             if completion.logprobs:
                 _print_logprobs(completion)
     return 0

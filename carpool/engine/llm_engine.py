@@ -107,7 +107,8 @@ class LLMEngine:
                              f"got {type(prompt).__name__}")
         return limits.check_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size)
 
-    def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+    def validate_request(self, prompt_token_ids: list[int],
+                         sampling_params: SamplingParams) -> None:
         """Every check `add_request` makes, without adding: ValueError naming what is wrong."""
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, "
@@ -220,10 +221,9 @@ class LLMEngine:
         message = f"{type(exc).__name__}: {exc}"
         return [self._final_output(self._states.pop(rid), "error", error=message) for rid in ids]
 
-    def _final_output(self, state: _RequestState, reason: str, error: str | None = None) -> StepOutput:
+    def _final_output(self, state: _RequestState, reason: str,
+                      error: str | None = None) -> StepOutput:
         request = state.request
-        if request.finished_time is None:
-            request.finished_time = self._clock()
         return StepOutput(
             request_id=request.request_id, new_token_ids=[], new_text="",
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=state.num_sent_tokens,

@@ -75,8 +75,7 @@ def test_add_request_rejects_duplicates_and_requests_that_never_fit(model_dir):
         engine.add_request("a", [4], GREEDY)
     engine.abort_request("a")
     run_to_end(engine)
-    small = make_engine(model_dir, block_size=4)
-    small.scheduler.block_manager  # noqa: B018 - the pool is 64 blocks
+    engine.add_request("a", [4], GREEDY)  # a finished id may be used again
     config = EngineConfig(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=8,
                           max_model_len=256, scheduler=SchedulerConfig(block_size=4))
     tiny = LLMEngine.from_config(config)
