@@ -27,6 +27,14 @@ def _aborts(server) -> float:
         return 0.0
 
 
+def _wait_for_aborts(server, before: float, expected: int) -> None:
+    """The abort count rises by exactly `expected` (it is recorded one step after the abort)."""
+    deadline = time.monotonic() + 20
+    while _aborts(server) - before < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborts(server) - before == expected
+
+
 def _assert_all_blocks_free(server) -> None:
     snapshot = wait_until_idle(server)
     assert snapshot["num_free_blocks"] == snapshot["num_total_blocks"], snapshot
@@ -90,8 +98,8 @@ def test_clients_closing_mid_stream_are_aborted_and_blocks_freed(server):
 
     results = asyncio.run(main())
     assert results[:num_leavers] == [3] * num_leavers and results[num_leavers:] == [10] * 3
+    _wait_for_aborts(server, aborts_before, sum(choices_per_leaver))
     _assert_all_blocks_free(server)
-    assert _aborts(server) - aborts_before == sum(choices_per_leaver)
 
 
 def test_non_streaming_client_that_leaves_is_aborted(server):
@@ -107,10 +115,7 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
                 pass
             else:
                 raise AssertionError("240 tokens in 0.3 s: make the request longer")
-    deadline = time.monotonic() + 20
-    while _aborts(server) - aborts_before < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _aborts(server) - aborts_before == 4  # two clients, n=2 each
+    _wait_for_aborts(server, aborts_before, 4)  # two clients, n=2 each
     _assert_all_blocks_free(server)
 
 
@@ -126,10 +131,7 @@ def test_client_gone_before_the_first_token_is_aborted(server):
     for _ in range(3):
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(request)
-    deadline = time.monotonic() + 20
-    while _aborts(server) - aborts_before < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _aborts(server) - aborts_before == 3
+    _wait_for_aborts(server, aborts_before, 3)
     _assert_all_blocks_free(server)
 
 
