@@ -285,3 +285,27 @@ def test_stats_report_the_work_done(model_dir):
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"] == 64
     assert stats["kv_cache_usage"] == 0.0 and stats["num_steps"] >= 24
+
+
+def test_generate_raises_on_engine_errors_and_cleans_up_on_interrupt(model_dir):
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
+    batch = [{"prompt_token_ids": p} for p in prompts(6, 3)]
+    calls = []
+
+    def fail_once(sched_out, exc):
+        calls.append(1)
+        if len(calls) == 2:
+            raise exc
+
+    llm.engine.step_hook = lambda s: fail_once(s, RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="failed in the engine.*boom"):
+        llm.generate(batch, GREEDY, use_tqdm=False)
+    calls.clear()
+    llm.engine.step_hook = lambda s: fail_once(s, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(batch, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    llm.engine.step_hook = None
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24, 24, 24]
