@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, Response
 
 from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
                                          GenerationRequest, OutputStream)
-from carpool.llm import _child_params as child_params
 from carpool.engine.output_builder import CompletionBuilder
+from carpool.llm import _child_params as child_params
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
@@ -168,8 +168,8 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def usage(choices_prompt_tokens: dict[int, int], num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens_by_prompt: dict[int, int], num_completion_tokens: int) -> dict:
     """OpenAI's usage block; prompt tokens count once per prompt, not once per choice."""
-    num_prompt_tokens = sum(choices_prompt_tokens.values())
+    num_prompt_tokens = sum(num_prompt_tokens_by_prompt.values())
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}

@@ -10,7 +10,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import carpool
 from carpool.engine.async_engine import AsyncEngine
-from carpool.server.errors import APIError
 from carpool.server.generation import ready_engine
 
 router = APIRouter()
@@ -20,11 +19,7 @@ _STARTED = int(time.time())
 @router.get("/health")
 async def health(request: Request) -> Response:
     """200 once the model is loaded and the step loop is alive; 503 before and after."""
-    engine: AsyncEngine = request.app.state.engine
-    if engine.dead_error is not None:
-        raise APIError(503, f"The engine has stopped: {engine.dead_error!r}", code="engine_dead")
-    if not engine.is_ready:
-        raise APIError(503, "The model is still loading.", code="model_loading")
+    ready_engine(request)
     return Response(status_code=200)
 
 
