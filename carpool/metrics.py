@@ -56,6 +56,7 @@ class ServerMetrics:
                                              buckets=_PREEMPTION_BUCKETS)
         self._last_token_time: dict[str, float] = {}
         self._num_preemptions_seen = 0
+        self._num_steps_seen = 0
         self._totals = {"prompt": 0, "generation": 0}
         self._last_log: tuple[float, int, int] | None = None
 
@@ -77,7 +78,10 @@ class ServerMetrics:
 
     def record_step(self, outputs: list[StepOutput], stats: dict, now: float) -> None:
         """Counters and histograms for one engine step (loop thread), then maybe the log line."""
-        self.iteration_tokens.observe(stats.get("last_step_num_tokens", 0))
+        num_steps = stats.get("num_steps", 0)
+        if num_steps > self._num_steps_seen:  # the model ran (not only abort notices)
+            self.iteration_tokens.observe(stats.get("last_step_num_tokens", 0))
+        self._num_steps_seen = num_steps
         num_preemptions = stats.get("num_preemptions", 0)
         if num_preemptions > self._num_preemptions_seen:
             self.num_preemptions.inc(num_preemptions - self._num_preemptions_seen)

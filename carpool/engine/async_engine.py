@@ -70,7 +70,7 @@ class AsyncEngine:
         return self._dead
 
     def snapshot(self) -> dict:
-        """The engine stats published after the latest step (a fresh dict each time)."""
+        """The engine stats published after the latest step or command (do not mutate)."""
         return self._snapshot
 
     def add(self, requests: list[GenerationRequest]) -> OutputStream:
@@ -114,9 +114,9 @@ class AsyncEngine:
             self._die(exc, "loading the model failed")
             return
         self._ready.set()
-        if self.on_ready is not None:
-            self.on_ready(self.info)
         try:
+            if self.on_ready is not None:
+                self.on_ready(self.info)
             self._loop(engine)
         except BaseException as exc:  # noqa: BLE001 - the step loop cannot continue
             self._die(exc, "the engine step loop failed")

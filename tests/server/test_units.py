@@ -155,7 +155,8 @@ def test_metrics_record_steps():
     metrics.update_gauges({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25})
     first = [StepOutput("a", [5], "x", num_prompt_tokens=7, num_output_tokens=1),
              StepOutput("b", [6], "y", num_prompt_tokens=3, num_output_tokens=1)]
-    metrics.record_step(first, {"last_step_num_tokens": 10, "num_preemptions": 1}, now=1.0)
+    metrics.record_step(first, {"last_step_num_tokens": 10, "num_preemptions": 1,
+                                "num_steps": 1}, now=1.0)
     done = StepOutput("a", [8], "z", num_prompt_tokens=7, num_output_tokens=2,
                       finish_reason="length",
                       request_metrics={"arrival_time": 0.0, "first_scheduled_time": 0.25,
@@ -163,8 +164,11 @@ def test_metrics_record_steps():
                                        "num_preemptions": 1})
     aborted = StepOutput("b", [], "", num_prompt_tokens=3, num_output_tokens=1,
                          finish_reason="abort")
-    metrics.record_step([done, aborted], {"last_step_num_tokens": 1, "num_preemptions": 1},
-                        now=1.5)
+    metrics.record_step([done], {"last_step_num_tokens": 1, "num_preemptions": 1,
+                                 "num_steps": 2}, now=1.5)
+    # a step that only reports an abort ran no model: no iteration is recorded
+    metrics.record_step([aborted], {"last_step_num_tokens": 0, "num_preemptions": 1,
+                                    "num_steps": 2}, now=1.6)
     s = _samples(metrics)
     assert s[("carpool:num_requests_running", ())] == 2
     assert s[("carpool:kv_cache_usage_perc", ())] == 0.25
@@ -174,6 +178,7 @@ def test_metrics_record_steps():
     assert s[("carpool:request_success_total", (("finished_reason", "length"),))] == 1
     assert s[("carpool:request_success_total", (("finished_reason", "abort"),))] == 1
     assert s[("carpool:iteration_tokens_total_sum", ())] == 11
+    assert s[("carpool:iteration_tokens_total_count", ())] == 2
     assert s[("carpool:inter_token_latency_seconds_sum", ())] == 0.5
     assert s[("carpool:time_to_first_token_seconds_sum", ())] == 0.5
     assert s[("carpool:e2e_request_latency_seconds_sum", ())] == 1.5
