@@ -55,16 +55,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         offline.add_argument(flag, type=int)
 
 
+_WORKLOAD_HELP = {
+    "num_prompts": "Requests (mixed-load: the decoding ones)",
+    "input_len": "Prompt tokens (random, mix, mixed-load decoders)",
+    "output_len": "Output tokens (random)",
+    "short_output_len": "Output tokens of the short half (mix) and of the long prompts (mixed-load)",
+    "long_output_len": "Output tokens of the long half (mix) and of the decoders (mixed-load)",
+    "num_long_prompts": "Long prompts arriving among the decoders (mixed-load)",
+    "long_prompt_len": "Tokens of each long prompt (mixed-load)",
+}
+
+
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
     defaults = WorkloadConfig()
     group.add_argument("--workload", choices=WORKLOADS, default=defaults.name)
     group.add_argument("--dataset-path", help="ShareGPT-style JSON / JSONL (sharegpt workload).")
     group.add_argument("--seed", type=int, default=defaults.seed)
-    for name in ("num_prompts", "input_len", "output_len", "short_output_len", "long_output_len",
-                 "num_long_prompts", "long_prompt_len"):
-        group.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    group.add_argument("--range-ratio", type=float, default=defaults.range_ratio)
+    for name, help_text in _WORKLOAD_HELP.items():
+        group.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
+                           help=f"{help_text} (default {getattr(defaults, name)}).")
+    group.add_argument("--range-ratio", type=float, default=defaults.range_ratio,
+                       help="Lengths are drawn from [len * (1 - r), len * (1 + r)].")
     group.add_argument("--long-prompt-interval", type=float, default=defaults.long_prompt_interval,
                        help="Seconds between long-prompt arrivals (mixed-load).")
 

@@ -66,12 +66,15 @@ def draw_slot_timeline(ax, run: OfflineRun, num_steps: int) -> None:
 
 
 def draw_tokens_per_step(ax, run: OfflineRun, num_steps: int) -> None:
-    x = range(len(run.steps))
-    prefill = [s.num_prefill_tokens for s in run.steps]
-    decode = [s.num_decode_tokens for s in run.steps]
-    ax.bar(x, prefill, width=1.0, align="edge", linewidth=0, color=_PREFILL_COLOUR, label="prefill tokens")
-    ax.bar(x, decode, width=1.0, align="edge", linewidth=0, bottom=prefill, color=_DECODE_COLOUR,
-           label="decode tokens")
+    """Stacked outlines rather than bars, so a one-step spike among hundreds still shows."""
+    import numpy as np
+
+    prefill = np.array([s.num_prefill_tokens for s in run.steps], dtype=float)
+    total = prefill + np.array([s.num_decode_tokens for s in run.steps], dtype=float)
+    edges = np.arange(len(run.steps) + 1)
+    ax.stairs(total, edges, fill=True, color=_DECODE_COLOUR, label="decode tokens")
+    ax.stairs(prefill, edges, fill=True, color=_PREFILL_COLOUR, label="prefill tokens")
+    ax.stairs(prefill, edges, color=_PREFILL_COLOUR, linewidth=1.0)
     ax.set_xlim(0, num_steps)
     ax.set_xlabel("step")
     ax.set_ylabel("tokens in step")
