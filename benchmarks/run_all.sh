@@ -23,7 +23,7 @@ bench offline --model "$MODEL" --workload mix --num-prompts 64 --input-len 64 \
 
 # 2. chunked prefill while long prompts arrive among running decodes
 bench offline --model "$MODEL" --workload mixed-load --num-prompts 8 --input-len 64 \
-  --long-output-len 384 --num-long-prompts 4 --long-prompt-len 1536 --long-prompt-interval 1.0 \
+  --long-output-len 256 --num-long-prompts 4 --long-prompt-len 1536 --long-prompt-interval 0.75 \
   --short-output-len 16 --max-num-seqs 16 --max-num-batched-tokens 256 \
   --long-prefill-token-threshold 256 --compare continuous,chunked,chunked-partial --repeat 3 \
   --clock cpu --no-progress --plot "$OUT/mixed_load.png" --result-file "$OUT/mixed_load.json" \
