@@ -41,6 +41,9 @@ def serve(config: EngineConfig, settings, *, host: str, port: int, log_level: st
         if server is not None:
             server.should_exit = True
 
+    if host not in ("127.0.0.1", "localhost", "::1") and not getattr(settings, "api_key", None):
+        logger.warning("binding %s without --api-key: anyone who can reach this port can use "
+                       "the model", host)
     engine = AsyncEngine(lambda: LLMEngine.from_config(config),
                          metrics_factory=lambda info: ServerMetrics(info.served_model_name),
                          on_ready=on_ready, on_fatal=on_fatal)
