@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from carpool.config import EngineConfig
 from carpool.engine.async_engine import AsyncEngine, EngineInfo
+
+if TYPE_CHECKING:
+    from carpool.server.app import ServerSettings
 
 logger = logging.getLogger("carpool.server")
 
@@ -18,7 +22,8 @@ def describe_kv_cache(info: EngineInfo) -> str:
             f"{kv['max_concurrency']:.2f} requests")
 
 
-def serve(config: EngineConfig, settings, *, host: str, port: int, log_level: str = "info") -> int:
+def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: int,
+          log_level: str = "info") -> int:
     """Run the server until it is stopped (0) or the engine dies (1)."""
     import uvicorn
 
@@ -41,7 +46,7 @@ def serve(config: EngineConfig, settings, *, host: str, port: int, log_level: st
         if server is not None:
             server.should_exit = True
 
-    if host not in ("127.0.0.1", "localhost", "::1") and not getattr(settings, "api_key", None):
+    if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use "
                        "the model", host)
     engine = AsyncEngine(lambda: LLMEngine.from_config(config),
