@@ -1,0 +1,135 @@
+"""The shipped default model: complete, loadable as a plain HF folder, and actually trained."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from carpool.default_model_path import default_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "chat_template.jinja", "training_metrics.json")
+MAX_FOLDER_BYTES = 30 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def metrics(folder) -> dict:
+    return json.loads((folder / "training_metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location(
+        "train_default_model", ROOT / "scripts" / "train_default_model.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def split(script) -> tuple[list[Path], list[Path]]:
+    return script.corpus_split()
+
+
+def test_folder_has_every_file_and_fits_the_size_budget(folder):
+    assert folder.is_dir() and folder.name == "default_model"
+    missing = [name for name in SHIPPED_FILES if not (folder / name).is_file()]
+    assert missing == []
+    assert sum(p.stat().st_size for p in folder.iterdir()) < MAX_FOLDER_BYTES
+
+
+def test_config_is_a_llama_whose_ids_match_the_tokenizer(folder, tokenizer, metrics):
+    config = json.loads((folder / "config.json").read_text())
+    generation = json.loads((folder / "generation_config.json").read_text())
+    eos_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["eos_token_id"] == generation["eos_token_id"] == tokenizer.eos_token_id == eos_id
+    assert config["vocab_size"] == len(tokenizer) == metrics["config"]["vocab_size"]
+    assert config["max_position_embeddings"] == metrics["config"]["context_len"]
+    assert tokenizer.model_max_length == config["max_position_embeddings"]
+    assert config["num_hidden_layers"] == metrics["config"]["num_layers"]
+
+
+def test_recorded_parameter_count_matches_the_weights(folder, metrics):
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        num_params = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    assert num_params == metrics["num_params"]
+
+
+def test_special_tokens_are_single_ids_and_python_round_trips(tokenizer):
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert len(tokenizer(token, add_special_tokens=False).input_ids) == 1
+    source = "class Stack:\n    def push(self, item):\n\tself.items.append(item)  # é\n"
+    ids = tokenizer(source, add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids) == source
+
+
+def test_chat_template_renders(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_recorded_heldout_loss_clearly_beats_the_unigram_baseline(metrics):
+    assert metrics["heldout_loss_nats"] < metrics["unigram_baseline_nats"] - 1.5
+    first, last = metrics["train_loss_history"][0], metrics["train_loss_history"][-1]
+    assert last["train_loss"] < first["train_loss"]
+
+
+def test_shipped_weights_beat_the_unigram_baseline_on_heldout_text(script, split, tokenizer,
+                                                                    model, metrics):
+    _, heldout_files = split
+    context_len = model.config.max_position_embeddings
+    heldout = script.chunks(script.token_stream(tokenizer, heldout_files), context_len)
+    loss = script.heldout_loss(model, heldout[:4])
+    assert loss < metrics["unigram_baseline_nats"] - 1.5
+
+
+def test_corpus_split_is_disjoint_sorted_and_skips_tests(script, split):
+    train, heldout = split
+    assert heldout and len(train) > 10 * len(heldout)
+    assert not set(train) & set(heldout)
+    root = script.stdlib_root()
+    relative = [path.relative_to(root).as_posix() for path in train]
+    assert relative == sorted(relative)
+    for path in train + heldout:
+        assert not {"test", "tests", "idlelib", "site-packages"} & set(
+            path.relative_to(root).parts[:-1])
+
+
+def test_greedy_completion_looks_like_python(tokenizer, model):
+    prompt = "def fibonacci(n):"
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=64, do_sample=False,
+                         attention_mask=torch.ones_like(ids))
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert text.startswith("\n    ")  # an indented function body
+    words = set(text.replace("(", " ").replace(":", " ").split())
+    assert words & {"def", "return", "if", "for", "self", "import", "class", '"""'}
