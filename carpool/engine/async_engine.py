@@ -47,6 +47,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "queue a command"
         self._streams: dict[str, OutputStream] = {}  # loop thread only
+        self._admissions: list[OutputStream] = []  # loop thread only
         self._snapshot: dict = {}
         self._ready = threading.Event()
         self._dead: BaseException | None = None
@@ -146,6 +147,7 @@ class AsyncEngine:
                 self._handle(engine, command)
             if commands:
                 self._publish(engine)  # aborts freed blocks: show it before the next step
+                self._send_admissions()
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
@@ -194,7 +196,12 @@ class AsyncEngine:
             return
         for rid in added:
             self._streams[rid] = stream
-        _notify(stream.loop, stream._set_admitted, None)
+        self._admissions.append(stream)  # told after the snapshot that counts them is out
+
+    def _send_admissions(self) -> None:
+        admissions, self._admissions = self._admissions, []
+        for stream in admissions:
+            _notify(stream.loop, stream._set_admitted, None)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Hand each output to its stream: one thread-safe call per event loop per step."""
@@ -230,6 +237,9 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - the streams below must still be told
                 logger.exception("on_fatal failed")
         error = EngineDeadError(f"the engine has stopped: {exc!r}")
+        for stream in self._admissions:
+            _notify(stream.loop, stream._set_admitted, error)
+        self._admissions.clear()
         for command in pending:
             if command[0] == "add":
                 _notify(command[2].loop, command[2]._set_admitted, error)

@@ -19,6 +19,10 @@ class EngineDeadError(RuntimeError):
     """The step loop has stopped; no request can be served any more."""
 
 
+class ServerClosingError(RuntimeError):
+    """The server is shutting down and ended this stream before its requests finished."""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One engine request: the server fans `n` and prompt lists out into several."""
@@ -81,6 +85,15 @@ class OutputStream:
         if self._unfinished:
             self._engine.abort(sorted(self._unfinished))
             self._unfinished.clear()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` after what was already delivered; abort the unfinished.
+
+        The reader sees the outputs queued so far, then `error` raised from iteration.
+        """
+        if self._unfinished:
+            self._engine.abort(sorted(self._unfinished))
+            self._queue.put_nowait(error)
 
     # Called on the event loop, scheduled by the loop thread.
     def _set_admitted(self, error: BaseException | None) -> None:

@@ -8,6 +8,7 @@ its published snapshot.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 
@@ -17,10 +18,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import carpool
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server import chat, completions, meta, tokenize
+from carpool.server.admission import Admission
+from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
 
 # Routes anyone may call without the API key (load balancers probe them).
 PUBLIC_PATHS = frozenset({"/health"})
+
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,23 @@ class ServerSettings:
     """Settings of the HTTP layer (the engine's live in EngineConfig)."""
 
     api_key: str | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_num_waiting_requests: int | None = None  # None: 4 x max_num_seqs
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset to disable the check)")
+        if isinstance(self.max_request_body_bytes, bool) or self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, "
+                             f"got {self.max_request_body_bytes!r}")
+        if self.max_num_waiting_requests is not None and self.max_num_waiting_requests < 1:
+            raise ValueError(f"max_num_waiting_requests must be >= 1, "
+                             f"got {self.max_num_waiting_requests!r}")
+        if not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, "
+                             f"got {self.shutdown_timeout!r}")
 
 
 class APIKeyMiddleware:
@@ -39,19 +59,24 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = _digest(f"Bearer {api_key}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
+        # Digests first, so the comparison takes the same time whatever the length sent.
+        if hmac.compare_digest(_digest(given), self._expected):
             await self.app(scope, receive, send)
             return
         error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
                          code="invalid_api_key")
         await error.response()(scope, receive, send)
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -60,9 +85,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
                   description="OpenAI-compatible LLM server built around continuous batching.")
     app.state.engine = engine
     app.state.settings = settings
+    app.state.admission = Admission(settings.max_num_waiting_requests)
     install_error_handlers(app)
     for module in (completions, chat, tokenize, meta):
         app.include_router(module.router)
-    if settings.api_key is not None:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key is not None:  # added last: runs first, before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     return app

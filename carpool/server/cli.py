@@ -48,8 +48,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Model name clients send and responses report (default: MODEL).")
     server.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"), help="Logging level.")
+    _add_robustness_arguments(server)
     _add_engine_arguments(parser.add_argument_group("engine"))
     _add_scheduler_arguments(parser.add_argument_group("scheduler"))
+
+
+def _add_robustness_arguments(group) -> None:
+    from carpool.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
+    group.add_argument("--max-request-body-bytes", type=parse_bytes,
+                       default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
+                       help="Larger request bodies get a 413 before they are parsed "
+                            f"(default {DEFAULT_MAX_REQUEST_BODY_BYTES // 2**20}MiB).")
+    group.add_argument("--max-num-waiting-requests", type=int, default=None,
+                       help="Most requests queued for the engine; beyond it new requests get "
+                            "503 with Retry-After (default: 4 x --max-num-seqs).")
+    group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="On SIGTERM, how long in-flight requests may take to finish before "
+                            f"they are aborted with an error (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}).")
+    group.add_argument("--log-prompts", action="store_true",
+                       help="Include prompts in the per-request log lines (off: never logged).")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="Not supported: carpool never runs code shipped with a checkpoint.")
 
 
 def _add_engine_arguments(group) -> None:
@@ -121,13 +141,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=scheduler, max_model_len=args.max_model_len)
 
 
+def server_settings_from_args(args: argparse.Namespace):
+    """The ServerSettings the flags describe; ValueError names a bad flag's field."""
+    from carpool.server.app import ServerSettings
+    return ServerSettings(
+        api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+        max_num_waiting_requests=args.max_num_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.trust_remote_code:
+        logger.error("--trust-remote-code is not supported: carpool runs only its own model "
+                     "code (Llama, Mistral, Qwen2, Qwen3) and loads weights from safetensors, "
+                     "never code or pickles from a checkpoint")
+        return 2
     try:
         config = engine_config_from_args(args)
-        from carpool.server.app import ServerSettings
-        settings = ServerSettings(api_key=args.api_key)
+        settings = server_settings_from_args(args)
     except ValueError as exc:
         logger.error("invalid settings: %s", exc)
         return 2

@@ -7,6 +7,7 @@ Every rejection the server makes, including FastAPI's own request validation
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -42,7 +43,14 @@ class APIError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+        return _ASCIIJSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    """Error messages may quote what the client sent, lone surrogates included: escape them."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def error_body(message: str, error_type: str, param: str | None = None,
@@ -72,7 +80,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "Invalid request body.")
-    first = errors[0]
+    # In a union (a prompt is text or token ids) the member that matched the type but not
+    # its check says most: prefer a value error to "should be a valid list".
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         return APIError(400, f"Malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                         code="invalid_json")

@@ -11,6 +11,7 @@ KV blocks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -21,12 +22,16 @@ from fastapi.responses import JSONResponse, Response
 from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
                                          GenerationRequest, OutputStream)
 from carpool.engine.output_builder import CompletionBuilder
+from carpool.engine.output_stream import ServerClosingError
 from carpool.llm import _child_params as child_params
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
+from carpool.server.admission import Admission
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
 from carpool.server.protocol import REQUEST_FIELDS
 from carpool.server.sse import DONE, EventStreamResponse, sse_event
+
+logger = logging.getLogger("carpool.server")
 
 # A single HTTP request may not fan out into more engine requests than this.
 MAX_CHOICES_PER_REQUEST = 4096
@@ -68,17 +73,17 @@ def fan_out(base_id: str, prompts: list, params: SamplingParams,
     return requests
 
 
-async def start(engine: AsyncEngine, requests: list[GenerationRequest]) -> OutputStream:
-    """Queue the requests and wait until the engine admitted them; a refusal is a 400."""
-    stream = engine.add(requests)
+async def start(request: Request, engine: AsyncEngine,
+                requests: list[GenerationRequest]) -> OutputStream:
+    """Queue the requests through the app's admission gate and wait until the engine took them:
+    a full queue is a 503, the engine's refusal a 400."""
+    admission: Admission = request.app.state.admission
     try:
-        await stream.admitted()
-    except BaseException as exc:
-        stream.close()  # nothing to abort if refused; a cancelled wait must not leak
-        if not isinstance(exc, Exception):
-            raise
+        return await admission.start(engine, requests)
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - refused by the engine
         raise _admission_error(exc) from None
-    return stream
 
 
 def _admission_error(exc: Exception) -> APIError:
@@ -89,27 +94,51 @@ def _admission_error(exc: Exception) -> APIError:
     return engine_error(f"{type(exc).__name__}: {exc}")
 
 
+def stream_error(exc: EngineDeadError | ServerClosingError) -> APIError:
+    """The 503 a response ends with when the engine died or the server stopped under it."""
+    code = "engine_dead" if isinstance(exc, EngineDeadError) else "server_shutting_down"
+    return APIError(503, str(exc), code=code)
+
+
 async def respond(request: Request, engine: AsyncEngine, requests: list[GenerationRequest],
                   streaming: bool, events: Callable[[OutputStream], AsyncIterator[str]],
                   build: Callable[[list[Choice]], dict]) -> Response:
     """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
-    stream = await start(engine, requests)
+    log_request(request, requests, streaming)
+    stream = await start(request, engine, requests)
+    admission: Admission = request.app.state.admission
     if streaming:
-        return EventStreamResponse(_ended(events(stream)), on_close=stream.close)
+        return EventStreamResponse(_ended(events(stream)),
+                                   on_close=lambda: admission.release(stream))
     try:
         choices = await collect(stream, request, len(requests))
     finally:
-        stream.close()
+        admission.release(stream)
     return JSONResponse(build(choices))
 
 
+def log_request(request: Request, requests: list[GenerationRequest], streaming: bool) -> None:
+    """One log line per HTTP request; the prompt itself only with --log-prompts."""
+    if not requests or not logger.isEnabledFor(logging.INFO):
+        return
+    params = requests[0].sampling_params
+    line = (f"request {requests[0].request_id.rsplit('-', 1)[0]}: {len(requests)} generation(s), "
+            f"max_tokens={params.max_tokens}, temperature={params.temperature}, "
+            f"stream={streaming}")
+    if request.app.state.settings.log_prompts:
+        prompts = list(dict.fromkeys(repr(r.prompt) for r in requests))
+        line += f", prompts={' '.join(prompts)}"
+    logger.info(line)
+
+
 async def _ended(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The route's events, an error event if the engine died, and always `[DONE]`."""
+    """The route's events, an error event if the engine died or the server is stopping,
+    and always `[DONE]`."""
     try:
         async for event in events:
             yield event
-    except EngineDeadError as exc:
-        yield sse_event(APIError(503, str(exc), code="engine_dead").body())
+    except (EngineDeadError, ServerClosingError) as exc:
+        yield sse_event(stream_error(exc).body())
     yield DONE
 
 
@@ -138,8 +167,8 @@ async def collect(stream: OutputStream, request: Request, num_choices: int) -> l
 
     try:
         await until_disconnected(consume(), request)
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), code="engine_dead") from None
+    except (EngineDeadError, ServerClosingError) as exc:
+        raise stream_error(exc) from None
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:
         raise engine_error(failed[0].error or "unknown error")

@@ -45,6 +45,22 @@ async def metrics(request: Request) -> Response:
 
 
 @router.get("/stats", include_in_schema=False)
-async def stats(request: Request) -> JSONResponse:
-    """The engine's latest published stats snapshot (block counts, queue lengths)."""
-    return JSONResponse(ready_engine(request).snapshot())
+async def stats(request: Request, integrity: bool = False) -> JSONResponse:
+    """The engine's latest published stats snapshot (block counts, queue lengths).
+
+    With `?integrity=true`, fresh stats from the loop thread plus the block manager's
+    integrity check: `"integrity": "ok"` or what is wrong (tests, operators).
+    """
+    engine = ready_engine(request)
+    if not integrity:
+        return JSONResponse(engine.snapshot())
+    return JSONResponse(await engine.call(_checked_stats))
+
+
+def _checked_stats(llm_engine) -> dict:
+    try:
+        llm_engine.check_integrity()
+        verdict = "ok"
+    except AssertionError as exc:
+        verdict = f"violated: {exc}"
+    return {**llm_engine.stats(), "integrity": verdict}

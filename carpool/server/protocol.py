@@ -7,13 +7,27 @@ as vLLM does, so newer clients keep working.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from carpool.sampling_params import MAX_LOGPROBS, SamplingParams
 
 TokenIds = list[int]
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON may carry lone surrogates ("\\ud800") that are not text; no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid Unicode text, but holds a lone surrogate at "
+                         f"position {exc.start}") from None
+    return text
+
+
+# Every string the server reads from a request (prompts, messages, stop strings, names).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -25,18 +39,18 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: Union[str, list[str], None] = None
+    stop: Union[Text, list[Text], None] = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -72,11 +86,11 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    prompt: Union[Text, list[Text], TokenIds, list[TokenIds]]
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids); raises if empty."""
@@ -106,15 +120,15 @@ class CompletionRequest(_SamplingRequest):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: str | None = None
+    content: Union[Text, list[TextPart], None] = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -154,8 +168,8 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -164,7 +178,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int] = Field(default_factory=list)
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
+import threading
 from typing import TYPE_CHECKING
+
+import uvicorn
 
 from carpool.config import EngineConfig
 from carpool.engine.async_engine import AsyncEngine, EngineInfo
 
 if TYPE_CHECKING:
+    from carpool.server.admission import Admission
     from carpool.server.app import ServerSettings
 
 logger = logging.getLogger("carpool.server")
@@ -24,9 +31,7 @@ def describe_kv_cache(info: EngineInfo) -> str:
 
 def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: int,
           log_level: str = "info") -> int:
-    """Run the server until it is stopped (0) or the engine dies (1)."""
-    import uvicorn
-
+    """Run the server until it is stopped (0, also on SIGTERM) or the engine dies (1)."""
     from carpool.engine.llm_engine import LLMEngine
     from carpool.metrics import ServerMetrics
     from carpool.server.app import build_app
@@ -53,10 +58,63 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
                          metrics_factory=lambda info: ServerMetrics(info.served_model_name),
                          on_ready=on_ready, on_fatal=on_fatal)
     app = build_app(engine, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = DrainingServer(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                       timeout_graceful_shutdown=settings.shutdown_timeout + _CANCEL_GRACE_S),
+        app.state.admission, settings.shutdown_timeout)
     engine.start()
     try:
-        server.run()
+        with _signals_end_the_server_only():
+            server.run()
     finally:
         engine.shutdown()
     return exit_code
+
+
+# After --shutdown-timeout the open streams are ended with an error; uvicorn cancels
+# whatever has still not finished this much later.
+_CANCEL_GRACE_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """On shutdown: refuse new requests at once, let in-flight ones finish for
+    `shutdown_timeout` seconds, then end the rest with a clear error."""
+
+    def __init__(self, config, admission: Admission, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.admission = admission
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        self.admission.close("it received a shutdown signal")
+        logger.info("shutting down: %d response(s) in flight get up to %.1fs to finish",
+                    len(self.admission.streams), self.shutdown_timeout)
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._abort_rest)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_rest(self) -> None:
+        num_aborted = self.admission.abort_all(
+            f"the server shut down before this request finished (--shutdown-timeout "
+            f"{self.shutdown_timeout:g}s)")
+        if num_aborted:
+            logger.warning("shutdown timeout: aborted %d unfinished response(s)", num_aborted)
+
+
+@contextlib.contextmanager
+def _signals_end_the_server_only():
+    """uvicorn re-raises the SIGTERM / SIGINT that stopped it once it is done, which would kill
+    the process with that signal; a graceful stop is a normal exit (0), so the re-raised
+    signal is swallowed here. Only on the main thread (where signals can be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
