@@ -30,6 +30,9 @@ from carpool.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# What clients call the built-in model (its folder path is no name to type).
+DEFAULT_SERVED_MODEL_NAME = "carpool-default"
+
 
 @dataclass
 class _RequestState:
@@ -53,7 +56,8 @@ class LLMEngine:
         self.scheduler_config = scheduler.config
         self.model_config = runner.model_config
         self.max_model_len = self.scheduler_config.max_model_len
-        self.served_model_name = config.served_model_name or str(config.model or model_path)
+        self.served_model_name = config.served_model_name or (
+            DEFAULT_SERVED_MODEL_NAME if config.model is None else str(config.model))
         self._clock = clock
         self._states: dict[str, _RequestState] = {}
         self._aborted_outputs: list[StepOutput] = []
