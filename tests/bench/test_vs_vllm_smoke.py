@@ -42,7 +42,8 @@ def test_carpool_side_runs_and_vllm_is_skipped_without_its_python(make_checkpoin
     checkpoint = make_checkpoint("llama")
     result_file = tmp_path / "result.json"
     rc = vs_vllm.main(["--checkpoint", str(checkpoint), "--dtypes", "float32", "--workloads", "4",
-                       "--repeats", "1", "--kv-cache-gib", "1", "--engines", "carpool", "vllm",
+                       "--repeats", "1", "--threads", "1", "--kv-cache-gib", "1",
+                       "--engines", "carpool", "vllm",
                        "--vllm-python", str(tmp_path / "no-such-python"),
                        "--workdir", str(tmp_path / "work"), "--result-file", str(result_file)])
     assert rc == 0
