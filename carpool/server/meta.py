@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import carpool
 from carpool.engine.async_engine import AsyncEngine
+from carpool.server.errors import APIError
 from carpool.server.generation import ready_engine
 
 router = APIRouter()
@@ -18,8 +19,13 @@ _STARTED = int(time.time())
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and the step loop is alive; 503 before and after."""
+    """200 once the model is loaded and the step loop is alive; 503 before, after, and while
+    the server drains for shutdown (so load balancers stop sending work)."""
     ready_engine(request)
+    closing = request.app.state.admission.closing_reason
+    if closing is not None:
+        raise APIError(503, f"The server is shutting down ({closing}).",
+                       code="server_shutting_down")
     return Response(status_code=200)
 
 

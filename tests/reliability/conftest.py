@@ -9,6 +9,9 @@ thread, and `/metrics` must agree that no KV block is in use.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,16 +53,62 @@ class Live:
 
 @contextlib.contextmanager
 def live_server(checkpoint: Path, flags: list[str], log_path: Path) -> Iterator[Live]:
+    """A server subprocess with one torch thread: on a shared, oversubscribed CPU, OpenMP's
+    spinning workers make every step of a tiny model many times slower."""
     local = LocalServer(checkpoint, [*BASE_FLAGS, *flags], log_path)
+    with _environ(OMP_NUM_THREADS="1"), local as base_url:
+        yield Live(local, base_url)
+
+
+class ScriptServer(LocalServer):
+    """A LocalServer started through a launcher script instead of `python -m carpool.cli`."""
+
+    def __init__(self, script: Path, model: Path, flags: list[str], log_path: Path) -> None:
+        super().__init__(model, flags, log_path)
+        self.script = script
+
+    def __enter__(self) -> str:
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(self.script), "serve", self.model, "--port", str(self.port),
+                 *self.flags], stdout=log, stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self.base_url
+
+
+@contextlib.contextmanager
+def fault_server(checkpoint: Path, flags: list[str], log_path: Path) -> Iterator[Live]:
+    """A server whose engine faults on request (see fault_server.py)."""
+    script = Path(__file__).with_name("fault_server.py")
+    local = ScriptServer(script, checkpoint, [*BASE_FLAGS, *flags], log_path)
     with local as base_url:
         yield Live(local, base_url)
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")
 def reference_llm(llama_checkpoint):
     """The offline LLM on the same checkpoint: what greedy outputs must equal."""
     from carpool import LLM
-    return LLM(str(llama_checkpoint), max_model_len=256, num_kv_blocks=256)
+    return LLM(str(llama_checkpoint), max_model_len=512, num_kv_blocks=512)
 
 
 def greedy_texts(llm, prompts: list[str], max_tokens: int) -> list[str]:
