@@ -12,6 +12,7 @@ import json
 import math
 import sys
 
+from carpool.bench.offline import DEFAULT_COMPARE, VARIANTS
 from carpool.bench.workloads import WORKLOADS, WorkloadConfig
 
 
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--model", help="Checkpoint folder (default: the built-in model).")
     offline.add_argument("--scheduler", choices=("continuous", "static"), default="continuous")
     offline.add_argument("--no-chunked-prefill", action="store_true")
-    offline.add_argument("--compare", nargs="?", const="static,continuous,chunked",
+    offline.add_argument("--compare", nargs="?", const=",".join(DEFAULT_COMPARE),
                          help="Comma-separated variants run one after another on the same requests "
                          "(static, continuous, chunked, chunked-partial; default: the first three).")
     offline.add_argument("--repeat", type=int, default=1, help="Rounds, for min/median/max of each ratio.")
@@ -170,8 +171,6 @@ def _run_offline(args: argparse.Namespace) -> int:
 
 
 def _variants(args: argparse.Namespace) -> list[str]:
-    from carpool.bench.offline import VARIANTS
-
     if args.compare:
         names = [v.strip() for v in args.compare.split(",") if v.strip()]
         unknown = [v for v in names if v not in VARIANTS]

@@ -31,8 +31,6 @@ VARIANTS: dict[str, dict] = {
                             max_num_partial_prefills=4, max_long_partial_prefills=1),
 }
 DEFAULT_COMPARE = ("static", "continuous", "chunked")
-
-
 CLOCKS = ("wall", "cpu")
 MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing before a run is declared stuck
 
