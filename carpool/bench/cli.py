@@ -126,7 +126,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         print(f"failed request: {failed.error}", file=sys.stderr)
     if args.result_file:
         _write_json(args.result_file, {"workload": vars(_workload_config(args)),
-                                       "request_rate": args.request_rate,
+                                       "request_rate": None if math.isinf(args.request_rate)
+                                       else args.request_rate,  # None: all at once
                                        "max_concurrency": args.max_concurrency,
                                        "slo": slos, **summary.to_dict()})
     return 0 if summary.num_completed else 1
@@ -154,7 +155,8 @@ def _run_offline(args: argparse.Namespace) -> int:
             last_runs.append(run_)
             rounds[-1][variant] = summarize(run_.results, run_.duration_s)
             print(format_summary(rounds[-1][variant],
-                                 f"Offline {variant}, round {round_index + 1}/{args.repeat}"), flush=True)
+                                 f"Offline {variant}, {args.clock} clock, round {round_index + 1}/{args.repeat}"),
+                  flush=True)
     baseline = "static" if "static" in variants else variants[0]
     if len(variants) > 1 or args.repeat > 1:
         print(format_comparison(rounds, baseline))

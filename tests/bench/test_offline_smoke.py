@@ -37,7 +37,7 @@ def test_compare_runs_every_variant_on_the_same_requests(checkpoint, tmp_path, c
     assert set(data["ratios"]) == {"continuous", "chunked"}
     assert plot.read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
-    assert "Ratios vs static" in out and "Offline static, round 1/1" in out
+    assert "Ratios vs static" in out and "Offline static, wall clock, round 1/1" in out
 
 
 def test_static_slots_wait_for_the_whole_batch(checkpoint):
