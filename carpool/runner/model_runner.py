@@ -19,6 +19,7 @@ from carpool.models.config import ModelConfig, load_model_config
 from carpool.models.loader import load_model, resolve_model_path
 from carpool.outputs import PositionLogprobs
 from carpool.runner import kv_cache
+from carpool.runner.cpu_memory import keep_freed_memory_in_heap
 from carpool.runner.input_batch import build_input_batch
 from carpool.runner.sampler import Sampler
 from carpool.sampling_params import SamplingParams
@@ -48,6 +49,8 @@ class ModelRunner:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({self.model_config.max_position_embeddings})")
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
         self.block_size = block_size
         self.max_model_len = max_model_len

@@ -1,0 +1,15 @@
+"""The CPU runner keeps freed memory in glibc's heap (see carpool/runner/cpu_memory.py)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from carpool.runner.cpu_memory import keep_freed_memory_in_heap
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_applies_on_glibc_and_is_idempotent():
+    assert keep_freed_memory_in_heap() is True
+    assert keep_freed_memory_in_heap() is True
