@@ -93,7 +93,8 @@ def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
     num_seqs, max_q = group.query_index.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
-    queries = q[group.query_index].transpose(1, 2)  # (S, num_heads, max_q, head_dim)
+    queries = q.index_select(0, group.query_index.reshape(-1)).view(
+        num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # (S, num_heads, max_q, head_dim)
     keys = _gather(kv_cache[0], group.block_tables)  # (S, num_kv_heads, max_ctx, head_dim)
     values = _gather(kv_cache[1], group.block_tables)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask,
@@ -105,6 +106,8 @@ def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """cache [num_blocks, block_size, H, D], tables [S, B] -> [S, H, B * block_size, D]."""
-    blocks = cache[block_tables]  # (S, B, block_size, H, D)
-    num_seqs, num_blocks, block_size, num_heads, head_dim = blocks.shape
-    return blocks.reshape(num_seqs, num_blocks * block_size, num_heads, head_dim).transpose(1, 2)
+    num_seqs, num_blocks = block_tables.shape
+    _, block_size, num_heads, head_dim = cache.shape
+    # index_select copies whole blocks (memcpy); advanced indexing copies element by element.
+    blocks = cache.index_select(0, block_tables.reshape(-1))  # (S * B, block_size, H, D)
+    return blocks.view(num_seqs, num_blocks * block_size, num_heads, head_dim).transpose(1, 2)
