@@ -4,15 +4,16 @@ The KV cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim
 (keys, values). A token at position p of a request lives in slot
 `block_ids[p // block_size] * block_size + p % block_size`.
 
-Each step, the scheduled requests are split into two `AttentionGroup`s: decodes
-(one query each) and prefill chunks (several queries each). Per group, every
-request's keys and values are gathered from its block table into a padded
-`[num_seqs, max_ctx]` view, the queries into `[num_seqs, max_q]`, and one
-`scaled_dot_product_attention` call with a boolean mask (key position <= query
-position, within the sliding window if any) computes all of them at once: no
-Python loop over requests inside a layer. Splitting keeps a long prefill chunk
-from padding every decode up to its length. On CUDA, SDPA picks its fused
-kernel for these shapes; the same code is the reference on CPU.
+Each step, the scheduled requests are split into `AttentionGroup`s: decodes
+(one query each), cut into groups of similar context length, and prefill chunks
+(several queries each). Per group, every request's keys and values are gathered
+from its block table into a padded `[num_seqs, max_ctx]` view, the queries into
+`[num_seqs, max_q]`, and one `scaled_dot_product_attention` call with a boolean
+mask (key position <= query position, within the sliding window if any)
+computes all of them at once: no Python loop over requests inside a group.
+Grouping keeps a long context (or a long prefill chunk) from padding every short
+one up to its length, which is most of the copying on a CPU. On CUDA, SDPA picks
+its fused kernel for these shapes; the same code is the reference on CPU.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     The cache must already hold this step's new K/V (`write_kv` first).
     """
     out = torch.zeros_like(q)
-    for group in meta.groups:  # at most two: decodes, prefill chunks
+    for group in meta.groups:  # decodes (in groups of similar context length), prefill chunks
         out[group.valid_tokens] = _attend_group(q, kv_cache, group, scale)
     return out
 

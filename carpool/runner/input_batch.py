@@ -18,6 +18,10 @@ from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.runner.attention import AttentionGroup, AttentionMetadata, build_group
 
 
+MAX_DECODE_GROUPS = 8
+MIN_ROWS_PER_DECODE_GROUP = 16
+
+
 @dataclass
 class InputBatch:
     input_ids: torch.Tensor  # [T] int64 (real tokens, then padding tokens)
@@ -70,8 +74,9 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
         decodes.num_computed.extend([0] * num_padding)
         decodes.tables.extend([np.array([scratch_block], dtype=np.int64)] * num_padding)
     to = dict(device=device, dtype=torch.int64)
+    buckets = _length_buckets(decodes) if decodes.q_starts else []
     groups = [_group(rows, block_size, sliding_window, device)
-              for rows in (decodes, prefills) if rows.q_starts]
+              for rows in buckets + [prefills] if rows.q_starts]
     num_tokens = start + num_padding
     meta = AttentionMetadata(slot_mapping=torch.as_tensor(np.concatenate(slots), **to),
                              groups=groups, num_tokens=num_tokens)
@@ -96,6 +101,26 @@ def _add_row(rows: _Rows, q_start: int, q_len: int, num_computed: int, table: np
     rows.q_lens.append(q_len)
     rows.num_computed.append(num_computed)
     rows.tables.append(table)
+
+
+def _length_buckets(rows: _Rows) -> list[_Rows]:
+    """Decodes sorted by context length and cut into up to MAX_DECODE_GROUPS equal-count groups.
+
+    A group's keys and values are gathered padded to its longest context, so one group
+    of short and long contexts copies and attends mostly padding; groups of similar
+    lengths waste little. Each group costs a few more small ops per layer, hence
+    at least MIN_ROWS_PER_DECODE_GROUP rows per group.
+    """
+    num_rows = len(rows.q_starts)
+    num_groups = max(1, min(MAX_DECODE_GROUPS, num_rows // MIN_ROWS_PER_DECODE_GROUP))
+    if num_groups == 1:
+        return [rows]
+    order = sorted(range(num_rows), key=lambda i: len(rows.tables[i]))
+    buckets = []
+    for part in np.array_split(np.asarray(order), num_groups):
+        buckets.append(_Rows([rows.q_starts[i] for i in part], [rows.q_lens[i] for i in part],
+                             [rows.num_computed[i] for i in part], [rows.tables[i] for i in part]))
+    return buckets
 
 
 def _group(rows: _Rows, block_size: int, sliding_window: int | None,
