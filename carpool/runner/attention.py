@@ -6,14 +6,16 @@ The KV cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim
 
 Each step, the scheduled requests are split into `AttentionGroup`s: decodes
 (one query each), cut into groups of similar context length, and prefill chunks
-(several queries each). Per group, every request's keys and values are gathered
-from its block table into a padded `[num_seqs, max_ctx]` view, the queries into
-`[num_seqs, max_q]`, and one `scaled_dot_product_attention` call with a boolean
-mask (key position <= query position, within the sliding window if any)
-computes all of them at once: no Python loop over requests inside a group.
-Grouping keeps a long context (or a long prefill chunk) from padding every short
-one up to its length, which is most of the copying on a CPU. On CUDA, SDPA picks
-its fused kernel for these shapes; the same code is the reference on CPU.
+that continue a prompt (several queries each). Per group, every request's keys
+and values are gathered from its block table into a padded `[num_seqs, max_ctx]`
+view, the queries into `[num_seqs, max_q]`, and one `scaled_dot_product_attention`
+call with a boolean mask (key position <= query position, within the sliding
+window if any) computes all of them at once: no Python loop over requests
+inside a group. Grouping keeps a long context from padding every short one up
+to its length, which is most of the copying on a CPU. Prompts prefilled from
+position 0 (`FreshPrefills`) need no history: each gets one causal SDPA call
+over its own keys, without padding or a mask. On CUDA, SDPA picks its fused
+kernel for these shapes; the same code is the reference on CPU.
 """
 
 from __future__ import annotations
@@ -36,12 +38,26 @@ class AttentionGroup:
 
 
 @dataclass
+class FreshPrefills:
+    """Prompts prefilled from position 0 in this step: each attends causally to its own tokens.
+
+    Their keys and values are exactly the ones this step writes, so they are read back by
+    slot (real tokens only) and each prompt gets its own causal SDPA call: no padding to
+    the longest prompt, no mask, and the kernel skips the blocks above the diagonal.
+    """
+
+    spans: list[tuple[int, int]]  # (packed start, length) per prompt, in packed order
+    slots: torch.Tensor  # [sum of lengths] int64: their cache slots, spans concatenated
+
+
+@dataclass
 class AttentionMetadata:
     """Everything a layer needs besides q/k/v: where to write, what to read."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot for each packed token's new K/V
     groups: list[AttentionGroup]
     num_tokens: int  # T, packed tokens including any padding tokens
+    fresh_prefills: FreshPrefills | None = None
 
 
 def build_group(q_starts: torch.Tensor, q_lens: torch.Tensor, num_computed: torch.Tensor,
@@ -84,9 +100,28 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     The cache must already hold this step's new K/V (`write_kv` first).
     """
     out = torch.zeros_like(q)
-    for group in meta.groups:  # decodes (in groups of similar context length), prefill chunks
+    for group in meta.groups:  # decodes (in groups of similar context length), later chunks
         out[group.valid_tokens] = _attend_group(q, kv_cache, group, scale)
+    if meta.fresh_prefills is not None:
+        _attend_fresh(q, kv_cache, meta.fresh_prefills, scale, out)
     return out
+
+
+def _attend_fresh(q: torch.Tensor, kv_cache: torch.Tensor, fresh: FreshPrefills, scale: float,
+                  out: torch.Tensor) -> None:
+    """Causal attention of each fresh prompt over its own keys, written into `out` rows."""
+    num_heads, num_kv_heads, head_dim = q.shape[1], kv_cache.shape[3], q.shape[2]
+    keys = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, fresh.slots)
+    values = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, fresh.slots)
+    offset = 0
+    for start, length in fresh.spans:
+        span = slice(offset, offset + length)
+        attended = F.scaled_dot_product_attention(
+            q[start:start + length].transpose(0, 1), keys[span].transpose(0, 1),
+            values[span].transpose(0, 1), is_causal=True, scale=scale,
+            enable_gqa=num_heads != num_kv_heads)  # (H, length, D)
+        out[start:start + length] = attended.transpose(0, 1)
+        offset += length
 
 
 def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,

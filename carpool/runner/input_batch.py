@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from carpool.runner.attention import AttentionGroup, AttentionMetadata, build_group
+from carpool.runner.attention import AttentionGroup, AttentionMetadata, FreshPrefills, build_group
 
 
 MAX_DECODE_GROUPS = 8
@@ -47,6 +47,7 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     ids, positions, slots = [], [], []
     decodes, prefills = _Rows([], [], [], []), _Rows([], [], [], [])
     logits_indices, sampled = [], []
+    fresh_spans, fresh_slots = [], []
     start = 0
     for req in scheduler_output.scheduled:
         num_new = len(req.token_ids)
@@ -57,8 +58,12 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
         ids.append(np.asarray(req.token_ids, dtype=np.int64))
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
-        rows = decodes if num_new == 1 else prefills
-        _add_row(rows, start, num_new, req.num_computed_tokens, table)
+        if num_new > 1 and req.num_computed_tokens == 0 and sliding_window is None:
+            fresh_spans.append((start, num_new))
+            fresh_slots.append(slots[-1])
+        else:
+            rows = decodes if num_new == 1 else prefills
+            _add_row(rows, start, num_new, req.num_computed_tokens, table)
         if req.sample:
             logits_indices.append(start + num_new - 1)
             sampled.append(req)
@@ -78,8 +83,11 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     groups = [_group(rows, block_size, sliding_window, device)
               for rows in buckets + [prefills] if rows.q_starts]
     num_tokens = start + num_padding
+    fresh = None
+    if fresh_spans:
+        fresh = FreshPrefills(fresh_spans, torch.as_tensor(np.concatenate(fresh_slots), **to))
     meta = AttentionMetadata(slot_mapping=torch.as_tensor(np.concatenate(slots), **to),
-                             groups=groups, num_tokens=num_tokens)
+                             groups=groups, num_tokens=num_tokens, fresh_prefills=fresh)
     return InputBatch(input_ids=torch.as_tensor(np.concatenate(ids), **to),
                       positions=torch.as_tensor(np.concatenate(positions), **to),
                       meta=meta, logits_indices=torch.as_tensor(logits_indices, **to),

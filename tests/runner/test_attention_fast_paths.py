@@ -65,6 +65,15 @@ def test_decodes_are_grouped_by_context_length_and_each_appears_once():
     assert all(max(a) <= min(b) for a, b in zip(spans, spans[1:]))  # sorted by context
 
 
+def test_fresh_prompts_take_the_causal_path_unless_there_is_a_window():
+    _, requests, _, batch = _batch(_shapes())
+    starts = [sum(len(r.token_ids) for r in requests[:i]) for i in range(len(requests))]
+    assert batch.meta.fresh_prefills.spans == [(starts[20], 9), (starts[21], 3)]
+    assert len(batch.meta.fresh_prefills.slots) == 12
+    _, _, _, windowed = _batch(_shapes(), window=5)
+    assert windowed.meta.fresh_prefills is None
+
+
 def test_grouped_decodes_and_fresh_prompts_match_the_reference():
     for window in (None, 7):
         cache, requests, history, batch = _batch(_shapes(seed=1), window=window, seed=1)
