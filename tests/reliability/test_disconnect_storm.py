@@ -21,7 +21,8 @@ from tests.reliability.conftest import (API_KEY, MODEL, greedy_texts, live_serve
 
 # Chunked prefill in 64-token steps, so a long prompt takes several steps to prefill.
 STORM_FLAGS = ["--max-num-seqs", "32", "--num-kv-blocks", "512", "--max-model-len", "512",
-               "--max-num-batched-tokens", "64", "--max-num-waiting-requests", "1024"]
+               "--max-num-batched-tokens", "64", "--max-num-waiting-requests", "1024",
+               "--log-prompts"]
 LONG = "def handler(request):\n    return request.json()\n" * 14  # ~300 tokens
 PROMPTS = ["import os\n", "class Foo:", LONG, "for i in range(", "def main():", "x = [",
            LONG + "# tail\n", "return "]
@@ -72,3 +73,13 @@ def test_disconnect_storm_leaks_nothing_and_the_rest_are_complete(storm_server, 
     print(f"\nstorm: {num_clients} clients, {len(leavers)} leavers ({num_left} left mid-response, "
           f"{int(num_aborted)} aborted in the engine), {len(stayers)} complete; "
           f"{stats['num_total_blocks'] - stats['num_free_blocks']} blocks held afterwards")
+
+
+def test_log_prompts_puts_prompts_in_the_request_log(storm_server):
+    """The storm server runs with --log-prompts (test_security checks the default: never)."""
+    marker = "logged-prompt-51c2e8"
+    with storm_server.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": marker,
+                                                      "max_tokens": 2})
+    assert response.status_code == 200
+    assert repr(marker) in storm_server.log()
