@@ -170,6 +170,8 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            if sched_out.finished_ids:  # the runner frees their sampler state, runs no model
+                self.runner.execute(sched_out)
             self._stats.record_idle()
             return outputs
         self._stats.record_step(sched_out, self._states)
