@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--server-flags", default="--max-model-len 512",
+    parser.add_argument("--server-flags", default="--max-model-len 512 --max-num-waiting-requests 4096",
                         help="More `carpool serve` flags, as one string.")
     args = parser.parse_args()
     out = Path(args.out_dir)
