@@ -26,6 +26,10 @@ import torch
 import torch.nn.functional as F
 
 
+# Decode groups in these dtypes take `_attend_decodes` instead of SDPA (see there).
+DECODE_MATMUL_DTYPES = (torch.bfloat16, torch.float16)
+
+
 @dataclass
 class AttentionGroup:
     """Requests attended together in one batched SDPA call (index tensors built once per step)."""
@@ -101,7 +105,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     """
     out = torch.zeros_like(q)
     for group in meta.groups:  # decodes (in groups of similar context length), later chunks
-        out[group.valid_tokens] = _attend_group(q, kv_cache, group, scale)
+        if group.query_index.shape[1] == 1 and q.dtype in DECODE_MATMUL_DTYPES:
+            out[group.valid_tokens] = _attend_decodes(q, kv_cache, group, scale)
+        else:
+            out[group.valid_tokens] = _attend_group(q, kv_cache, group, scale)
     if meta.fresh_prefills is not None:
         _attend_fresh(q, kv_cache, meta.fresh_prefills, scale, out)
     return out
@@ -138,6 +145,26 @@ def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
                                          enable_gqa=num_heads != num_kv_heads)
     out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
     return out[group.valid_rows]  # (num_valid, num_heads, head_dim)
+
+
+def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
+                    scale: float) -> torch.Tensor:
+    """One query per request: two batched matmuls around a float32 softmax (HF's eager order).
+
+    On CPU the fused SDPA kernel is slow for a single reduced-precision query (about 7x
+    slower than these matmuls for bfloat16), so decode groups in those dtypes come here.
+    """
+    num_seqs = group.query_index.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    queries = q.index_select(0, group.query_index.reshape(-1)).view(
+        num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, Hkv, G, D)
+    keys = _gather(kv_cache[0], group.block_tables)  # (S, Hkv, max_ctx, D)
+    values = _gather(kv_cache[1], group.block_tables)
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # (S, Hkv, G, max_ctx)
+    scores = scores.float().masked_fill(~group.mask, float("-inf"))  # mask (S, 1, 1, max_ctx)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

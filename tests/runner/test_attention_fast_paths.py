@@ -92,3 +92,22 @@ def test_grouped_decodes_and_fresh_prompts_match_the_reference():
                                   req.num_computed_tokens, window)
             torch.testing.assert_close(out[start:start + n], expected, atol=1e-5, rtol=1e-5)
             start += n
+
+
+def test_bfloat16_decodes_match_the_reference_to_bfloat16_precision():
+    cache, requests, history, batch = _batch(_shapes(seed=3), seed=3)
+    gen = torch.Generator().manual_seed(4)
+    num_tokens = batch.meta.num_tokens
+    q, k, v = (torch.randn(num_tokens, h, HEAD_DIM, generator=gen)
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    write_kv(cache, batch.meta.slot_mapping, k, v)
+    out = paged_attention(q.bfloat16(), cache.bfloat16(), batch.meta, HEAD_DIM ** -0.5)
+    assert out.dtype == torch.bfloat16
+    start = 0
+    for req, past in zip(requests, history):
+        n = len(req.token_ids)
+        expected = _reference(q[start:start + n], torch.cat([past[0], k[start:start + n]]),
+                              torch.cat([past[1], v[start:start + n]]), req.num_computed_tokens,
+                              None)
+        torch.testing.assert_close(out[start:start + n].float(), expected, atol=3e-2, rtol=3e-2)
+        start += n
