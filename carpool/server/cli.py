@@ -65,7 +65,8 @@ def _add_robustness_arguments(group) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        metavar="SECONDS",
                        help="On SIGTERM, how long in-flight requests may take to finish before "
-                            f"they are aborted with an error (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}).")
+                            "they are aborted with an error "
+                            f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}).")
     group.add_argument("--log-prompts", action="store_true",
                        help="Include prompts in the per-request log lines (off: never logged).")
     group.add_argument("--trust-remote-code", action="store_true",

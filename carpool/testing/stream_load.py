@@ -54,11 +54,13 @@ def plan_clients(rng: random.Random, num_clients: int, prompts: list[str], max_t
             continue
         where = rng.random()
         if where < 0.2:
-            plans.append(ClientPlan(prompt, max_tokens, leave_before_headers_s=rng.uniform(0, 0.05)))
+            plans.append(ClientPlan(prompt, max_tokens,
+                                    leave_before_headers_s=rng.uniform(0, 0.05)))
         elif where < 0.4:
             plans.append(ClientPlan(prompt, max_tokens, leave_after_chunks=0))
         else:
-            plans.append(ClientPlan(prompt, max_tokens, leave_after_chunks=rng.randint(1, max_tokens)))
+            plans.append(ClientPlan(prompt, max_tokens,
+                                    leave_after_chunks=rng.randint(1, max_tokens)))
     return plans
 
 
