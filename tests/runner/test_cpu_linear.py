@@ -1,0 +1,39 @@
+"""oneDNN-packed float32 linears compute what nn.Linear does, and replace every one of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from carpool.runner.cpu_linear import PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_linear_matches_linear(bias, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
+        assert PackedLinear(linear)(x.view(1, rows, 96)).shape == (1, rows, 160)
+
+
+def test_pack_linears_replaces_every_float32_linear_only():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
+    assert can_pack(model)
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert not can_pack(nn.Linear(8, 8).to(torch.bfloat16))
+
+
+def test_cpu_float32_runner_uses_packed_linears(llama_checkpoint):
+    from carpool.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(llama_checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
+                         max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2)
+    linears = [m for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
