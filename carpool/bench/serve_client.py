@@ -64,8 +64,14 @@ def arrival_offsets(requests: list[BenchRequest], request_rate: float, seed: int
 
 
 async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
-    response = await client.get(f"{base_url}/v1/models")
-    response.raise_for_status()
+    """The first model the server lists; ValueError saying why when it cannot be asked."""
+    try:
+        response = await client.get(f"{base_url}/v1/models")
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {base_url}: {type(exc).__name__}: {exc}") from None
+    if response.status_code != 200:
+        raise ValueError(f"{base_url}/v1/models answered HTTP {response.status_code}: "
+                         f"{response.text[:300]}")
     models = response.json().get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")

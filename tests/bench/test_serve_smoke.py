@@ -12,6 +12,7 @@ from carpool.cli import main
 from carpool.engine.tokenizer import load_tokenizer
 
 MODEL_NAME = "bench-tiny"
+API_KEY = "bench-key"
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def server(make_checkpoint, tmp_path_factory):
     """`carpool serve` on the tiny checkpoint; yields (base_url, checkpoint)."""
     checkpoint = make_checkpoint("llama")
     flags = ["--served-model-name", MODEL_NAME, "--max-model-len", "256", "--max-num-seqs", "4",
-             "--num-kv-blocks", "256", "--log-level", "warning"]
+             "--num-kv-blocks", "256", "--api-key", API_KEY, "--log-level", "warning"]
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     with LocalServer(checkpoint, flags, log_path) as base_url:
         yield base_url, checkpoint
@@ -29,7 +30,7 @@ def test_load_generator_streams_every_request(server, tmp_path, capsys):
     base_url, checkpoint = server
     result = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--base-url", base_url, "--tokenizer", str(checkpoint),
-               "--workload", "random", "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
+               "--api-key", API_KEY, "--workload", "random", "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
                "--request-rate", "20", "--max-concurrency", "2", "--ignore-eos",
                "--slo", "ttft=600000,tpot=600000", "--no-progress", "--result-file", str(result)])
     assert rc == 0
@@ -50,8 +51,16 @@ def test_load_generator_streams_every_request(server, tmp_path, capsys):
 def test_unknown_model_counts_as_failed_requests(server, capsys):
     base_url, checkpoint = server
     rc = main(["bench", "serve", "--base-url", base_url, "--tokenizer", str(checkpoint),
-               "--model", "no-such-model", "--workload", "random", "--num-prompts", "2",
+               "--api-key", API_KEY, "--model", "no-such-model", "--workload", "random", "--num-prompts", "2",
                "--input-len", "8", "--output-len", "2", "--no-progress"])
     assert rc == 1
     captured = capsys.readouterr()
     assert "Failed requests:" in captured.out and "HTTP 404" in captured.err
+
+
+def test_wrong_api_key_is_a_clear_error(server, capsys):
+    base_url, checkpoint = server
+    rc = main(["bench", "serve", "--base-url", base_url, "--tokenizer", str(checkpoint),
+               "--api-key", "wrong", "--num-prompts", "1", "--no-progress"])
+    assert rc == 2
+    assert "/v1/models answered HTTP 401" in capsys.readouterr().err
