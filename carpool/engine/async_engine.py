@@ -47,7 +47,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "queue a command"
         self._streams: dict[str, OutputStream] = {}  # loop thread only
-        self._admissions: list[OutputStream] = []  # loop thread only
+        self._num_requests_taken = 0  # requests of every add command handled so far
         self._snapshot: dict = {}
         self._ready = threading.Event()
         self._dead: BaseException | None = None
@@ -147,7 +147,6 @@ class AsyncEngine:
                 self._handle(engine, command)
             if commands:
                 self._publish(engine)  # aborts freed blocks: show it before the next step
-                self._send_admissions()
             if not engine.has_unfinished_requests():
                 continue
             outputs = engine.step()
@@ -183,6 +182,7 @@ class AsyncEngine:
 
     def _add(self, engine: Any, requests: list[GenerationRequest], stream: OutputStream,
              arrival_time: float) -> None:
+        self._num_requests_taken += len(requests)
         added: list[str] = []
         try:
             for r in requests:
@@ -196,12 +196,7 @@ class AsyncEngine:
             return
         for rid in added:
             self._streams[rid] = stream
-        self._admissions.append(stream)  # told after the snapshot that counts them is out
-
-    def _send_admissions(self) -> None:
-        admissions, self._admissions = self._admissions, []
-        for stream in admissions:
-            _notify(stream.loop, stream._set_admitted, None)
+        _notify(stream.loop, stream._set_admitted, None)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Hand each output to its stream: one thread-safe call per event loop per step."""
@@ -219,6 +214,7 @@ class AsyncEngine:
     def _publish(self, engine: Any) -> dict:
         stats = dict(engine.stats())
         stats["time"] = time.monotonic()
+        stats["num_requests_taken"] = self._num_requests_taken  # see Admission
         self._snapshot = stats
         if self.metrics is not None:
             self.metrics.update_gauges(stats)
@@ -237,9 +233,6 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - the streams below must still be told
                 logger.exception("on_fatal failed")
         error = EngineDeadError(f"the engine has stopped: {exc!r}")
-        for stream in self._admissions:
-            _notify(stream.loop, stream._set_admitted, error)
-        self._admissions.clear()
         for command in pending:
             if command[0] == "add":
                 _notify(command[2].loop, command[2]._set_admitted, error)

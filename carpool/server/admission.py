@@ -3,9 +3,11 @@
 The waiting queue is bounded: a request that would push the engine's waiting
 requests past `max_num_waiting_requests` gets a 503 with `Retry-After` at
 once, instead of piling up memory and latency for everyone. The count is the
-engine's published `num_waiting` plus the requests queued for admission but
-not yet admitted; the engine publishes its snapshot before it tells a stream
-it was admitted, so no admitted request is ever missing from both counts.
+engine's published `num_waiting` plus the requests sent to the engine that
+its snapshot has not taken in yet (`num_sent` minus the snapshot's
+`num_requests_taken`, two running totals): nothing is missed or counted
+twice, and the only lag — requests scheduled since the snapshot still count
+as waiting for up to one step — errs towards refusing.
 
 On shutdown, `close()` turns new requests away and `abort_all()` ends the
 streams still open with a clear error (and aborts their engine requests).
@@ -27,7 +29,7 @@ class Admission:
 
     def __init__(self, max_num_waiting_requests: int | None = None) -> None:
         self._max_num_waiting = max_num_waiting_requests
-        self.num_admitting = 0  # engine requests queued for admission, not yet admitted
+        self.num_sent = 0  # engine requests ever sent for admission
         self.streams: set[OutputStream] = set()
         self.closing_reason: str | None = None
 
@@ -46,7 +48,9 @@ class Admission:
             raise APIError(400, f"n x number of prompts = {num_requests} generations, more than "
                            f"the server's whole waiting queue holds ({limit}); split the request",
                            param="n")
-        num_waiting = engine.snapshot().get("num_waiting", 0) + self.num_admitting
+        snapshot = engine.snapshot()
+        num_waiting = (snapshot.get("num_waiting", 0) + self.num_sent
+                       - snapshot.get("num_requests_taken", 0))
         if num_waiting + num_requests > limit:
             raise APIError(503, f"The server is overloaded: {num_waiting} requests are waiting "
                            f"(limit {limit}); retry after {RETRY_AFTER_S}s.",
@@ -56,14 +60,12 @@ class Admission:
         """Queue the requests and wait for admission; the engine's refusal is raised as is."""
         self.check(engine, len(requests))
         stream = engine.add(requests)
-        self.num_admitting += len(requests)
+        self.num_sent += len(requests)
         try:
             await stream.admitted()
         except BaseException:
             stream.close()  # nothing to abort if refused; a cancelled wait must not leak
             raise
-        finally:
-            self.num_admitting -= len(requests)
         self.streams.add(stream)
         return stream
 
