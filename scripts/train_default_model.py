@@ -4,12 +4,16 @@ carpool must serve something on a fresh machine with no model hub, so the packag
 ships a small model trained here, on a corpus every machine has and that we may
 use: the standard library's own `.py` sources (PSF licence). Files whose relative
 path hashes into 1/20 of the space are held out for evaluation; the rest train a
-byte-level BPE tokenizer and the model. Files are joined with `<|endoftext|>` so
-the model learns to stop. Everything is seeded and runs deterministically.
+byte-level BPE tokenizer and the model. Each file is cut into short documents at
+its top-level statements (a function, a class or a piece of a long one, a run of
+imports), each followed by `<|endoftext|>`, so the model learns to end a function
+and stop. Everything is seeded and runs deterministically (for a given --threads).
 
     python scripts/train_default_model.py              # train, write carpool/default_model/
     python scripts/train_default_model.py --check      # re-evaluate the shipped weights
     python scripts/train_default_model.py --samples    # greedy completions of a few prompts
+
+Every TrainConfig field is also a flag (`--num-steps 40 --out /tmp/pilot` for a pilot).
 
 The corpus depends on the Python version (3.11 for the shipped model), so
 `--check` reproduces the recorded held-out loss only on the same minor version.
@@ -18,6 +22,7 @@ The corpus depends on the Python version (3.11 for the shipped model), so
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import math
@@ -26,7 +31,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -41,9 +47,12 @@ from carpool.testing.checkpoints import EOS_TOKEN, train_tokenizer  # noqa: E402
 
 SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "__pycache__"})
 NUM_HELDOUT_BUCKETS = 20  # one file in 20 (by path hash) is held out
+MAX_CLASS_DOC_LINES = 30  # a longer class is cut into pieces of about this many lines
+DEF_NODES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 METRICS_FILE = "training_metrics.json"
 CHECK_TOLERANCE_NATS = 0.02
-SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:")
+SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:", "def add(a, b):",
+                  "def is_prime(n):", "def read_file(path):", "import sys\n", "def main():")
 
 
 @dataclass(frozen=True)
@@ -59,8 +68,8 @@ class TrainConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     batch_size: int = 8
-    num_steps: int = 600
-    num_warmup_steps: int = 50
+    num_steps: int = 1200
+    num_warmup_steps: int = 60
     peak_lr: float = 3e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -101,10 +110,74 @@ def _is_utf8(path: Path) -> bool:
         return False
 
 
+def documents(source: str) -> list[str]:
+    """One file cut into short documents at top-level statements, so the model sees many ends.
+
+    Each top-level `def`/`class` (with the comments and decorators above it) is a document;
+    consecutive other statements (imports, assignments, the module docstring) form one
+    together. A class longer than MAX_CLASS_DOC_LINES is cut between body statements,
+    each later piece repeating the `class` line. A file that does not parse is one document.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return [source]
+    lines = source.splitlines(keepends=True)
+    pieces: list[list[str]] = []
+    start, other_start = 0, None  # first line not yet taken; start of a pending run
+    for node in tree.body:
+        if node.end_lineno <= start:
+            continue  # shares its line with the previous statement
+        if not isinstance(node, DEF_NODES):
+            other_start = start if other_start is None else other_start
+        else:
+            if other_start is not None:
+                pieces.append(lines[other_start:start])
+                other_start = None
+            pieces.extend(_def_pieces(node, lines, start))
+        start = node.end_lineno
+    if other_start is not None:
+        pieces.append(lines[other_start:start])
+    if pieces:
+        pieces[-1] = pieces[-1] + lines[start:]  # trailing comments
+    texts = ["".join(piece).strip("\n") for piece in pieces]
+    return [text + "\n" for text in texts if text.strip()]
+
+
+def _def_pieces(node: ast.stmt, lines: list[str], start: int) -> list[list[str]]:
+    """Lines `start..node end` as one piece, or a long class as several under its header."""
+    end = node.end_lineno
+    if not isinstance(node, ast.ClassDef) or end - start <= MAX_CLASS_DOC_LINES \
+            or len(node.body) < 2:
+        return [lines[start:end]]
+    header = lines[node.lineno - 1:_first_line(node.body[0]) - 1]
+    pieces, piece_start, piece_end = [], start, start
+    for stmt in node.body:
+        if piece_end > piece_start and stmt.end_lineno - piece_start > MAX_CLASS_DOC_LINES:
+            pieces.append(lines[piece_start:piece_end])
+            piece_start = piece_end
+        piece_end = stmt.end_lineno
+    pieces.append(lines[piece_start:end])
+    return [pieces[0]] + [header + _drop_blank_lines(piece) for piece in pieces[1:]]
+
+
+def _drop_blank_lines(lines: list[str]) -> list[str]:
+    """`lines` without its leading blank lines."""
+    num_blank = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    return lines[num_blank:]
+
+
+def _first_line(node: ast.stmt) -> int:
+    """1-based first line of a statement, decorators included."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+
+
 def token_stream(tokenizer, files: list[Path]) -> torch.Tensor:
-    """All files' token ids, each followed by `<|endoftext|>`, as one 1-D tensor."""
+    """Every file's documents' token ids, each followed by `<|endoftext|>`, as one tensor."""
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    texts = [f.read_text(encoding="utf-8") for f in files]
+    texts = [doc for f in files for doc in documents(f.read_text(encoding="utf-8"))]
     ids: list[int] = []
     for encoding in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False):
         ids.extend(encoding.ids)
@@ -206,7 +279,7 @@ def unigram_loss(train_stream: torch.Tensor, heldout_chunks: torch.Tensor,
 # ---------------------------------------------------------------- commands
 
 def run_training(args) -> int:
-    cfg = TrainConfig(num_steps=args.steps, seed=args.seed)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train_files, heldout_files = corpus_split()
@@ -271,14 +344,18 @@ def run_samples(args) -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     model = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     model.eval()
+    num_stopped = 0
     for prompt in SAMPLE_PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                              attention_mask=torch.ones_like(ids))
         new = out[0, ids.shape[1]:].tolist()
         stopped = tokenizer.eos_token_id in new
+        num_stopped += stopped
         print(f"=== prompt {prompt!r} ({'stopped on EOS' if stopped else 'hit max_new_tokens'})")
         print(prompt + tokenizer.decode(new, skip_special_tokens=True))
+    print(f"{num_stopped}/{len(SAMPLE_PROMPTS)} prompts stopped on <|endoftext|> within "
+          f"{args.max_new_tokens} new tokens")
     return 0
 
 
@@ -291,8 +368,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="print greedy completions of a few prompts from --out")
     parser.add_argument("--out", default=str(DEFAULT_MODEL_DIR),
                         help="model folder to write (or to read with --check/--samples)")
-    parser.add_argument("--steps", type=int, default=TrainConfig.num_steps)
-    parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    for field in fields(TrainConfig):
+        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
+                            default=field.default, help=f"(default {field.default})")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--max-new-tokens", type=int, default=128)

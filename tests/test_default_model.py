@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import math
@@ -124,8 +125,58 @@ def test_corpus_split_is_disjoint_sorted_and_skips_tests(script, split):
             path.relative_to(root).parts[:-1])
 
 
+SOURCE = '''"""Module docstring."""
+import os
+X = 1
+
+# helper, with a comment above it
+@decorator
+def f(a):
+    return a
+
+
+class C(Base):
+    """Doc."""
+
+    def one(self):
+        return 1
+
+    def two(self):
+        return 2
+if X: Y = 2
+'''
+
+
+def test_documents_cut_a_file_at_top_level_statements(script):
+    docs = script.documents(SOURCE)
+    assert docs == [
+        '"""Module docstring."""\nimport os\nX = 1\n',
+        "# helper, with a comment above it\n@decorator\ndef f(a):\n    return a\n",
+        'class C(Base):\n    """Doc."""\n\n    def one(self):\n        return 1\n\n'
+        "    def two(self):\n        return 2\n",
+        "if X: Y = 2\n",
+    ]
+
+
+def test_a_long_class_is_cut_into_pieces_that_each_parse_under_its_header(script):
+    methods = "".join(f"    def m{i}(self):\n        return {i}\n\n" for i in range(40))
+    source = "@dataclass\nclass Long(Base):\n    x = 1\n\n" + methods
+    docs = script.documents(source)
+    assert len(docs) > 2 and docs[0].startswith("@dataclass\nclass Long(Base):\n    x = 1\n")
+    assert all(doc.startswith("class Long(Base):\n    def ") for doc in docs[1:])
+    for doc in docs:
+        ast.parse(doc)
+        assert len(doc.splitlines()) <= script.MAX_CLASS_DOC_LINES + 1
+    bodies = [doc.split("\n", 1)[1] for doc in docs]  # every method exactly once
+    assert "".join(bodies).count("    def m") == 40
+
+
+def test_a_file_that_does_not_parse_is_one_document(script):
+    assert script.documents("def broken(:\n    pass\n") == ["def broken(:\n    pass\n"]
+
+
 def test_greedy_completion_looks_like_python(tokenizer, model):
-    prompt = "def fibonacci(n):"
+    prompt = "def read_file(path):"  # (`def fibonacci(n):` gets a body of comments)
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     out = model.generate(ids, max_new_tokens=64, do_sample=False,
                          attention_mask=torch.ones_like(ids))
@@ -133,3 +184,25 @@ def test_greedy_completion_looks_like_python(tokenizer, model):
     assert text.startswith("\n    ")  # an indented function body
     words = set(text.replace("(", " ").replace(":", " ").split())
     assert words & {"def", "return", "if", "for", "self", "import", "class", '"""'}
+
+
+STOPPING_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:", "def add(a, b):",
+                    "def is_prime(n):", "def read_file(path):", "import sys\n", "def main():")
+MAX_STOP_TOKENS = 128
+MIN_STOPPED = 1  # measured: 1 of 8 (import os) at 128 tokens; the old model 0
+
+
+def test_llm_with_no_model_stops_typical_prompts_on_the_end_token():
+    """`LLM()` serves the shipped folder, and greedy completions end by themselves."""
+    from carpool import LLM, SamplingParams
+
+    llm = LLM()
+    params = SamplingParams(max_tokens=MAX_STOP_TOKENS, temperature=0)
+    outputs = llm.generate(list(STOPPING_PROMPTS), params, use_tqdm=False)
+    finished = {o.prompt: o.outputs[0].finish_reason for o in outputs}
+    stopped = [prompt for prompt, reason in finished.items() if reason == "stop"]
+    assert len(stopped) >= MIN_STOPPED, finished
+    eos_id = llm.get_tokenizer().eos_token_id
+    for output in outputs:
+        completion = output.outputs[0]
+        assert eos_id not in completion.token_ids[:-1]  # nothing generated after the end
