@@ -65,3 +65,17 @@ def test_variant_settings():
     assert explicit["max_num_partial_prefills"] == 2
     with pytest.raises(ValueError, match="variant"):
         engine_kwargs("fast", common, 512)
+
+
+def test_cpu_clock_skips_idle_waits_instead_of_sleeping():
+    import time
+
+    from carpool.bench.offline import BenchClock
+
+    clock = BenchClock("cpu")
+    before_wall, before = time.monotonic(), clock.now()
+    clock.wait_until(before + 5.0)
+    assert clock.now() >= before + 5.0
+    assert time.monotonic() - before_wall < 1.0
+    with pytest.raises(ValueError, match="clock"):
+        BenchClock("sundial")
