@@ -50,6 +50,9 @@ def main() -> int:
                                       concurrency=args.clients, seed=args.seed))
             stats = _idle_stats(base_url)
     print(report.summary())
+    step = max(1, len(report.rss_samples) // 12)
+    print("RSS (s: MiB): " + ", ".join(f"{t:.0f}: {b / 2**20:.1f}"
+                                        for t, b in report.rss_samples[::step]))
     leaked = stats["num_total_blocks"] - stats["num_free_blocks"]
     print(f"blocks leaked: {leaked} (integrity: {stats['integrity']}); "
           f"clients: {args.clients}; RSS growth {100 * report.rss_growth:+.2f}%")
