@@ -68,6 +68,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the checkpoint's
+        generation_config.json sampling fields over SamplingParams' defaults (as vLLM)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -114,6 +119,8 @@ class LLM:
 
     def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(inputs))
         builders, children = self._plan(inputs, params_list)
         added: list[str] = []

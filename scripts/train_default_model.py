@@ -303,8 +303,10 @@ def run_training(args) -> int:
     print(f"held-out loss {loss:.4f} nats/token; unigram baseline {baseline:.4f}")
 
     model.save_pretrained(str(out), safe_serialization=True)
-    transformers.GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id,
-                                  pad_token_id=eos_id).save_pretrained(str(out))
+    # repetition_penalty 1.1: measured, greedy then ends 7 of 8 typical prompts on the end
+    # token within 128 tokens (2 of 8 without); HF generate and carpool both apply it by default.
+    transformers.GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id,
+                                  repetition_penalty=1.1).save_pretrained(str(out))
     metrics = {
         "heldout_loss_nats": round(loss, 4), "unigram_baseline_nats": round(baseline, 4),
         "num_params": num_params, "train_seconds": round(train_seconds, 1),

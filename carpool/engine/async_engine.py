@@ -133,7 +133,8 @@ class AsyncEngine:
             served_model_name=engine.served_model_name, max_model_len=engine.max_model_len,
             vocab_size=engine.model_config.vocab_size,
             max_num_seqs=engine.scheduler_config.max_num_seqs,
-            kv_cache_info=dict(engine.runner.kv_cache_info), tokenizer=tokenizer)
+            kv_cache_info=dict(engine.runner.kv_cache_info), tokenizer=tokenizer,
+            sampling_defaults=dict(engine.sampling_defaults))
         if self._metrics_factory is not None:
             self.metrics = self._metrics_factory(self.info)
         self._publish(engine)

@@ -48,8 +48,11 @@ class LLMEngine:
     step_hook: Callable[[SchedulerOutput], None] | None = None
 
     def __init__(self, config: EngineConfig, model_path: str, runner, tokenizer, scheduler,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 sampling_defaults: dict | None = None):
         self.config = config
+        # generation_config.json's sampling fields: what an unset request field means.
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -74,6 +77,7 @@ class LLMEngine:
         from carpool.core.scheduler import Scheduler
         from carpool.core.static_scheduler import StaticScheduler
         from carpool.models.config import load_model_config
+        from carpool.models.generation_defaults import load_sampling_defaults
         from carpool.models.loader import resolve_model_path
         from carpool.runner.model_runner import ModelRunner
 
@@ -94,7 +98,8 @@ class LLMEngine:
             max_num_seqs=sched_config.max_num_seqs, seed=config.seed)
         scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
         scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
-        return cls(config, model, runner, load_tokenizer(path), scheduler)
+        return cls(config, model, runner, load_tokenizer(path), scheduler,
+                   sampling_defaults=load_sampling_defaults(path))
 
     # ---- requests in -------------------------------------------------------------------
 

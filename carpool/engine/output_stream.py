@@ -8,7 +8,7 @@ and is read by one asyncio task; the loop thread fills it through
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from carpool.outputs import StepOutput
@@ -42,6 +42,8 @@ class EngineInfo:
     max_num_seqs: int
     kv_cache_info: dict
     tokenizer: Any  # the HTTP side's own copy: never shared with the loop thread
+    # generation_config.json's sampling fields, for request fields left unset.
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 class OutputStream:

@@ -64,7 +64,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     info = engine.info
     check_model(body.model, info)
     try:
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(info.sampling_defaults)
         prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)
         ctx = _Context(new_id("chatcmpl"), int(time.time()), info.served_model_name,
                        params.logprobs if body.logprobs else None, info.tokenizer)

@@ -57,7 +57,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     check_model(body.model, info)
     try:
         prompts = body.prompts()
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(info.sampling_defaults)
         ctx = _Context(new_id("cmpl"), int(time.time()), info.served_model_name, prompts,
                        params.n, body.echo, params.logprobs, info.tokenizer)
         requests = fan_out(ctx.id, prompts, params, info)

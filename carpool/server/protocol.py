@@ -7,11 +7,14 @@ as vLLM does, so newer clients keep working.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from types import MappingProxyType
+from typing import Annotated, Any, Literal, Mapping, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from carpool.sampling_params import MAX_LOGPROBS, SamplingParams
+
+EMPTY_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
 TokenIds = list[int]
 
@@ -71,7 +74,9 @@ class _SamplingRequest(BaseModel):
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
 
-    def _sampling_kwargs(self) -> dict:
+    def _sampling_kwargs(self, defaults: Mapping[str, Any]) -> dict:
+        """SamplingParams kwargs; an unset temperature / top_p / top_k / min_p /
+        repetition_penalty takes the model's generation_config value (`defaults`)."""
         self._check_unsupported()
         kwargs = dict(
             n=self.n, min_tokens=self.min_tokens,
@@ -81,6 +86,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+        kwargs.update({k: defaults[k] for k, v in optional.items() if v is None and k in defaults})
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         return kwargs
 
@@ -108,14 +114,14 @@ class CompletionRequest(_SamplingRequest):
                 raise ValueError("prompt must not hold an empty list of token ids")
         return prompts
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] = EMPTY_DEFAULTS) -> SamplingParams:
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.echo and self.logprobs is not None:
             raise ValueError("logprobs together with echo is not supported "
                              "(prompt logprobs are not computed)")
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                              **self._sampling_kwargs())
+                              **self._sampling_kwargs(defaults))
 
 
 class TextPart(BaseModel):
@@ -154,7 +160,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format: only {'type': 'text'} is supported")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] = EMPTY_DEFAULTS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -162,7 +168,7 @@ class ChatCompletionRequest(_SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs())
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs(defaults))
 
 
 class TokenizeRequest(BaseModel):
