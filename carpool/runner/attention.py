@@ -123,11 +123,12 @@ def _attend_fresh(q: torch.Tensor, kv_cache: torch.Tensor, fresh: FreshPrefills,
     offset = 0
     for start, length in fresh.spans:
         span = slice(offset, offset + length)
+        # 4-D (batch of one): 3-D inputs send CPU SDPA to its slower math backend.
         attended = F.scaled_dot_product_attention(
-            q[start:start + length].transpose(0, 1), keys[span].transpose(0, 1),
-            values[span].transpose(0, 1), is_causal=True, scale=scale,
-            enable_gqa=num_heads != num_kv_heads)  # (H, length, D)
-        out[start:start + length] = attended.transpose(0, 1)
+            q[start:start + length].transpose(0, 1)[None], keys[span].transpose(0, 1)[None],
+            values[span].transpose(0, 1)[None], is_causal=True, scale=scale,
+            enable_gqa=num_heads != num_kv_heads)  # (1, H, length, D)
+        out[start:start + length] = attended[0].transpose(0, 1)
         offset += length
 
 
