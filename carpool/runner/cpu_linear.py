@@ -7,12 +7,22 @@ project's benchmark machine (AMD EPYC, AVX-512) ran 2.7x (4096 rows) to 4.6x
 torch.compile's CPU weight freezing emits). bfloat16 linears already run on
 oneDNN and are left alone. Results equal `F.linear`'s up to float32 rounding
 (another summation order).
+
+Off by default (opt in with CARPOOL_ONEDNN_LINEAR=1): each new row count
+(batch size) makes oneDNN build and cache another primitive, and resident
+memory grows with the number of distinct step sizes seen. Measured: one
+384x1024 layer fed row counts 1..1024 twice grew RSS 231 -> 2633 MiB, where
+`F.linear` stayed at 222 -> 250 MiB; a 9-minute server soak levelled off at
++300 MiB. A server must not grow like that, so the MKL path stays the default
+until the row counts are bucketed.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+ONEDNN_LINEAR_ENV = "CARPOOL_ONEDNN_LINEAR"  # "1" turns packing on in ModelRunner
 
 
 class PackedLinear(nn.Module):

@@ -9,6 +9,7 @@ of its known tokens. Logits are computed only for those rows.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from carpool.models.config import ModelConfig, load_model_config
 from carpool.models.loader import load_model, resolve_model_path
 from carpool.outputs import PositionLogprobs
 from carpool.runner import kv_cache
-from carpool.runner.cpu_linear import can_pack, pack_linears
+from carpool.runner.cpu_linear import ONEDNN_LINEAR_ENV, can_pack, pack_linears
 from carpool.runner.cpu_memory import keep_freed_memory_in_heap
 from carpool.runner.input_batch import build_input_batch
 from carpool.runner.sampler import Sampler
@@ -58,7 +59,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.model = load_model(path, self.model_config, self.dtype, self.device)
-        if can_pack(self.model):
+        if can_pack(self.model) and os.environ.get(ONEDNN_LINEAR_ENV) == "1":
             pack_linears(self.model)
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, seed)
         self._spec = kv_cache.KVCacheSpec.from_model(self.model_config, block_size, self.dtype)

@@ -30,10 +30,18 @@ def test_pack_linears_replaces_every_float32_linear_only():
     assert not can_pack(nn.Linear(8, 8).to(torch.bfloat16))
 
 
-def test_cpu_float32_runner_uses_packed_linears(llama_checkpoint):
+def _runner_linears(checkpoint):
     from carpool.runner.model_runner import ModelRunner
 
-    runner = ModelRunner(llama_checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
+    runner = ModelRunner(checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
                          max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2)
-    linears = [m for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    return [m for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+
+
+def test_cpu_float32_runner_packs_linears_only_when_asked(llama_checkpoint, monkeypatch):
+    monkeypatch.delenv("CARPOOL_ONEDNN_LINEAR", raising=False)
+    linears = _runner_linears(llama_checkpoint)
+    assert linears and not any(isinstance(m, PackedLinear) for m in linears)
+    monkeypatch.setenv("CARPOOL_ONEDNN_LINEAR", "1")
+    linears = _runner_linears(llama_checkpoint)
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
