@@ -34,7 +34,10 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, scheduler: str = "continuous",
                  preemption_policy: str = "newest", device: str = "auto", seed: int = 0,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, trust_remote_code: bool = False):
+        if trust_remote_code:
+            raise ValueError("trust_remote_code is not supported: carpool runs only its own "
+                             "model code over safetensors weights")
         scheduler_len = max_model_len or SchedulerConfig.max_model_len
         if max_num_batched_tokens is None:
             max_num_batched_tokens = SchedulerConfig.max_num_batched_tokens

@@ -309,3 +309,10 @@ def test_generate_raises_on_engine_errors_and_cleans_up_on_interrupt(model_dir):
     llm.engine.step_hook = None
     outs = llm.generate(batch, GREEDY, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [24, 24, 24]
+
+
+def test_llm_refuses_trust_remote_code():
+    from carpool import LLM
+
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        LLM(trust_remote_code=True)
