@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import httpx
 
@@ -28,8 +29,13 @@ class LocalServer:
     """`with LocalServer(model, flags, log_path) as base_url: ...`"""
 
     def __init__(self, model: str | os.PathLike, flags: list[str], log_path: str | os.PathLike,
-                 startup_timeout_s: float = 180.0) -> None:
+                 startup_timeout_s: float = 180.0, *,
+                 launcher: Sequence[str] = (sys.executable, "-m", "carpool.cli"),
+                 env: Mapping[str, str] | None = None) -> None:
+        """`launcher` is what runs `serve ...` (a test may start a script of its own);
+        `env` adds variables to the server's environment."""
         self.model, self.flags = str(model), list(flags)
+        self.launcher, self.env = list(launcher), dict(env or {})
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
         self.port = free_port()
@@ -39,9 +45,9 @@ class LocalServer:
     def __enter__(self) -> str:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "carpool.cli", "serve", self.model, "--port", str(self.port),
-                 *self.flags], stdout=log, stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                [*self.launcher, "serve", self.model, "--port", str(self.port), *self.flags],
+                stdout=log, stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
         try:
             self._wait_healthy()
         except BaseException:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -60,32 +59,12 @@ def live_server(checkpoint: Path, flags: list[str], log_path: Path) -> Iterator[
         yield Live(local, base_url)
 
 
-class ScriptServer(LocalServer):
-    """A LocalServer started through a launcher script instead of `python -m carpool.cli`."""
-
-    def __init__(self, script: Path, model: Path, flags: list[str], log_path: Path) -> None:
-        super().__init__(model, flags, log_path)
-        self.script = script
-
-    def __enter__(self) -> str:
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, str(self.script), "serve", self.model, "--port", str(self.port),
-                 *self.flags], stdout=log, stderr=subprocess.STDOUT,
-                env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self.base_url
-
-
 @contextlib.contextmanager
 def fault_server(checkpoint: Path, flags: list[str], log_path: Path) -> Iterator[Live]:
     """A server whose engine faults on request (see fault_server.py)."""
     script = Path(__file__).with_name("fault_server.py")
-    local = ScriptServer(script, checkpoint, [*BASE_FLAGS, *flags], log_path)
+    local = LocalServer(checkpoint, [*BASE_FLAGS, *flags], log_path,
+                        launcher=(sys.executable, str(script)), env={"OMP_NUM_THREADS": "1"})
     with local as base_url:
         yield Live(local, base_url)
 
