@@ -152,12 +152,12 @@ class LLM:
             request_id = str(next(self._request_counter))
             builder = RequestOutputBuilder(request_id, prompt, prompt_ids, [])
             for index in range(params.n):
-                child_params = _child_params(params, index)
-                self.engine.validate_request(prompt_ids, child_params)
+                params_i = child_params(params, index)
+                self.engine.validate_request(prompt_ids, params_i)
                 completion = CompletionBuilder(index, params.logprobs is not None)
                 builder.completions.append(completion)
                 child_id = request_id if params.n == 1 else f"{request_id}-{index}"
-                children.append(_Child(child_id, prompt_ids, child_params, builder, completion))
+                children.append(_Child(child_id, prompt_ids, params_i, builder, completion))
             builders.append(builder)
         return builders, children
 
@@ -248,7 +248,7 @@ def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams
     return params_list
 
 
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Completion `index` of a prompt: n=1, and seed + index so seeded completions differ."""
     seed = params.seed
     if seed is not None:

@@ -16,7 +16,7 @@ logger = logging.getLogger("carpool.generate")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from carpool.server.cli import _add_engine_arguments, _add_scheduler_arguments
+    from carpool.server.cli import add_engine_arguments, add_scheduler_arguments
 
     parser.add_argument("model", nargs="?", default=None,
                         help="Hugging Face model folder or hub id (default: the built-in model).")
@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--ignore-eos", action="store_true", help="Keep going past EOS.")
     sampling.add_argument("--logprobs", type=int, default=None,
                           help="Show the top-N logprobs of each output token.")
-    _add_engine_arguments(parser.add_argument_group("engine"))
-    _add_scheduler_arguments(parser.add_argument_group("scheduler"))
+    add_engine_arguments(parser.add_argument_group("engine"))
+    add_scheduler_arguments(parser.add_argument_group("scheduler"))
     parser.set_defaults(served_model_name=None)
 
 

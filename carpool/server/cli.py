@@ -49,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"), help="Logging level.")
     _add_robustness_arguments(server)
-    _add_engine_arguments(parser.add_argument_group("engine"))
-    _add_scheduler_arguments(parser.add_argument_group("scheduler"))
+    add_engine_arguments(parser.add_argument_group("engine"))
+    add_scheduler_arguments(parser.add_argument_group("scheduler"))
 
 
 def _add_robustness_arguments(group) -> None:
@@ -73,7 +73,7 @@ def _add_robustness_arguments(group) -> None:
                        help="Not supported: carpool never runs code shipped with a checkpoint.")
 
 
-def _add_engine_arguments(group) -> None:
+def add_engine_arguments(group) -> None:
     group.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="Weights and activations dtype (auto: the checkpoint's).")
     group.add_argument("--device", default="auto",
@@ -89,7 +89,7 @@ def _add_engine_arguments(group) -> None:
                        help="Devices to shard the model over (only 1 is supported).")
 
 
-def _add_scheduler_arguments(group) -> None:
+def add_scheduler_arguments(group) -> None:
     defaults = SchedulerConfig()
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                        help=f"Most requests running at once (default {defaults.max_num_seqs}).")

@@ -23,7 +23,7 @@ from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInf
                                          GenerationRequest, OutputStream)
 from carpool.engine.output_builder import CompletionBuilder
 from carpool.engine.output_stream import ServerClosingError
-from carpool.llm import _child_params as child_params
+from carpool.llm import child_params
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
 from carpool.server.admission import Admission
