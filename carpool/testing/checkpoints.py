@@ -38,6 +38,11 @@ TINY_SHAPES: dict[str, dict] = {
 }
 
 
+def random_prompt(rng, num_tokens: int, vocab_size: int = 512) -> list[int]:
+    """`num_tokens` token ids drawn by `rng` (a random.Random) from a checkpoint's vocabulary."""
+    return [rng.randrange(vocab_size) for _ in range(num_tokens)]
+
+
 def stdlib_corpus_files(limit: int | None = None) -> list[Path]:
     """Python standard-library sources (PSF licence), sorted, present on every machine."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -14,11 +13,6 @@ torch.set_num_threads(1)
 # Random tiny models have nearly flat logits; initializer_range=0.2 separates the top
 # tokens enough (gaps >= 1e-4 on every reference position) for exact greedy comparisons.
 SEPARATED = dict(initializer_range=0.2)
-VOCAB_SIZE = 512
-
-
-def random_prompt(rng: random.Random, num_tokens: int) -> list[int]:
-    return [rng.randrange(VOCAB_SIZE) for _ in range(num_tokens)]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import pytest
 
 from carpool import LLM, SamplingParams
 
-from conftest import random_prompt  # tests/engine/conftest.py
+from carpool.testing.checkpoints import random_prompt
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 PROMPT_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 200, 333)

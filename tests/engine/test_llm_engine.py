@@ -12,7 +12,7 @@ from carpool.config import EngineConfig
 from carpool.core.config import SchedulerConfig
 from carpool.engine.llm_engine import LLMEngine
 
-from conftest import random_prompt  # tests/engine/conftest.py
+from carpool.testing.checkpoints import random_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
