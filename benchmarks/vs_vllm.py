@@ -80,10 +80,19 @@ def summarize_run(result: dict) -> dict:
     num_output_tokens = sum(r["num_output_tokens"] for r in requests)
     ttft = Distribution.of([r["first_token_s"] for r in requests if r["first_token_s"] is not None])
     e2e = Distribution.of([r["end_s"] for r in requests if r["end_s"] is not None])
+    # Where the time went: until every prompt is prefilled, then steps that only decode.
+    all_prefilled_s = max(r["first_token_s"] or 0.0 for r in requests)
+    elapsed, decode_steps = 0.0, []
+    for seconds, _ in result.get("steps", []):
+        elapsed += seconds
+        if elapsed > all_prefilled_s:
+            decode_steps.append(seconds)
     return {"duration_s": result["duration_s"], "num_output_tokens": num_output_tokens,
             "output_tok_s": num_output_tokens / result["duration_s"],
             "ttft_p50_ms": ttft.median_ms, "ttft_p99_ms": ttft.p99_ms,
-            "e2e_p50_ms": e2e.median_ms, "e2e_p99_ms": e2e.p99_ms}
+            "e2e_p50_ms": e2e.median_ms, "e2e_p99_ms": e2e.p99_ms,
+            "all_prefilled_s": all_prefilled_s,
+            "decode_step_p50_ms": Distribution.of(decode_steps).median_ms}
 
 
 def run_worker(engine: str, job: Job, python: str, workdir: Path, tag: str, timeout_s: float,
@@ -122,7 +131,8 @@ def aggregate(runs: list[dict]) -> dict:
     toks = [r["output_tok_s"] for r in runs]
     out = {"num_repeats": len(runs), "tok_s_min": min(toks), "tok_s_median": med(toks),
            "tok_s_max": max(toks)}
-    for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"):
+    for key in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "all_prefilled_s",
+                "decode_step_p50_ms"):
         out[key] = med([r[key] for r in runs])
     return out
 
@@ -152,7 +162,9 @@ def compare_case(name: str, model_dir: Path, dtype: str, workloads: dict, engine
                     tokens[engine][wname] = wresult["requests"]
                 print(f"  {name} {dtype} {wname:>5} {engine:<8} repeat {repeat}: "
                       f"{summary['output_tok_s']:8.1f} tok/s  TTFT p50 {summary['ttft_p50_ms']:8.0f} ms  "
-                      f"E2E p50 {summary['e2e_p50_ms']:8.0f} ms", flush=True)
+                      f"E2E p50 {summary['e2e_p50_ms']:8.0f} ms  (all prefilled at "
+                      f"{summary['all_prefilled_s']:.1f} s, then steps of "
+                      f"{summary['decode_step_p50_ms']:.0f} ms p50)", flush=True)
             print(f"  ({engine} process took {time.time() - started:.0f} s, startup "
                   f"{result['startup_s']:.0f} s)", flush=True)
     case = {"model": name, "dtype": dtype, "checkpoint": str(model_dir), "workloads": {},

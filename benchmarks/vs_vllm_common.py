@@ -75,9 +75,12 @@ def run_workload(requests: list[tuple[list[int], int]], add: Callable[[int, list
     for index, (ids, num_output_tokens) in enumerate(requests):
         add(index, ids, num_output_tokens)
     num_left = len(requests)
+    steps = []  # (seconds, requests in the step's output) per engine step
     while num_left:
+        step_start = time.perf_counter()
         deltas = list(step())
         now = time.perf_counter() - start
+        steps.append((now - (step_start - start), len(deltas)))
         for delta in deltas:
             timing = timings[delta.request_index]
             if delta.new_token_ids:
@@ -90,7 +93,7 @@ def run_workload(requests: list[tuple[list[int], int]], add: Callable[[int, list
                 timing.end_s = now
                 num_left -= 1
     duration = time.perf_counter() - start
-    return {"duration_s": duration, "requests": [asdict(t) for t in timings]}
+    return {"duration_s": duration, "requests": [asdict(t) for t in timings], "steps": steps}
 
 
 def run_job(job: Job, build: Callable[[Job], tuple[Callable, Callable]], out_path: str) -> None:

@@ -3,7 +3,9 @@
 There is no batch dimension: the T tokens of every scheduled request are packed
 end to end, and `AttentionMetadata` says which request each belongs to and where
 its keys and values live in the paged cache. Parameter names mirror Hugging
-Face's, so a checkpoint's state dict loads as is.
+Face's, except that projections applied to the same input are stacked into one
+matrix (`StackedLinear`: q/k/v, gate/up), one matmul instead of three or two;
+`checkpoint_targets` maps each checkpoint tensor to its rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,18 @@ from torch import nn
 from carpool.models.config import ModelConfig
 from carpool.models.rope import RotaryEmbedding, apply_rope
 from carpool.runner.attention import AttentionMetadata, paged_attention, write_kv
+
+
+class StackedLinear(nn.Linear):
+    """Several checkpoint projections of the same input, stacked by output rows.
+
+    `parts` names them in row order with their output sizes, e.g. (("q_proj", 576),
+    ("k_proj", 192), ("v_proj", 192)), which `checkpoint_targets` reads to load it.
+    """
+
+    def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], bias: bool) -> None:
+        super().__init__(in_features, sum(size for _, size in parts), bias=bias)
+        self.parts = parts
 
 
 class RMSNorm(nn.Module):
@@ -38,9 +52,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = StackedLinear(
+            config.hidden_size, (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
+            bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -51,14 +66,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv_cache, meta.slot_mapping, k, v)
-        out = paged_attention(q, kv_cache, meta, self.scale)  # (T, H, D)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -68,12 +84,13 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=config.mlp_bias)
+        self.gate_up_proj = StackedLinear(hidden, (("gate_proj", inner), ("up_proj", inner)),
+                                          bias=config.mlp_bias)
         self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -122,3 +139,28 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (rows to sample) -> logits [N, vocab_size] in float32."""
         return self.lm_head(self.model.norm(hidden)).float()
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, slice]]:
+    """Every tensor name a Hugging Face checkpoint of `model` holds -> (parameter, its rows).
+
+    A plain parameter is filled whole (`slice(None)`); a `StackedLinear`'s weight and
+    bias are filled part by part, e.g. `...self_attn.k_proj.weight` -> rows
+    [q_size, q_size + kv_size) of `...self_attn.qkv_proj.weight`. Tied parameters
+    appear under each of their names.
+    """
+    targets = {name: (param, slice(None))
+               for name, param in model.named_parameters(remove_duplicate=False)}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, StackedLinear):
+            continue
+        prefix = module_name.rpartition(".")[0]
+        for kind in ("weight", "bias"):
+            param = targets.pop(f"{module_name}.{kind}", (None, None))[0]
+            if param is None:
+                continue
+            offset = 0
+            for part, size in module.parts:
+                targets[f"{prefix}.{part}.{kind}"] = (param, slice(offset, offset + size))
+                offset += size
+    return targets

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from carpool.models.config import ModelConfig
-from carpool.models.llama import LlamaForCausalLM
+from carpool.models.llama import LlamaForCausalLM, checkpoint_targets
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _fill_parameters(model: LlamaForCausalLM, files: list[Path], config: ModelCo
                      device: torch.device) -> None:
     from safetensors import safe_open
 
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = checkpoint_targets(model)
     if config.tie_word_embeddings:
         params.pop("lm_head.weight")
     loaded: set[str] = set()
@@ -101,7 +101,8 @@ def _fill_parameters(model: LlamaForCausalLM, files: list[Path], config: ModelCo
                     raise ValueError(f"unexpected tensor {name!r} in {file.name} "
                                      f"for {config.architecture}")
                 tensor = f.get_tensor(name)
-                target = params[name]
+                param, rows = params[name]
+                target = param[rows]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"tensor {name!r} in {file.name} has shape "
                                      f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")

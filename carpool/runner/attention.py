@@ -1,8 +1,10 @@
 """Paged attention over a flat packed batch, in plain PyTorch (any device).
 
-The KV cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(keys, values). A token at position p of a request lives in slot
-`block_ids[p // block_size] * block_size + p % block_size`.
+The KV cache of one layer is `[2, num_kv_heads, num_blocks, block_size, head_dim]`
+(keys, values; head-major). A token at position p of a request lives in slot
+`block_ids[p // block_size] * block_size + p % block_size` of every head. Gathering
+a request's blocks therefore gives, per head, its keys as one contiguous
+`[context, head_dim]` matrix, which batched matmuls and SDPA take without a copy.
 
 Each step, the scheduled requests are split into `AttentionGroup`s: decodes
 (one query each), cut into groups of similar context length, and prefill chunks
@@ -14,7 +16,7 @@ window if any) computes all of them at once: no Python loop over requests
 inside a group. Grouping keeps a long context from padding every short one up
 to its length, which is most of the copying on a CPU. Prompts prefilled from
 position 0 (`FreshPrefills`) need no history: each gets one causal SDPA call
-over its own keys, without padding or a mask. On CUDA, SDPA picks its fused
+over the keys this step computed for it, without padding or a mask. On CUDA, SDPA picks its fused
 kernel for these shapes; the same code is the reference on CPU.
 """
 
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 
-# Decode groups in these dtypes take `_attend_decodes` instead of SDPA (see there).
+# Decode groups on CPU, and in these dtypes anywhere, take `_attend_decodes` instead of SDPA.
 DECODE_MATMUL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -39,19 +41,22 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, 1, max_q, max_blocks * block_size] bool: True = may attend
     valid_rows: torch.Tensor  # [num_valid] int64: rows of the flattened [S * max_q] that are real
     valid_tokens: torch.Tensor  # [num_valid] int64: their packed token index
+    # [Hkv * S * max_blocks] int64: rows of the cache viewed as [Hkv * num_blocks, ...] to
+    # gather, head-major; made by `_gather` on first use (the first layer) from block_tables.
+    head_block_index: torch.Tensor | None = None
 
 
 @dataclass
 class FreshPrefills:
     """Prompts prefilled from position 0 in this step: each attends causally to its own tokens.
 
-    Their keys and values are exactly the ones this step writes, so they are read back by
-    slot (real tokens only) and each prompt gets its own causal SDPA call: no padding to
-    the longest prompt, no mask, and the kernel skips the blocks above the diagonal.
+    Their keys and values are exactly the ones this step computes, so they are taken from
+    this step's k and v (nothing is read from the cache) and each prompt gets its own
+    causal SDPA call: no padding to the longest prompt, no mask, and the kernel skips
+    the blocks above the diagonal.
     """
 
     spans: list[tuple[int, int]]  # (packed start, length) per prompt, in packed order
-    slots: torch.Tensor  # [sum of lengths] int64: their cache slots, spans concatenated
 
 
 @dataclass
@@ -92,55 +97,57 @@ def build_group(q_starts: torch.Tensor, q_lens: torch.Tensor, num_computed: torc
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """Store new k, v [T, num_kv_heads, head_dim] at their slots of `kv_cache` (in place)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    _slots(kv_cache[0]).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    _slots(kv_cache[1]).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
+def _slots(cache: torch.Tensor) -> torch.Tensor:
+    """cache [Hkv, num_blocks, block_size, D] -> [Hkv, num_blocks * block_size, D] (a view)."""
+    return cache.view(cache.shape[0], -1, cache.shape[-1])
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, num_heads, head_dim] -> out [T, num_heads, head_dim], reading K/V from the cache.
 
-    The cache must already hold this step's new K/V (`write_kv` first).
+    k, v [T, num_kv_heads, head_dim] are this step's new keys and values, which the
+    cache must already hold (`write_kv` first); fresh prompts read them directly.
     """
     out = torch.zeros_like(q)
     for group in meta.groups:  # decodes (in groups of similar context length), later chunks
-        if group.query_index.shape[1] == 1 and q.dtype in DECODE_MATMUL_DTYPES:
+        is_decode = group.query_index.shape[1] == 1
+        if is_decode and (q.device.type == "cpu" or q.dtype in DECODE_MATMUL_DTYPES):
             out[group.valid_tokens] = _attend_decodes(q, kv_cache, group, scale)
         else:
             out[group.valid_tokens] = _attend_group(q, kv_cache, group, scale)
     if meta.fresh_prefills is not None:
-        _attend_fresh(q, kv_cache, meta.fresh_prefills, scale, out)
+        _attend_fresh(q, k, v, meta.fresh_prefills, scale, out)
     return out
 
 
-def _attend_fresh(q: torch.Tensor, kv_cache: torch.Tensor, fresh: FreshPrefills, scale: float,
-                  out: torch.Tensor) -> None:
+def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fresh: FreshPrefills,
+                  scale: float, out: torch.Tensor) -> None:
     """Causal attention of each fresh prompt over its own keys, written into `out` rows."""
-    num_heads, num_kv_heads, head_dim = q.shape[1], kv_cache.shape[3], q.shape[2]
-    keys = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, fresh.slots)
-    values = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, fresh.slots)
-    offset = 0
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
     for start, length in fresh.spans:
-        span = slice(offset, offset + length)
+        span = slice(start, start + length)
         # 4-D (batch of one): 3-D inputs send CPU SDPA to its slower math backend.
         attended = F.scaled_dot_product_attention(
-            q[start:start + length].transpose(0, 1)[None], keys[span].transpose(0, 1)[None],
-            values[span].transpose(0, 1)[None], is_causal=True, scale=scale,
+            q[span].transpose(0, 1)[None], k[span].transpose(0, 1)[None],
+            v[span].transpose(0, 1)[None], is_causal=True, scale=scale,
             enable_gqa=num_heads != num_kv_heads)  # (1, H, length, D)
-        out[start:start + length] = attended[0].transpose(0, 1)
-        offset += length
+        out[span] = attended[0].transpose(0, 1)
 
 
 def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,
                   scale: float) -> torch.Tensor:
     num_seqs, max_q = group.query_index.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[1]
     queries = q.index_select(0, group.query_index.reshape(-1)).view(
         num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # (S, num_heads, max_q, head_dim)
-    keys = _gather(kv_cache[0], group.block_tables)  # (S, num_kv_heads, max_ctx, head_dim)
-    values = _gather(kv_cache[1], group.block_tables)
+    keys = _gather(kv_cache[0], group).transpose(0, 1)  # (S, Hkv, max_ctx, D)
+    values = _gather(kv_cache[1], group).transpose(0, 1)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask,
                                          scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)
@@ -152,26 +159,42 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGro
                     scale: float) -> torch.Tensor:
     """One query per request: two batched matmuls around a float32 softmax (HF's eager order).
 
-    On CPU the fused SDPA kernel is slow for a single reduced-precision query (about 7x
-    slower than these matmuls for bfloat16), so decode groups in those dtypes come here.
+    On CPU the fused SDPA kernel is slow for a single query: about 7x slower than these
+    matmuls in bfloat16, 1.15x in float32 (135M-shaped model, 40 decodes), so every CPU
+    decode group comes here, and reduced-precision ones on other devices.
+    The batch is (kv head, request): each request's gathered keys for one head are a
+    contiguous matrix, and the G = num_heads / num_kv_heads query heads sharing it are
+    the rows multiplying it.
     """
     num_seqs = group.query_index.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[1]
+    group_size = num_heads // num_kv_heads
     queries = q.index_select(0, group.query_index.reshape(-1)).view(
-        num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, Hkv, G, D)
-    keys = _gather(kv_cache[0], group.block_tables)  # (S, Hkv, max_ctx, D)
-    values = _gather(kv_cache[1], group.block_tables)
-    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale  # (S, Hkv, G, max_ctx)
-    scores = scores.float().masked_fill(~group.mask, float("-inf"))  # mask (S, 1, 1, max_ctx)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
+        num_seqs, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(
+        num_kv_heads * num_seqs, group_size, head_dim)  # (Hkv * S, G, D)
+    keys = _gather(kv_cache[0], group).flatten(0, 1)  # (Hkv * S, max_ctx, D)
+    values = _gather(kv_cache[1], group).flatten(0, 1)
+    scores = torch.bmm(queries, keys.transpose(1, 2)) * scale  # (Hkv * S, G, max_ctx)
+    scores = scores.view(num_kv_heads, num_seqs, group_size, -1).float().masked_fill_(
+        ~group.mask[:, 0], float("-inf"))  # mask (S, 1, max_ctx)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).flatten(0, 1)  # (Hkv * S, G, max_ctx)
+    out = torch.bmm(probs, values).view(num_kv_heads, num_seqs, group_size, head_dim)
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, H, D], tables [S, B] -> [S, H, B * block_size, D]."""
-    num_seqs, num_blocks = block_tables.shape
-    _, block_size, num_heads, head_dim = cache.shape
-    # index_select copies whole blocks (memcpy); advanced indexing copies element by element.
-    blocks = cache.index_select(0, block_tables.reshape(-1))  # (S * B, block_size, H, D)
-    return blocks.view(num_seqs, num_blocks * block_size, num_heads, head_dim).transpose(1, 2)
+def _gather(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """cache [Hkv, num_blocks, block_size, D] -> the group's [Hkv, S, B * block_size, D].
+
+    index_select along dim 0 copies whole blocks (memcpy); along dim 1, or by advanced
+    indexing, it copies element by element, 2-3x slower. So the cache is viewed as
+    [Hkv * num_blocks, block_size, D] and read at head-major block rows.
+    """
+    num_seqs, num_blocks = group.block_tables.shape
+    num_kv_heads, cache_blocks, block_size, head_dim = cache.shape
+    if group.head_block_index is None:
+        heads = torch.arange(num_kv_heads, device=cache.device)[:, None] * cache_blocks
+        group.head_block_index = (heads + group.block_tables.reshape(1, -1)).reshape(-1)
+    blocks = cache.view(num_kv_heads * cache_blocks, block_size, head_dim).index_select(
+        0, group.head_block_index)  # (Hkv * S * B, block_size, D)
+    return blocks.view(num_kv_heads, num_seqs, num_blocks * block_size, head_dim)

@@ -1,28 +1,39 @@
 """float32 linear layers through oneDNN with their weights packed once, on CPU.
 
 PyTorch sends a float32 `F.linear` on CPU to MKL's sgemm, which on this
-project's benchmark machine (AMD EPYC, AVX-512) ran 2.7x (4096 rows) to 4.6x
-(200 rows) slower than oneDNN's matmul on a weight reordered once at load time
+project's benchmark machine (AMD EPYC, AVX-512) ran 2x (4096 rows) to 3x
+(1 row) slower than oneDNN's matmul on a weight reordered once at load time
 (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`, the pair
 torch.compile's CPU weight freezing emits). bfloat16 linears already run on
 oneDNN and are left alone. Results equal `F.linear`'s up to float32 rounding
 (another summation order).
 
-Off by default (opt in with CARPOOL_ONEDNN_LINEAR=1): each new row count
-(batch size) makes oneDNN build and cache another primitive, and resident
-memory grows with the number of distinct step sizes seen. Measured: one
-384x1024 layer fed row counts 1..1024 twice grew RSS 231 -> 2633 MiB, where
-`F.linear` stayed at 222 -> 250 MiB; a 9-minute server soak levelled off at
-+300 MiB. A server must not grow like that, so the MKL path stays the default
-until the row counts are bucketed.
+oneDNN builds (JIT-compiles) one primitive per input row count and keeps its
+memory: fed every row count 1..1024, one 384x1024 layer grew the process by
+about 0.9 MiB per row count, for good. So rows are cut into pieces of at most
+`MAX_ROWS` and the last piece is zero-padded up to a bucket (`padded_rows`):
+a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
+and memory stops growing once they have all been seen. Padding costs at most
+15 rows of compute per call.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-ONEDNN_LINEAR_ENV = "CARPOOL_ONEDNN_LINEAR"  # "1" turns packing on in ModelRunner
+ONEDNN_LINEAR_ENV = "CARPOOL_ONEDNN_LINEAR"  # "0" turns packing off in ModelRunner
+MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows with rows
+# Powers of two up to 16 (single decodes stay cheap), then every multiple of 16.
+ROW_BUCKETS = (1, 2, 4, 8) + tuple(range(16, MAX_ROWS + 1, 16))
+
+
+def padded_rows(rows: int) -> int:
+    """The smallest bucket holding `rows` (1 <= rows <= MAX_ROWS)."""
+    if rows <= 16:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 16) * 16
 
 
 class PackedLinear(nn.Module):
@@ -37,8 +48,19 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
+        pieces = [self._matmul(flat[start:start + MAX_ROWS])
+                  for start in range(0, flat.shape[0], MAX_ROWS)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in] with n <= MAX_ROWS -> [n, out], computed at a bucketed row count."""
+        num_rows = rows.shape[0]
+        padding = padded_rows(num_rows) - num_rows
+        if padding:
+            rows = F.pad(rows, (0, 0, 0, padding))
+        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
+        return out[:num_rows] if padding else out
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -51,7 +73,7 @@ def can_pack(model: nn.Module) -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` inside `model` with a `PackedLinear`; returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is nn.Linear]
+               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)

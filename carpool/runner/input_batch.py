@@ -47,7 +47,7 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     ids, positions, slots = [], [], []
     decodes, prefills = _Rows([], [], [], []), _Rows([], [], [], [])
     logits_indices, sampled = [], []
-    fresh_spans, fresh_slots = [], []
+    fresh_spans = []
     start = 0
     for req in scheduler_output.scheduled:
         num_new = len(req.token_ids)
@@ -60,7 +60,6 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
         slots.append(table[pos // block_size] * block_size + pos % block_size)
         if num_new > 1 and req.num_computed_tokens == 0 and sliding_window is None:
             fresh_spans.append((start, num_new))
-            fresh_slots.append(slots[-1])
         else:
             rows = decodes if num_new == 1 else prefills
             _add_row(rows, start, num_new, req.num_computed_tokens, table)
@@ -83,9 +82,7 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     groups = [_group(rows, block_size, sliding_window, device)
               for rows in buckets + [prefills] if rows.q_starts]
     num_tokens = start + num_padding
-    fresh = None
-    if fresh_spans:
-        fresh = FreshPrefills(fresh_spans, torch.as_tensor(np.concatenate(fresh_slots), **to))
+    fresh = FreshPrefills(fresh_spans) if fresh_spans else None
     meta = AttentionMetadata(slot_mapping=torch.as_tensor(np.concatenate(slots), **to),
                              groups=groups, num_tokens=num_tokens, fresh_prefills=fresh)
     return InputBatch(input_ids=torch.as_tensor(np.concatenate(ids), **to),

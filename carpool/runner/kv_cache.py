@@ -89,11 +89,13 @@ def cuda_free_bytes_after_profile(device: torch.device, utilization: float) -> i
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed tensor per layer: [2, num_blocks + 1 (scratch), block_size, kv_heads, head_dim].
+    """One zeroed tensor per layer: [2, kv_heads, num_blocks + 1 (scratch), block_size, head_dim].
 
-    Zeroed so that masked-out slots never hold NaN (0 * NaN would leak into SDPA).
+    Head-major, so that gathering a request's blocks for one head yields its keys as one
+    contiguous [context, head_dim] matrix (see `attention.py`). Zeroed so that
+    masked-out slots never hold NaN (0 * NaN would leak into SDPA).
     """
-    shape = (2, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (2, spec.num_kv_heads, num_blocks + 1, spec.block_size, spec.head_dim)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 

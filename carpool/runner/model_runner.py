@@ -59,7 +59,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.model = load_model(path, self.model_config, self.dtype, self.device)
-        if can_pack(self.model) and os.environ.get(ONEDNN_LINEAR_ENV) == "1":
+        if can_pack(self.model) and os.environ.get(ONEDNN_LINEAR_ENV) != "0":
             pack_linears(self.model)
         self.sampler = Sampler(self.device, self.model_config.eos_token_ids, seed)
         self._spec = kv_cache.KVCacheSpec.from_model(self.model_config, block_size, self.dtype)

@@ -34,7 +34,7 @@ def _reference(q, keys, values, num_computed, window):
 def test_matches_per_request_reference(window):
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
-    cache = torch.zeros(2, NUM_BLOCKS + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    cache = torch.zeros(2, KV_HEADS, NUM_BLOCKS + 1, BLOCK_SIZE, HEAD_DIM)  # head-major
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     # (num_computed, num_new): decodes, a first chunk, a later chunk, a one-token prompt.
@@ -46,8 +46,8 @@ def test_matches_per_request_reference(window):
         past_k = torch.randn(num_computed, KV_HEADS, HEAD_DIM, generator=gen)
         past_v = torch.randn(num_computed, KV_HEADS, HEAD_DIM, generator=gen)
         for pos in range(num_computed):  # earlier steps' keys, already in the cache
-            cache[0, blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = past_k[pos]
-            cache[1, blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = past_v[pos]
+            cache[0, :, blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = past_k[pos]
+            cache[1, :, blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = past_v[pos]
         requests.append(ScheduledRequest(f"r{i}", [1] * num_new, num_computed, blocks, True,
                                          SamplingParams()))
         history.append((past_k, past_v))
@@ -59,7 +59,7 @@ def test_matches_per_request_reference(window):
     k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen)
     write_kv(cache, batch.meta.slot_mapping, k, v)
-    out = paged_attention(q, cache, batch.meta, HEAD_DIM ** -0.5)
+    out = paged_attention(q, k, v, cache, batch.meta, HEAD_DIM ** -0.5)
     start = 0
     for req, (past_k, past_v) in zip(requests, history):
         n = len(req.token_ids)

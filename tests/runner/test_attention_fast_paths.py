@@ -25,7 +25,7 @@ def _batch(shapes, window=None, seed=0):
     """Requests of (num_computed, num_new) with random past K/V already in a fresh cache."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // BLOCK_SIZE) for c, n in shapes)
-    cache = torch.zeros(2, num_blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    cache = torch.zeros(2, KV_HEADS, num_blocks + 1, BLOCK_SIZE, HEAD_DIM)  # head-major
     free = list(range(num_blocks))
     rng.shuffle(free)
     requests, history = [], []
@@ -33,7 +33,7 @@ def _batch(shapes, window=None, seed=0):
         blocks = [free.pop() for _ in range(-(-(num_computed + num_new) // BLOCK_SIZE))]
         past = torch.randn(2, num_computed, KV_HEADS, HEAD_DIM, generator=gen)
         for pos in range(num_computed):
-            cache[:, blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = past[:, pos]
+            cache[:, :, blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE] = past[:, pos]
         requests.append(ScheduledRequest(f"r{i}", [1] * num_new, num_computed, blocks, True,
                                          SamplingParams()))
         history.append(past)
@@ -69,7 +69,6 @@ def test_fresh_prompts_take_the_causal_path_unless_there_is_a_window():
     _, requests, _, batch = _batch(_shapes())
     starts = [sum(len(r.token_ids) for r in requests[:i]) for i in range(len(requests))]
     assert batch.meta.fresh_prefills.spans == [(starts[20], 9), (starts[21], 3)]
-    assert len(batch.meta.fresh_prefills.slots) == 12
     _, _, _, windowed = _batch(_shapes(), window=5)
     assert windowed.meta.fresh_prefills is None
 
@@ -83,7 +82,7 @@ def test_grouped_decodes_and_fresh_prompts_match_the_reference():
         k = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen)
         v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen)
         write_kv(cache, batch.meta.slot_mapping, k, v)
-        out = paged_attention(q, cache, batch.meta, HEAD_DIM ** -0.5)
+        out = paged_attention(q, k, v, cache, batch.meta, HEAD_DIM ** -0.5)
         start = 0
         for req, past in zip(requests, history):
             n = len(req.token_ids)
@@ -101,7 +100,8 @@ def test_bfloat16_decodes_match_the_reference_to_bfloat16_precision():
     q, k, v = (torch.randn(num_tokens, h, HEAD_DIM, generator=gen)
                for h in (HEADS, KV_HEADS, KV_HEADS))
     write_kv(cache, batch.meta.slot_mapping, k, v)
-    out = paged_attention(q.bfloat16(), cache.bfloat16(), batch.meta, HEAD_DIM ** -0.5)
+    out = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16(), batch.meta,
+                          HEAD_DIM ** -0.5)
     assert out.dtype == torch.bfloat16
     start = 0
     for req, past in zip(requests, history):

@@ -6,13 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from carpool.runner.cpu_linear import PackedLinear, can_pack, pack_linears
+from carpool.runner.cpu_linear import (MAX_ROWS, ROW_BUCKETS, PackedLinear, can_pack, pack_linears,
+                                       padded_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("rows", [1, 7, 300, 512, 1100])
 def test_packed_linear_matches_linear(bias, rows):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias)
@@ -20,6 +21,13 @@ def test_packed_linear_matches_linear(bias, rows):
     with torch.inference_mode():
         torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-5, rtol=1e-5)
         assert PackedLinear(linear)(x.view(1, rows, 96)).shape == (1, rows, 160)
+
+
+def test_row_counts_reach_onednn_as_a_few_buckets_only():
+    for rows in range(1, MAX_ROWS + 1):
+        padded = padded_rows(rows)
+        assert padded in ROW_BUCKETS and rows <= padded < rows + 16
+    assert len(ROW_BUCKETS) == 36
 
 
 def test_pack_linears_replaces_every_float32_linear_only():
@@ -38,10 +46,10 @@ def _runner_linears(checkpoint):
     return [m for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
 
 
-def test_cpu_float32_runner_packs_linears_only_when_asked(llama_checkpoint, monkeypatch):
-    monkeypatch.delenv("CARPOOL_ONEDNN_LINEAR", raising=False)
+def test_cpu_float32_runner_packs_linears_unless_told_not_to(llama_checkpoint, monkeypatch):
+    monkeypatch.setenv("CARPOOL_ONEDNN_LINEAR", "0")
     linears = _runner_linears(llama_checkpoint)
     assert linears and not any(isinstance(m, PackedLinear) for m in linears)
-    monkeypatch.setenv("CARPOOL_ONEDNN_LINEAR", "1")
+    monkeypatch.delenv("CARPOOL_ONEDNN_LINEAR", raising=False)
     linears = _runner_linears(llama_checkpoint)
     assert linears and all(isinstance(m, PackedLinear) for m in linears)

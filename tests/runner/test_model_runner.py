@@ -22,7 +22,7 @@ def test_explicit_blocks_and_info(llama_checkpoint, make_runner):
     # 2 layers * 2 (k, v) * 8 tokens * 2 kv heads * 16 dims * 4 bytes = 4096 bytes a block
     assert info["bytes"] == 40 * 4096 and info["num_tokens"] == 320
     assert math.isclose(info["max_concurrency"], 40 / 13)
-    assert runner.kv_caches[0].shape == (2, 41, 8, 2, 16)  # + the scratch block
+    assert runner.kv_caches[0].shape == (2, 2, 41, 8, 16)  # + the scratch block
 
 
 def test_blocks_from_bytes(llama_checkpoint, make_runner):
