@@ -42,8 +42,8 @@ class AttentionGroup:
     mask: torch.Tensor  # [S, 1, max_q, max_blocks * block_size] bool: True = may attend
     valid_rows: torch.Tensor  # [num_valid] int64: rows of the flattened [S * max_q] that are real
     valid_tokens: torch.Tensor  # [num_valid] int64: their packed token index
-    # [Hkv * S * max_blocks] int64: rows of the cache viewed as [Hkv * num_blocks, ...] to
-    # gather, head-major; made by `_gather` on first use (the first layer) from block_tables.
+    # [2 * Hkv * S * max_blocks] int64: rows of the cache viewed as [2 * Hkv * num_blocks, ...]
+    # to gather (keys, then values; head-major); made by `_gather` on first use (first layer).
     head_block_index: torch.Tensor | None = None
 
 
@@ -184,8 +184,8 @@ def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup
     num_kv_heads = kv_cache.shape[1]
     queries = q.index_select(0, group.query_index.reshape(-1)).view(
         num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # (S, num_heads, max_q, head_dim)
-    keys = _gather(kv_cache[0], group).transpose(0, 1)  # (S, Hkv, max_ctx, D)
-    values = _gather(kv_cache[1], group).transpose(0, 1)
+    keys, values = _gather(kv_cache, group)
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # (S, Hkv, max_ctx, D)
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask,
                                          scale=scale,
                                          enable_gqa=num_heads != num_kv_heads)
@@ -211,8 +211,8 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGro
     queries = (q.index_select(0, group.query_index.reshape(-1)) * scale).view(
         num_seqs, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(
         num_kv_heads * num_seqs, group_size, head_dim)  # (Hkv * S, G, D), scaled
-    keys = _gather(kv_cache[0], group).flatten(0, 1)  # (Hkv * S, max_ctx, D)
-    values = _gather(kv_cache[1], group).flatten(0, 1)
+    keys, values = _gather(kv_cache, group)
+    keys, values = keys.flatten(0, 1), values.flatten(0, 1)  # (Hkv * S, max_ctx, D)
     scores = torch.bmm(queries, keys.transpose(1, 2))  # (Hkv * S, G, max_ctx)
     scores = scores.view(num_kv_heads, num_seqs, group_size, -1).float().masked_fill_(
         ~group.mask[:, 0], float("-inf"))  # mask (S, 1, max_ctx)
@@ -221,18 +221,19 @@ def _attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGro
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """cache [Hkv, num_blocks, block_size, D] -> the group's [Hkv, S, B * block_size, D].
+def _gather(kv_cache: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_cache [2, Hkv, num_blocks, block_size, D] -> the group's keys and values,
+    each [Hkv, S, B * block_size, D].
 
-    index_select along dim 0 copies whole blocks (memcpy); along dim 1, or by advanced
-    indexing, it copies element by element, 2-3x slower. So the cache is viewed as
-    [Hkv * num_blocks, block_size, D] and read at head-major block rows.
+    index_select along dim 0 copies whole blocks (memcpy); along another dim, or by
+    advanced indexing, it copies element by element, 2-3x slower. So the cache is viewed
+    as [2 * Hkv * num_blocks, block_size, D] and both are read in one call.
     """
     num_seqs, num_blocks = group.block_tables.shape
-    num_kv_heads, cache_blocks, block_size, head_dim = cache.shape
+    _, num_kv_heads, cache_blocks, block_size, head_dim = kv_cache.shape
     if group.head_block_index is None:
-        heads = torch.arange(num_kv_heads, device=cache.device)[:, None] * cache_blocks
+        heads = torch.arange(2 * num_kv_heads, device=kv_cache.device)[:, None] * cache_blocks
         group.head_block_index = (heads + group.block_tables.reshape(1, -1)).reshape(-1)
-    blocks = cache.view(num_kv_heads * cache_blocks, block_size, head_dim).index_select(
-        0, group.head_block_index)  # (Hkv * S * B, block_size, D)
-    return blocks.view(num_kv_heads, num_seqs, num_blocks * block_size, head_dim)
+    blocks = kv_cache.view(-1, block_size, head_dim).index_select(0, group.head_block_index)
+    both = blocks.view(2, num_kv_heads, num_seqs, num_blocks * block_size, head_dim)
+    return both[0], both[1]
