@@ -15,9 +15,11 @@ call with a boolean mask (key position <= query position, within the sliding
 window if any) computes all of them at once: no Python loop over requests
 inside a group. Grouping keeps a long context from padding every short one up
 to its length, which is most of the copying on a CPU. Prompts prefilled from
-position 0 (`FreshPrefills`) need no history: each gets one causal SDPA call
-over the keys this step computed for it, without padding or a mask. On CUDA, SDPA picks its fused
-kernel for these shapes; the same code is the reference on CPU.
+position 0 (`FreshPrefills`) need no history: each attends causally to the keys
+this step computed for it, without padding (one SDPA call on CUDA, query blocks
+of batched matmuls on CPU). On CPU, decodes go through batched matmuls and
+`F.embedding_bag` instead of SDPA (see `_attend_decodes`); on CUDA, SDPA picks
+its fused kernels.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import torch.nn.functional as F
 
 
 # Decode groups on CPU, and in these dtypes anywhere, take `_attend_decodes` instead of SDPA.
-PREFILL_QUERY_BLOCK = 128  # query rows per matmul in `_causal_in_query_blocks` (CPU prompts)
 DECODE_MATMUL_DTYPES = (torch.bfloat16, torch.float16)
+PREFILL_QUERY_BLOCK = 128  # query rows per matmul in `_causal_in_query_blocks` (CPU prompts)
 
 
 @dataclass
@@ -54,9 +56,9 @@ class FreshPrefills:
     """Prompts prefilled from position 0 in this step: each attends causally to its own tokens.
 
     Their keys and values are exactly the ones this step computes, so they are taken from
-    this step's k and v (nothing is read from the cache) and each prompt gets its own
-    causal SDPA call: no padding to the longest prompt, no mask, and the kernel skips
-    the blocks above the diagonal.
+    this step's k and v (nothing is read from the cache) and each prompt is attended on
+    its own: no padding to the longest prompt, and no work above the diagonal beyond
+    one query block.
     """
 
     spans: list[tuple[int, int]]  # (packed start, length) per prompt, in packed order
@@ -152,9 +154,9 @@ def _causal_in_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Queries go in blocks of PREFILL_QUERY_BLOCK; a block's scores are taken against the
     keys up to its last position only (the causal triangle, to block granularity), as
     batched matmuls over kv heads with the query heads sharing them stacked as rows,
-    around a float32 softmax, queries scaled first (as SDPA does). Only the block's own diagonal square
-    needs a mask. CPU SDPA's fused kernel ran 1.85x slower on bfloat16 prompts of
-    16-512 tokens (as fast in float32).
+    around a float32 softmax, queries scaled first (as SDPA does). Only the block's own
+    diagonal square needs a mask. CPU SDPA's fused kernel ran 1.85x slower on bfloat16
+    prompts of 16-512 tokens (as fast in float32).
     """
     length, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]

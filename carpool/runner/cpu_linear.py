@@ -15,7 +15,7 @@ about 0.9 MiB per row count, for good. So rows are cut into pieces of at most
 `MAX_ROWS` and the last piece is zero-padded up to a bucket (`padded_rows`):
 a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
 and memory stops growing once they have all been seen. Padding costs at most
-1/16 of a call's rows (15 of 512, 7 of 128).
+7 rows per call up to 128 rows, 15 above.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 ONEDNN_LINEAR_ENV = "CARPOOL_ONEDNN_LINEAR"  # "0" turns packing off in ModelRunner
 MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows with rows
 # Powers of two up to 8 (single decodes stay cheap), multiples of 8 up to 128 (decode
-# batches), then multiples of 16: at most 7 or 15 padding rows, 1/16 of the rows or less.
+# batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
 
 
