@@ -24,6 +24,7 @@ its fused kernels.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -166,8 +167,7 @@ def _causal_in_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     queries = queries.contiguous()
     keys, values = k.transpose(0, 1), v.transpose(0, 1)  # (Hkv, L, D)
     out = torch.empty_like(q).view(length, num_kv_heads, group_size, head_dim)
-    above_diagonal = torch.ones(PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK, dtype=torch.bool,
-                                device=q.device).triu_(1)[:, None]  # (row, 1, key)
+    above_diagonal = _above_diagonal(q.device)
     for begin in range(0, length, PREFILL_QUERY_BLOCK):
         end = min(begin + PREFILL_QUERY_BLOCK, length)
         rows = end - begin
@@ -179,6 +179,13 @@ def _causal_in_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         attended = torch.bmm(probs, values[:, :end])  # (Hkv, rows * G, D)
         out[begin:end] = attended.view(num_kv_heads, rows, group_size, head_dim).transpose(0, 1)
     return out.view(length, num_heads, head_dim)
+
+
+@functools.cache
+def _above_diagonal(device: torch.device) -> torch.Tensor:
+    """[PREFILL_QUERY_BLOCK, 1, PREFILL_QUERY_BLOCK] bool: key above the query row (masked)."""
+    return torch.ones(PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK, dtype=torch.bool,
+                      device=device).triu_(1)[:, None]
 
 
 def _attend_group(q: torch.Tensor, kv_cache: torch.Tensor, group: AttentionGroup,

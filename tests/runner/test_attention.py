@@ -30,6 +30,22 @@ def _reference(q, keys, values, num_computed, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
+def assert_matches_reference(out, q, k, v, requests, history, window, tolerance=1e-5):
+    """Each request's rows of `out` (packed order) equal `_reference` over its past + new K/V.
+
+    history[i] holds request i's past keys and values ([0] and [1], [ctx, Hkv, D] each).
+    """
+    start = 0
+    for req, past in zip(requests, history):
+        n = len(req.token_ids)
+        expected = _reference(q[start:start + n], torch.cat([past[0], k[start:start + n]]),
+                              torch.cat([past[1], v[start:start + n]]), req.num_computed_tokens,
+                              window)
+        torch.testing.assert_close(out[start:start + n].float(), expected, atol=tolerance,
+                                   rtol=tolerance)
+        start += n
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_matches_per_request_reference(window):
     rng = random.Random(0)
@@ -60,12 +76,5 @@ def test_matches_per_request_reference(window):
     v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen)
     write_kv(cache, batch.meta.slot_mapping, k, v)
     out = paged_attention(q, k, v, cache, batch.meta, HEAD_DIM ** -0.5)
-    start = 0
-    for req, (past_k, past_v) in zip(requests, history):
-        n = len(req.token_ids)
-        expected = _reference(q[start:start + n], torch.cat([past_k, k[start:start + n]]),
-                              torch.cat([past_v, v[start:start + n]]), req.num_computed_tokens,
-                              window)
-        torch.testing.assert_close(out[start:start + n], expected, atol=1e-5, rtol=1e-5)
-        start += n
+    assert_matches_reference(out, q, k, v, requests, history, window)
     assert torch.isfinite(out).all()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import torch
-from test_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, _reference
+from test_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, assert_matches_reference
 
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.runner.attention import paged_attention, write_kv
@@ -83,14 +83,7 @@ def test_grouped_decodes_and_fresh_prompts_match_the_reference():
         v = torch.randn(num_tokens, KV_HEADS, HEAD_DIM, generator=gen)
         write_kv(cache, batch.meta.slot_mapping, k, v)
         out = paged_attention(q, k, v, cache, batch.meta, HEAD_DIM ** -0.5)
-        start = 0
-        for req, past in zip(requests, history):
-            n = len(req.token_ids)
-            expected = _reference(q[start:start + n], torch.cat([past[0], k[start:start + n]]),
-                                  torch.cat([past[1], v[start:start + n]]),
-                                  req.num_computed_tokens, window)
-            torch.testing.assert_close(out[start:start + n], expected, atol=1e-5, rtol=1e-5)
-            start += n
+        assert_matches_reference(out, q, k, v, requests, history, window)
 
 
 def test_bfloat16_decodes_match_the_reference_to_bfloat16_precision():
@@ -103,11 +96,4 @@ def test_bfloat16_decodes_match_the_reference_to_bfloat16_precision():
     out = paged_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cache.bfloat16(), batch.meta,
                           HEAD_DIM ** -0.5)
     assert out.dtype == torch.bfloat16
-    start = 0
-    for req, past in zip(requests, history):
-        n = len(req.token_ids)
-        expected = _reference(q[start:start + n], torch.cat([past[0], k[start:start + n]]),
-                              torch.cat([past[1], v[start:start + n]]), req.num_computed_tokens,
-                              None)
-        torch.testing.assert_close(out[start:start + n].float(), expected, atol=3e-2, rtol=3e-2)
-        start += n
+    assert_matches_reference(out, q, k, v, requests, history, None, tolerance=3e-2)
