@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from carpool.attention import check_backend_name
 from carpool.core.config import SchedulerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -27,6 +28,11 @@ class EngineConfig:
     # Scheduler settings; max_model_len 0 means "from the model's config".
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
+    # Attention kernels: auto (cpu on CPU, sdpa elsewhere), cpu, sdpa (see carpool.attention).
+    attention_backend: str = "auto"
+    # CPU platform switches (see carpool.platform.cpu); ignored on CUDA.
+    cpu_packed_linears: bool = True  # linear layers through oneDNN with pre-packed weights
+    cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -38,6 +44,7 @@ class EngineConfig:
                                                  or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
                              f"got {self.kv_cache_memory!r}")
+        check_backend_name(self.attention_backend)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")

@@ -34,7 +34,9 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, scheduler: str = "continuous",
                  preemption_policy: str = "newest", device: str = "auto", seed: int = 0,
-                 served_model_name: str | None = None, trust_remote_code: bool = False):
+                 served_model_name: str | None = None, trust_remote_code: bool = False,
+                 attention_backend: str = "auto", cpu_packed_linears: bool = True,
+                 cpu_malloc_tuning: bool = True):
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
                              "model code over safetensors weights")
@@ -54,7 +56,9 @@ class LLM:
             model=model, dtype=dtype, device=device, seed=seed,
             served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            scheduler=scheduler_config, max_model_len=max_model_len)
+            scheduler=scheduler_config, max_model_len=max_model_len,
+            attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
+            cpu_malloc_tuning=cpu_malloc_tuning)
         self._attach(LLMEngine.from_config(config))
 
     @classmethod

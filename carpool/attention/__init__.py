@@ -2,5 +2,47 @@
 
 A backend builds its per-step metadata once, from the step's packed layout, and
 every layer reads it unchanged. `cpu` holds the CPU-specific fast paths; `sdpa`
-is portable PyTorch and what CUDA runs.
+is portable PyTorch and what CUDA runs. A backend's module is imported only
+when it is chosen.
 """
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionShape", "StepLayout",
+           "check_backend_name", "create_backend", "resolve_backend_name"]
+
+# name -> "module:class"
+_REGISTRY = {"cpu": "carpool.attention.cpu:CpuBackend",
+             "sdpa": "carpool.attention.sdpa:SdpaBackend"}
+ATTENTION_BACKENDS = ("auto", *_REGISTRY)
+_DEVICE_TYPES = {"cpu": ("cpu",), "sdpa": ("cpu", "cuda")}
+
+
+def check_backend_name(name: str) -> None:
+    """ValueError naming `attention_backend` unless `name` is one of ATTENTION_BACKENDS."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+
+
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """"auto" -> cpu on CPU, sdpa elsewhere; ValueError for a name that can't run there."""
+    check_backend_name(name)
+    if name == "auto":
+        return "cpu" if device_type == "cpu" else "sdpa"
+    if device_type not in _DEVICE_TYPES[name]:
+        raise ValueError(f"attention_backend {name!r} does not run on {device_type} "
+                         f"(it runs on {', '.join(_DEVICE_TYPES[name])})")
+    return name
+
+
+def create_backend(name: str, shape: AttentionShape, device: torch.device) -> AttentionBackend:
+    """The backend `name` ("auto" resolved for `device`), built for layers of `shape`."""
+    module_name, _, class_name = _REGISTRY[resolve_backend_name(name, device.type)].partition(":")
+    backend_cls = getattr(importlib.import_module(module_name), class_name)
+    return backend_cls(shape, device)

@@ -95,7 +95,10 @@ class LLMEngine:
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=max_model_len,
             max_num_batched_tokens=sched_config.max_num_batched_tokens,
-            max_num_seqs=sched_config.max_num_seqs, seed=config.seed)
+            max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
+            attention_backend=config.attention_backend,
+            cpu_packed_linears=config.cpu_packed_linears,
+            cpu_malloc_tuning=config.cpu_malloc_tuning)
         scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
         scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
         return cls(config, model, runner, load_tokenizer(path), scheduler,

@@ -1,8 +1,10 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat packed batch.
 
 There is no batch dimension: the T tokens of every scheduled request are packed
-end to end, and `AttentionMetadata` says which request each belongs to and where
-its keys and values live in the paged cache. Parameter names mirror Hugging
+end to end. Attention arrives through the forward arguments: the chosen
+`AttentionBackend` and its metadata for this step, which say which request each
+token belongs to and where its keys and values live in the paged cache; the
+model never builds either. Parameter names mirror Hugging
 Face's, except that projections applied to the same input are stacked into one
 matrix (`StackedLinear`: q/k/v, gate/up), one matmul instead of three or two;
 `checkpoint_targets` maps each checkpoint tensor to its rows.
@@ -16,7 +18,7 @@ from torch import nn
 
 from carpool.models.config import ModelConfig
 from carpool.models.rope import RotaryEmbedding, apply_rope
-from carpool.runner.attention import AttentionMetadata, paged_attention, write_kv
+from carpool.attention import AttentionBackend
 
 
 class StackedLinear(nn.Linear):
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, attention: AttentionBackend, meta) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
@@ -78,8 +80,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv_cache, meta.slot_mapping, k, v)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
+        out = attention.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -107,8 +108,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+                kv_cache: torch.Tensor, attention: AttentionBackend, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -133,12 +134,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden_size] (before the norm)."""
+                kv_caches: list[torch.Tensor], attention: AttentionBackend, meta) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden_size] (before the norm).
+
+        `meta` is `attention.build_metadata(...)` of this step; each layer writes its new
+        keys and values into its own cache in `kv_caches` and attends through `attention`.
+        """
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # (T, head_dim) each
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, attention, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,18 @@ of its known tokens. Logits are computed only for those rows.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from carpool.attention import AttentionShape, create_backend
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.models.config import ModelConfig, load_model_config
 from carpool.models.loader import load_model, resolve_model_path
 from carpool.outputs import PositionLogprobs
+from carpool.platform import Platform, platform_for
 from carpool.runner import kv_cache
-from carpool.runner.cpu_linear import ONEDNN_LINEAR_ENV, can_pack, pack_linears
-from carpool.runner.cpu_memory import keep_freed_memory_in_heap
 from carpool.runner.input_batch import build_input_batch
 from carpool.runner.sampler import Sampler
 from carpool.sampling_params import SamplingParams
@@ -38,53 +37,73 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """Loads a checkpoint, sizes and allocates the KV cache, and runs steps."""
+    """Loads a checkpoint, sizes and allocates the KV cache, and runs steps.
+
+    Device specifics come from its `Platform` (process and model set-up, KV memory
+    budget) and its attention backend (cache layout, attention kernels); `platform`
+    defaults to the device's own and may be given to test one platform's path on another.
+    """
 
     def __init__(self, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, attention_backend: str = "auto", cpu_packed_linears: bool = True,
+                 cpu_malloc_tuning: bool = True, platform: Platform | None = None) -> None:
         path = resolve_model_path(model_path)
         self.model_config: ModelConfig = load_model_config(path)
         if max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({self.model_config.max_position_embeddings})")
         self.device = resolve_device(device)
-        if self.device.type == "cpu":
-            keep_freed_memory_in_heap()
+        self.platform = platform if platform is not None else platform_for(
+            self.device, cpu_packed_linears=cpu_packed_linears,
+            cpu_malloc_tuning=cpu_malloc_tuning)
+        self.platform.prepare_process()
         self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.model = load_model(path, self.model_config, self.dtype, self.device)
-        if can_pack(self.model) and os.environ.get(ONEDNN_LINEAR_ENV) != "0":
-            pack_linears(self.model)
-        self.sampler = Sampler(self.device, self.model_config.eos_token_ids, seed)
-        self._spec = kv_cache.KVCacheSpec.from_model(self.model_config, block_size, self.dtype)
+        config = self.model_config
+        self.attention = create_backend(
+            attention_backend, AttentionShape(config.num_heads, config.num_kv_heads,
+                                              config.head_dim, config.sliding_window),
+            self.device)
+        self.model = load_model(path, config, self.dtype, self.device)
+        self.platform.prepare_model(self.model)
+        self.sampler = Sampler(self.device, config.eos_token_ids, seed)
+        self._spec = kv_cache.KVCacheSpec.from_model(config, block_size, self.dtype)
         self.num_kv_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory,
                                                      gpu_memory_utilization)
-        self.kv_caches = kv_cache.allocate_kv_caches(self._spec, self.num_kv_blocks, self.device)
+        self.kv_caches = kv_cache.allocate_kv_caches(self._spec, self.num_kv_blocks, self.device,
+                                                     self.attention)
         self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks, max_model_len)
+        logger.info("attention backend: %s; platform: %s", self.attention.name,
+                    self.platform.describe())
         logger.info("KV cache: %(num_blocks)d blocks of %(block_size)d tokens = %(num_tokens)d "
                     "tokens, %(bytes)d bytes; max concurrency at max_model_len: "
                     "%(max_concurrency).2f", self.kv_cache_info)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over all scheduled tokens; a sampled token per request with sample=True.
 
         Writes the new tokens' K/V into their slots. Padding tokens (static baseline)
         run through the model against the scratch block and are discarded.
         """
+        return self._run_step(scheduler_output, self.kv_caches, self.num_kv_blocks)
+
+    @torch.inference_mode()
+    def _run_step(self, scheduler_output: SchedulerOutput, kv_caches: list[torch.Tensor],
+                  num_kv_blocks: int) -> ModelRunnerOutput:
+        """`execute` against the given caches of num_kv_blocks + 1 (scratch) blocks."""
         self.sampler.free(scheduler_output.finished_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         batch = build_input_batch(scheduler_output, block_size=self.block_size,
-                                  scratch_block=self.num_kv_blocks, device=self.device,
-                                  sliding_window=self.model_config.sliding_window)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+                                  scratch_block=num_kv_blocks, device=self.device)
+        meta = self.attention.build_metadata(batch.layout)
+        hidden = self.model(batch.input_ids, batch.positions, kv_caches, self.attention, meta)
         if not batch.sampled:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) float32
@@ -98,18 +117,20 @@ class ModelRunner:
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None,
                            gpu_memory_utilization: float) -> int:
-        """Explicit count, else bytes, else CUDA profile, else a share of CPU RAM (capped at need)."""
+        """Explicit count, else bytes, else a profiled budget (CUDA), else the platform's
+        default share of RAM (CPU, capped at what max_num_seqs requests could fill)."""
         if num_kv_blocks is not None:
             if num_kv_blocks < 1:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
             return num_kv_blocks
         if kv_cache_memory is not None:
             return kv_cache.num_blocks_for_bytes(self._spec, kv_cache_memory, "kv_cache_memory")
-        if self.device.type == "cuda":
+        if self.platform.profiles_memory:
             self._profile_forward()
-            budget = kv_cache.cuda_free_bytes_after_profile(self.device, gpu_memory_utilization)
+            budget = self.platform.kv_cache_budget(gpu_memory_utilization)
             return kv_cache.num_blocks_for_bytes(self._spec, budget, "gpu_memory_utilization")
-        num_blocks = kv_cache.num_blocks_for_bytes(self._spec, kv_cache.cpu_default_bytes(),
+        num_blocks = kv_cache.num_blocks_for_bytes(self._spec,
+                                                   self.platform.default_kv_cache_bytes(),
                                                    "the CPU default KV cache size")
         # No point holding more than max_num_seqs requests of max_model_len could fill.
         return min(num_blocks, self.max_num_seqs * -(-self.max_model_len // self.block_size))
@@ -118,19 +139,12 @@ class ModelRunner:
         """Run the largest steps the scheduler may send, against a throwaway cache, for peak memory."""
         num_blocks, steps = profiling_steps(self.max_num_batched_tokens, self.max_num_seqs,
                                             self.max_model_len, self.block_size)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        saved = getattr(self, "kv_caches", None), self.num_kv_blocks
-        self.kv_caches = kv_cache.allocate_kv_caches(self._spec, num_blocks, self.device)
-        self.num_kv_blocks = num_blocks
-        try:
-            for step in steps:
-                self.execute(step)
-        finally:
-            self.kv_caches, self.num_kv_blocks = saved
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        self.platform.begin_profile()
+        caches = kv_cache.allocate_kv_caches(self._spec, num_blocks, self.device, self.attention)
+        for step in steps:
+            self._run_step(step, caches, num_blocks)
+        del caches
+        self.platform.end_profile()
 
 
 def profiling_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 
+from carpool.attention import ATTENTION_BACKENDS
 from carpool.config import DTYPES, EngineConfig
 from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
 
@@ -85,6 +86,17 @@ def add_engine_arguments(group) -> None:
                        help="KV cache size in bytes, e.g. 2GiB (overrides the GPU fraction).")
     group.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                        type=int, default=None, help="Exact number of KV cache blocks (tests, tuning).")
+    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                       help="Attention kernels: auto (cpu on CPU, sdpa on CUDA), cpu (CPU fast "
+                            "paths), sdpa (portable PyTorch SDPA over gathered blocks).")
+    group.add_argument("--cpu-packed-linears", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="CPU: run linear layers through oneDNN on weights packed once at "
+                            "load (float32 and bfloat16).")
+    group.add_argument("--cpu-malloc-tuning", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="CPU: keep freed memory in the malloc heap (no page faults on each "
+                            "step's large temporaries; the process keeps its peak heap).")
     group.add_argument("--tensor-parallel-size", type=int, default=1, choices=(1,),
                        help="Devices to shard the model over (only 1 is supported).")
 
@@ -139,7 +151,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         served_model_name=args.served_model_name, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        scheduler=scheduler, max_model_len=args.max_model_len)
+        scheduler=scheduler, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend, cpu_packed_linears=args.cpu_packed_linears,
+        cpu_malloc_tuning=args.cpu_malloc_tuning)
 
 
 def server_settings_from_args(args: argparse.Namespace):

@@ -13,12 +13,19 @@ torch.set_num_threads(1)
 # Random tiny models have nearly flat logits; initializer_range=0.2 separates the top
 # tokens enough (gaps >= 1e-4 on every reference position) for exact greedy comparisons.
 SEPARATED = dict(initializer_range=0.2)
+# Test models beyond the four architectures' tiny shapes: name -> (architecture, overrides).
+VARIANTS = {"llama-head-dim-40": ("llama", dict(hidden_size=80, num_attention_heads=2,
+                                                num_key_value_heads=1))}
 
 
 @pytest.fixture(scope="session")
 def separated_checkpoint(make_checkpoint):
-    """make_checkpoint(arch) with logits separated enough for exact greedy comparisons."""
-    return lambda arch="llama": make_checkpoint(arch, **SEPARATED)
+    """make_checkpoint(arch) with logits separated enough for exact greedy comparisons;
+    `arch` may also name one of VARIANTS."""
+    def make(arch="llama"):
+        arch, overrides = VARIANTS.get(arch, (arch, {}))
+        return make_checkpoint(arch, **SEPARATED, **overrides)
+    return make
 
 
 @pytest.fixture(scope="session")

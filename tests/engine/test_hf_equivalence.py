@@ -3,7 +3,7 @@
 For each architecture, a dozen prompts of 1 to 333 tokens run through
 transformers one at a time (float32, do_sample=False); carpool runs them all at
 once, each several times with different max_tokens (greedy outputs are prefixes
-of each other), under four settings. HF's EOS handling is matched: both stop at
+of each other), under every scheduler setting below and both attention backends. HF's EOS handling is matched: both stop at
 the checkpoint's EOS, which random models do emit now and then.
 """
 
@@ -17,7 +17,9 @@ from carpool import LLM, SamplingParams
 
 from carpool.testing.checkpoints import random_prompt
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# llama: head_dim 16; mistral: MQA; qwen2: tied embeddings; qwen3: head_dim 32 (not
+# hidden / heads); the variant: head_dim 40 (not a power of two).
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "llama-head-dim-40")
 PROMPT_LENGTHS = (1, 2, 3, 7, 15, 16, 17, 33, 64, 100, 200, 333)
 OUTPUT_LENGTHS = (64, 1, 40, 5, 64, 2, 17, 33, 8, 64, 12, 3)
 EOS_TOKEN_ID = 0  # the test tokenizer's <|endoftext|>
@@ -49,13 +51,15 @@ def expected_finish_reason(tokens: list[int], max_tokens: int) -> str:
     return "stop" if tokens and tokens[-1] == EOS_TOKEN_ID else "length"
 
 
+@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(arch, setting, separated_checkpoint, hf_greedy):
+def test_greedy_matches_transformers(arch, setting, backend, separated_checkpoint, hf_greedy):
     prompts = workload()
     references = [hf_greedy(arch, ids, n) for ids, n in prompts]
     llm = LLM(str(separated_checkpoint(arch)), dtype="float32", device="cpu",
-              **SETTINGS[setting])
+              attention_backend=backend, **SETTINGS[setting])
+    assert llm.engine.runner.attention.name == backend
     num_partial_chunks = 0
 
     def count_partial_chunks(sched_out):

@@ -11,6 +11,7 @@ def _carpool_logits(model, prompt: list[int], chunk: int, block_size: int = 4) -
 
     Blocks are handed out in reverse order so the block table is not the identity.
     """
+    from carpool.attention import AttentionShape, create_backend
     from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
     from carpool.runner import kv_cache
     from carpool.runner.input_batch import build_input_batch
@@ -20,7 +21,10 @@ def _carpool_logits(model, prompt: list[int], chunk: int, block_size: int = 4) -
     dtype = model.lm_head.weight.dtype
     num_blocks = -(-len(prompt) // block_size) + 2
     spec = kv_cache.KVCacheSpec.from_model(config, block_size, dtype)
-    caches = kv_cache.allocate_kv_caches(spec, num_blocks, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    backend = create_backend("auto", AttentionShape(config.num_heads, config.num_kv_heads,
+                                                    config.head_dim, config.sliding_window), cpu)
+    caches = kv_cache.allocate_kv_caches(spec, num_blocks, cpu, backend)
     blocks = list(reversed(range(num_blocks)))
     rows = []
     with torch.inference_mode():
@@ -28,9 +32,9 @@ def _carpool_logits(model, prompt: list[int], chunk: int, block_size: int = 4) -
             ids = prompt[start:start + chunk]
             req = ScheduledRequest("r", ids, start, blocks, True, SamplingParams())
             batch = build_input_batch(SchedulerOutput([req]), block_size=block_size,
-                                      scratch_block=num_blocks, device=torch.device("cpu"),
-                                      sliding_window=config.sliding_window)
-            hidden = model(batch.input_ids, batch.positions, caches, batch.meta)
+                                      scratch_block=num_blocks, device=cpu)
+            hidden = model(batch.input_ids, batch.positions, caches, backend,
+                           backend.build_metadata(batch.layout))
             rows.append(model.compute_logits(hidden))
     return torch.cat(rows)
 

@@ -1,7 +1,8 @@
-"""Packed inputs: positions, slots through the block table, logits rows, padding, groups."""
+"""Packed inputs: positions, slots through the block table, logits rows, padding, the layout."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,20 +21,25 @@ def test_packed_positions_slots_and_logits_rows():
                               block_size=4, scratch_block=10, device=CPU)
     assert batch.input_ids.tolist() == [5, 6, 7, 8, 0, 0]
     assert batch.positions.tolist() == [2, 3, 4, 6, 0, 0]
-    assert batch.meta.slot_mapping.tolist() == [9 * 4 + 2, 9 * 4 + 3, 4 * 4 + 0, 3 * 4 + 2, 40, 40]
+    layout = batch.layout
+    assert layout.slot_mapping.tolist() == [9 * 4 + 2, 9 * 4 + 3, 4 * 4 + 0, 3 * 4 + 2, 40, 40]
     assert batch.logits_indices.tolist() == [3]
     assert [r.request_id for r in batch.sampled] == ["b"]
-    decodes, prefills = batch.meta.groups
-    assert decodes.valid_tokens.tolist() == [3, 4, 5]  # the decode, then the padding tokens
-    assert prefills.valid_tokens.tolist() == [0, 1, 2]
-    assert decodes.block_tables[0].tolist() == [1, 3]
-    assert decodes.block_tables[1].tolist()[0] == 10  # padding reads the scratch block
+    # The chunk, the decode, then the padding tokens as one-token requests at position 0.
+    assert layout.query_starts.tolist() == [0, 3, 4, 5]
+    assert layout.query_lens.tolist() == [3, 1, 1, 1]
+    assert layout.num_computed.tolist() == [2, 6, 0, 0]
+    assert [t.tolist() for t in layout.block_tables] == [[9, 4], [1, 3], [10], [10]]
+    assert layout.num_cache_blocks == 11 and layout.num_tokens == 6
 
 
 def test_causal_mask_per_request():
+    from carpool.attention import AttentionShape
+    from carpool.attention.paged import build_group
+
     req = ScheduledRequest("a", [1, 2, 3], 2, [0, 1], True, P)
     batch = build_input_batch(SchedulerOutput([req]), block_size=4, scratch_block=9, device=CPU)
-    (group,) = batch.meta.groups
+    group = build_group(batch.layout, np.array([0]), AttentionShape(2, 1, 8), CPU)
     mask = group.mask[0, 0]  # (max_q, max_ctx)
     assert mask.sum(dim=-1).tolist() == [3, 4, 5]  # positions 2, 3, 4 see 0..pos
 

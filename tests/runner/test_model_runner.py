@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runner_driver import Driver, DriverRequest
-from carpool.runner import kv_cache
+from carpool.platform.cpu import CPU_DEFAULT_MAX_BYTES
 from carpool.sampling_params import SamplingParams
 
 
@@ -39,7 +39,9 @@ def test_cpu_default_size_is_bounded(llama_checkpoint, make_runner, caplog):
     # 10% of RAM is far more than 8 requests of 512 tokens can use: capped at that need.
     assert runner.num_kv_blocks == 8 * 512 // 4
     assert "max concurrency" in caplog.text
-    assert 0 < kv_cache.cpu_default_bytes() <= kv_cache.CPU_DEFAULT_MAX_BYTES
+    assert "attention backend: cpu" in caplog.text
+    platform = runner.platform
+    assert 0 < platform.default_kv_cache_bytes() <= CPU_DEFAULT_MAX_BYTES
 
 
 def test_max_model_len_beyond_the_model_is_named(llama_checkpoint, make_runner):

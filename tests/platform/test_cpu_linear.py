@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from carpool.runner.cpu_linear import (MAX_ROWS, ROW_BUCKETS, PackedLinear, can_pack, pack_linears,
+from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, PackedLinear, can_pack, pack_linears,
                                        padded_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -42,18 +42,30 @@ def test_pack_linears_replaces_every_float32_linear_only():
     assert not can_pack(nn.Linear(8, 8).to(torch.float16))
 
 
-def _runner_linears(checkpoint):
+def _runner_linears(checkpoint, **kwargs):
     from carpool.runner.model_runner import ModelRunner
 
     runner = ModelRunner(checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
-                         max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2)
+                         max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2, **kwargs)
     return [m for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
 
 
-def test_cpu_float32_runner_packs_linears_unless_told_not_to(llama_checkpoint, monkeypatch):
-    monkeypatch.setenv("CARPOOL_ONEDNN_LINEAR", "0")
-    linears = _runner_linears(llama_checkpoint)
+def test_cpu_float32_runner_packs_linears_unless_told_not_to(llama_checkpoint):
+    linears = _runner_linears(llama_checkpoint, cpu_packed_linears=False)
     assert linears and not any(isinstance(m, PackedLinear) for m in linears)
-    monkeypatch.delenv("CARPOOL_ONEDNN_LINEAR", raising=False)
     linears = _runner_linears(llama_checkpoint)
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
+
+
+def test_packing_is_a_flag_and_a_config_field():
+    import argparse
+
+    from carpool.server.cli import add_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(["--no-cpu-packed-linears",
+                                                        "--no-cpu-malloc-tuning"]))
+    assert config.cpu_packed_linears is False and config.cpu_malloc_tuning is False
+    default = engine_config_from_args(parser.parse_args([]))
+    assert default.cpu_packed_linears is True and default.cpu_malloc_tuning is True

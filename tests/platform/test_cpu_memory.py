@@ -1,4 +1,4 @@
-"""The CPU runner keeps freed memory in glibc's heap (see carpool/runner/cpu_memory.py)."""
+"""The CPU runner keeps freed memory in glibc's heap (see carpool/platform/cpu_memory.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from carpool.runner.cpu_memory import keep_freed_memory_in_heap
+from carpool.platform.cpu_memory import keep_freed_memory_in_heap
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

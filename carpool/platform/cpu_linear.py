@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ONEDNN_LINEAR_ENV = "CARPOOL_ONEDNN_LINEAR"  # "0" turns packing off in ModelRunner
 MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows with rows
 # Powers of two up to 8 (single decodes stay cheap), multiples of 8 up to 128 (decode
 # batches), then multiples of 16: at most 7 or 15 padding rows.

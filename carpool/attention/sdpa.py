@@ -1,0 +1,47 @@
+"""The portable backend: `scaled_dot_product_attention` over gathered blocks, on any device.
+
+What CUDA runs (SDPA picks its fused kernels there), and runnable on CPU so that
+CI checks the same lines. Fresh prompts take SDPA's causal path over this
+step's k/v; decode groups and continuing chunks take SDPA with a boolean mask
+over keys and values gathered from their block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from carpool.attention import paged
+from carpool.attention.base import AttentionBackend, StepLayout
+
+
+@dataclass(frozen=True)
+class SdpaMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    groups: tuple[paged.PagedGroup, ...]  # decode groups, then the chunks' group
+    fresh_spans: tuple[tuple[int, int], ...]  # (packed start, length) of each fresh prompt
+    num_tokens: int
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def build_metadata(self, layout: StepLayout) -> SdpaMetadata:
+        split = paged.split_step(layout, fresh_fast_path=self.shape.sliding_window is None)
+        groups = [paged.build_group(layout, rows, self.shape, self.device)
+                  for rows in split.decode_groups + (split.chunks,) if len(rows)]
+        slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
+        return SdpaMetadata(slot_mapping=slots, groups=tuple(groups),
+                            fresh_spans=paged.fresh_spans(layout, split.fresh),
+                            num_tokens=layout.num_tokens)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: SdpaMetadata, scale: float) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        for group in meta.groups:
+            out[group.valid_tokens] = paged.attend_group_sdpa(q, kv_cache, group, scale)
+        for start, length in meta.fresh_spans:
+            span = slice(start, start + length)
+            out[span] = paged.attend_fresh_sdpa(q[span], k[span], v[span], scale)
+        return out

@@ -1,0 +1,27 @@
+"""What differs between devices outside attention: process set-up, model preparation,
+and how much memory the KV cache may take.
+
+`platform_for(device, ...)` picks the `CpuPlatform` or the `CudaPlatform`. The
+runner asks its platform and never tests `device.type` itself, so a CPU test can
+hand it a `CudaPlatform` over stand-in memory queries and run every line of the
+CUDA start-up path except the `torch.cuda` calls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from carpool.platform.base import Platform
+from carpool.platform.cpu import CpuPlatform
+from carpool.platform.cuda import CudaMemory, CudaPlatform, TorchCudaMemory
+
+__all__ = ["CpuPlatform", "CudaMemory", "CudaPlatform", "Platform", "TorchCudaMemory",
+           "platform_for"]
+
+
+def platform_for(device: torch.device, *, cpu_packed_linears: bool = True,
+                 cpu_malloc_tuning: bool = True) -> Platform:
+    """The platform of `device`, with the CPU switches applied where they matter."""
+    if device.type == "cuda":
+        return CudaPlatform(device)
+    return CpuPlatform(packed_linears=cpu_packed_linears, malloc_tuning=cpu_malloc_tuning)

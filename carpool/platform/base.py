@@ -1,0 +1,37 @@
+"""The interface the model runner uses to set up a device (see `carpool.platform`)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from torch import nn
+
+
+class Platform(ABC):
+    # True: the KV cache is sized from a memory budget measured after a profiling
+    # forward pass (`begin_profile` / `kv_cache_budget`); False: `default_kv_cache_bytes`.
+    profiles_memory: bool = False
+
+    def prepare_process(self) -> None:
+        """Process-wide tuning, once, before the model is loaded."""
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Rewrite the loaded model for this device (e.g. pack its linear layers)."""
+
+    def default_kv_cache_bytes(self) -> int:
+        """KV cache bytes when nothing else sizes it (platforms that do not profile)."""
+        raise NotImplementedError(f"{type(self).__name__} sizes the KV cache by profiling")
+
+    def begin_profile(self) -> None:
+        """Start measuring peak memory (platforms that profile)."""
+
+    def end_profile(self) -> None:
+        """Stop measuring; release what the profiling pass cached."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for the start-up log."""
+
+    def kv_cache_budget(self, utilization: float) -> int:
+        """Bytes left for the KV cache after the profiled peak (platforms that profile)."""
+        raise NotImplementedError(f"{type(self).__name__} does not profile memory")
