@@ -9,6 +9,16 @@ import pytest
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--carpool-device", default="cpu",
+                     help="device the HF-equivalence suite runs carpool on (cpu, cuda)")
+
+
+@pytest.fixture(scope="session")
+def carpool_device(request) -> str:
+    return request.config.getoption("--carpool-device")
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     from carpool.testing.checkpoints import train_tokenizer

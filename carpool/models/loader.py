@@ -42,14 +42,14 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     if str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
         raise FileNotFoundError(f"model folder {path} does not exist")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
 
         local = snapshot_download(repo_id=str(model), allow_patterns=[
             "*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"])
     except Exception as exc:  # offline, unknown repo, gated, no network
         raise FileNotFoundError(
             f"model {model!r} is neither a local folder nor a downloadable hub id "
-            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {exc}") from exc
+            f"(hub offline: {bool(constants.HF_HUB_OFFLINE)}): {exc}") from exc
     return Path(local)
 
 
