@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from carpool.models.config import ModelConfig
-from carpool.models.rope import RotaryEmbedding, apply_rope
+from carpool.models.rope import Rotary, RotaryEmbedding
 from carpool.attention import AttentionBackend
 
 
@@ -68,6 +68,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.rotary = Rotary()
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotary(q, k, cos, sin)
         out = attention.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

@@ -112,3 +112,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # rotate_half
     return x * cos + rotated * sin
+
+
+class Rotary(torch.nn.Module):
+    """Rotates q and k by this step's cos/sin. A module (not a call) so that a platform can
+    swap in a fused kernel that gives the same results (see `carpool.platform`)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
