@@ -88,8 +88,8 @@ class BenchClock:
 def engine_kwargs(variant: str, common: dict, max_model_len: int) -> dict:
     """`LLM(...)` keyword arguments for `variant` on top of the shared settings.
 
-    Without chunked prefill a prompt must fit one step whole, so the step budget
-    is raised to `max_model_len` there, as vLLM does.
+    Variants without chunked prefill drop the partial-prefill settings and the step
+    budget: the engine's default budget then fits the longest prompt in one step.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
@@ -99,8 +99,8 @@ def engine_kwargs(variant: str, common: dict, max_model_len: int) -> dict:
             continue  # an explicit setting wins over the variant's default
         kwargs[key] = value
     if not kwargs["enable_chunked_prefill"]:
-        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, max_model_len)
-        for key in ("max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):
+        for key in ("max_num_batched_tokens", "max_num_partial_prefills",
+                    "max_long_partial_prefills", "long_prefill_token_threshold"):
             kwargs.pop(key, None)
     if kwargs.get("max_long_partial_prefills", 1) > kwargs.get("max_num_partial_prefills", 1):
         kwargs["max_long_partial_prefills"] = kwargs["max_num_partial_prefills"]

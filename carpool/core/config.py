@@ -58,6 +58,13 @@ class SchedulerConfig:
         if not isinstance(self.max_skips, int) or self.max_skips < 0:
             raise ValueError(f"max_skips must be an integer >= 0, got {self.max_skips!r}")
 
+    @staticmethod
+    def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: bool) -> int:
+        """The step budget when none is given: 2048, raised to max_model_len without chunked
+        prefill so the longest prompt fits one step (as vLLM)."""
+        budget = SchedulerConfig.max_num_batched_tokens
+        return budget if enable_chunked_prefill else max(budget, max_model_len)
+
     @property
     def effective_long_prefill_threshold(self) -> int | None:
         """The threshold in tokens, or None when there is none (no chunk cap, no prompt is long)."""

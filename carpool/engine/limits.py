@@ -6,38 +6,10 @@ offline `LLM`, the HTTP server) rejects the same requests with the same words.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from typing import Sequence
 
-from carpool.core.config import SchedulerConfig
 from carpool.sampling_params import SamplingParams
-
-# With no max_model_len given, the model's own limit is capped here, so a 128k-context
-# model does not size its budgets for contexts nobody sends to a small server.
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
-    """`requested`, or the model's limit capped at DEFAULT_MAX_MODEL_LEN_CAP."""
-    if requested is None:
-        return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
-    if requested > max_position_embeddings:
-        raise ValueError(f"max_model_len ({requested}) is larger than the model's "
-                         f"max_position_embeddings ({max_position_embeddings})")
-    return requested
-
-
-def resolve_scheduler_config(config: SchedulerConfig, max_model_len: int) -> SchedulerConfig:
-    """The scheduler config with the engine's max_model_len; without chunked prefill the
-    step budget is raised to max_model_len so the longest prompt fits one step (as vLLM)."""
-    budget = config.max_num_batched_tokens
-    if not config.enable_chunked_prefill:
-        budget = max(budget, max_model_len)
-    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
-
 
 def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
     """The ids as a list of plain ints (numpy ints accepted); ValueError for an empty prompt,

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from carpool.config import EngineConfig
+from carpool.config import EngineConfig, model_path
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
@@ -81,24 +81,20 @@ class LLMEngine:
         from carpool.models.loader import resolve_model_path
         from carpool.runner.model_runner import ModelRunner
 
-        model = config.model
-        if model is None:
-            from carpool.default_model_path import default_model_path
-            model = str(default_model_path())
-        path = resolve_model_path(model)
+        path = resolve_model_path(model_path(config.model))
         model_config = load_model_config(path)
-        max_model_len = limits.resolve_max_model_len(config.max_model_len,
-                                                     model_config.max_position_embeddings)
-        sched_config = limits.resolve_scheduler_config(config.scheduler, max_model_len)
+        config = config.for_model(model_config.max_position_embeddings)
+        sched_config = config.scheduler
         runner = ModelRunner(
             path, dtype=config.dtype, device=config.device, block_size=sched_config.block_size,
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=config.max_model_len,
             max_num_batched_tokens=sched_config.max_num_batched_tokens,
             max_num_seqs=sched_config.max_num_seqs, seed=config.seed)
         scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
         scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
-        return cls(config, model, runner, load_tokenizer(path), scheduler,
+        return cls(config, str(path), runner, load_tokenizer(path), scheduler,
                    sampling_defaults=load_sampling_defaults(path))
 
     # ---- requests in -------------------------------------------------------------------

@@ -49,7 +49,7 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     except Exception as exc:  # offline, unknown repo, gated, no network
         raise FileNotFoundError(
             f"model {model!r} is neither a local folder nor a downloadable hub id "
-            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {exc}") from exc
+            f"(with HF_HUB_OFFLINE=1 only the local cache is searched): {exc}") from exc
     return Path(local)
 
 

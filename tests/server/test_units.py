@@ -7,6 +7,8 @@ import argparse
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from carpool.arg_utils import parse_bytes
+from carpool.config import EngineConfig
 from carpool.metrics import ServerMetrics
 from carpool.outputs import StepOutput
 from carpool.server import cli
@@ -23,31 +25,31 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_flags_map_to_engine_config():
-    args = parse("/m", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                 "--max-model-len", "1024", "--max-num-partial-prefills", "4",
+    args = parse("--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                 "--max-model-len", "256", "--max-num-partial-prefills", "4",
                  "--max-long-partial-prefills", "2", "--long-prefill-token-threshold", "64",
                  "--block-size", "32", "--kv-cache-memory", "1GiB", "--scheduler", "static",
                  "--dtype", "float32", "--device", "cpu", "--seed", "5",
                  "--served-model-name", "m", "--gpu-memory-utilization", "0.5")
-    config = cli.engine_config_from_args(args)
+    config = EngineConfig.from_cli_args(args)
     s = config.scheduler
-    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (8, 512, 1024)
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (8, 512, 256)
     assert (s.max_num_partial_prefills, s.max_long_partial_prefills) == (4, 2)
     assert (s.long_prefill_token_threshold, s.block_size, s.scheduler) == (64, 32, "static")
-    assert config.kv_cache_memory == 2**30 and config.max_model_len == 1024
-    assert (config.model, config.dtype, config.device, config.seed) == ("/m", "float32", "cpu", 5)
+    assert config.kv_cache_memory == 2**30 and config.max_model_len == 256
+    assert (config.model, config.dtype, config.device, config.seed) == (None, "float32", "cpu", 5)
     assert config.served_model_name == "m" and config.gpu_memory_utilization == 0.5
 
 
 def test_defaults_and_unchunked_budget():
     args = parse()
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
-    config = cli.engine_config_from_args(parse("--no-enable-chunked-prefill",
-                                               "--max-model-len", "4096"))
+    config = EngineConfig.from_cli_args(parse("--no-enable-chunked-prefill",
+                                              "--max-model-len", "512"))
     assert not config.scheduler.enable_chunked_prefill
-    assert config.scheduler.max_num_batched_tokens == 4096  # the longest prompt fits one step
-    with pytest.raises(ValueError, match="max_long_partial_prefills"):
-        cli.engine_config_from_args(parse("--max-long-partial-prefills", "3"))
+    assert config.scheduler.max_num_batched_tokens == 2048  # the default already fits 512
+    with pytest.raises(ValueError, match="--max-long-partial-prefills"):
+        EngineConfig.from_cli_args(parse("--max-long-partial-prefills", "3"))
 
 
 def test_every_flag_has_one_line_help():
@@ -79,13 +81,13 @@ def test_api_key_from_environment(monkeypatch):
                                            ("512MiB", 512 * 2**20), ("2e9", 2 * 10**9),
                                            ("1.5 GB", 1_500_000_000)])
 def test_parse_bytes(text, expected):
-    assert cli.parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "lots", "4 parsecs", "1e"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        cli.parse_bytes(text)
+        parse_bytes(text)
 
 
 def test_prompt_shapes():
