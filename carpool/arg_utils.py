@@ -75,7 +75,8 @@ def add_scheduler_arguments(group) -> None:
                        help="Of those, most with prompts longer than the threshold.")
     group.add_argument("--long-prefill-token-threshold", type=int,
                        default=defaults.long_prefill_token_threshold,
-                       help="A prompt longer than this is 'long'; chunks are capped at it (0: auto).")
+                       help="A prompt longer than this is 'long'; chunks are capped at it (0: "
+                            "auto).")
     group.add_argument("--block-size", type=int, default=defaults.block_size,
                        help=f"Tokens per KV cache block (default {defaults.block_size}).")
     group.add_argument("--scheduler", default=defaults.scheduler, choices=SCHEDULER_KINDS,

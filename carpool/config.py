@@ -45,7 +45,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+            raise ValueError(f"num_kv_blocks must be a positive integer, "
+                             f"got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int)
                                                  or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
@@ -68,7 +69,7 @@ class EngineConfig:
                   max_long_partial_prefills: int = 1, long_prefill_token_threshold: int = 0,
                   block_size: int = 16, scheduler: str = "continuous",
                   preemption_policy: str = "newest", tensor_parallel_size: int = 1,
-                  trust_remote_code: bool = False) -> "EngineConfig":
+                  trust_remote_code: bool = False) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
@@ -101,7 +102,7 @@ class EngineConfig:
                    scheduler=scheduler_config, max_model_len=max_model_len)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         """`from_args` over the flags of `carpool.arg_utils`; errors name the flags."""
         names = inspect.signature(cls.from_args).parameters
         try:
@@ -110,7 +111,7 @@ class EngineConfig:
         except ValueError as exc:
             raise ValueError(as_flags(str(exc), names)) from exc
 
-    def for_model(self, max_position_embeddings: int) -> "EngineConfig":
+    def for_model(self, max_position_embeddings: int) -> EngineConfig:
         """This config with max_model_len resolved for a model (the scheduler's too), checked
         again; for configs built field by field rather than through `from_args`."""
         if self.is_resolved and self.max_model_len <= max_position_embeddings:

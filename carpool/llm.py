@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from carpool.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
@@ -34,7 +35,7 @@ class LLM:
         self._attach(LLMEngine.from_config(EngineConfig.from_args(model, **engine_args)))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an engine built from a ready EngineConfig (the CLI's path)."""
         llm = cls.__new__(cls)
         llm._attach(LLMEngine.from_config(config))

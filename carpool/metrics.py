@@ -32,8 +32,10 @@ class ServerMetrics:
         gauge = self._make(Gauge)
         counter = self._make(Counter)
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.num_requests_waiting = gauge("num_requests_waiting",
+                                          "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc",
+                                    "Fraction of KV cache blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks freed).")

@@ -113,7 +113,8 @@ def build_engine(model: str, kwargs: dict):
     from carpool.sampling_params import SamplingParams
 
     llm = LLM(model=model, **kwargs)
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2, temperature=0.0),
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2,
+                                                                      temperature=0.0),
                  use_tqdm=False)
     return llm.engine
 
@@ -130,7 +131,8 @@ def drive(engine, requests: list[BenchRequest], variant: str, clock: BenchClock 
     start = clock.now()
     num_added = 0
     while num_added < len(order) or engine.has_unfinished_requests():
-        while num_added < len(order) and start + (requests[order[num_added]].arrival_time or 0.0) <= clock.now():
+        while (num_added < len(order)
+               and start + (requests[order[num_added]].arrival_time or 0.0) <= clock.now()):
             _add(engine, order[num_added], requests[order[num_added]], run, clock.now())
             num_added += 1
         if not engine.has_unfinished_requests():
@@ -139,7 +141,8 @@ def drive(engine, requests: list[BenchRequest], variant: str, clock: BenchClock 
         engine_start, step_start = time.monotonic(), clock.now()
         outputs = engine.step()
         stats = engine.stats()
-        run.step(engine_start, StepRecord(step_start, clock.now(), stats["last_step_num_prefill_tokens"],
+        run.step(engine_start, StepRecord(step_start, clock.now(),
+                                          stats["last_step_num_prefill_tokens"],
                                           stats["last_step_num_decode_tokens"]))
         run.check_progress(stats["last_step_num_tokens"])
         for out in outputs:
@@ -154,7 +157,8 @@ def _add(engine, index: int, request: BenchRequest, run: _RunRecorder, now: floa
 
     params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request(f"bench-{index}", list(request.prompt_token_ids), params)
-    run.results[index] = RequestResult(start_time=now, num_prompt_tokens=len(request.prompt_token_ids))
+    run.results[index] = RequestResult(start_time=now,
+                                       num_prompt_tokens=len(request.prompt_token_ids))
 
 
 class _RunRecorder:
@@ -199,7 +203,8 @@ class _RunRecorder:
         for i in range(self._num_requests):
             last = self._last_step[i]
             began = self._first_scheduled.get(i)
-            first = last if began is None else max(0, bisect.bisect_right(self._engine_starts, began) - 1)
+            first = last if began is None else max(0, bisect.bisect_right(self._engine_starts,
+                                                                          began) - 1)
             request_steps.append((min(first, last), last))
         return OfflineRun(variant, [self.results[i] for i in range(self._num_requests)], self.steps,
                           duration_s, request_steps, clock)

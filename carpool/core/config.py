@@ -38,7 +38,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+        if not isinstance(self.long_prefill_token_threshold,
+                          int) or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be an integer >= 0, "
                              f"got {self.long_prefill_token_threshold!r}")
         if self.max_long_partial_prefills > self.max_num_partial_prefills:

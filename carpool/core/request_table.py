@@ -8,7 +8,7 @@ stop rules and frees a finished request's blocks in the same call.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig

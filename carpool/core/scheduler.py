@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from carpool.core.admission import PartialPrefillSlots, prefill_chunk
 from carpool.core.block_manager import BlockManager
@@ -138,7 +138,8 @@ class Scheduler(RequestTable):
             num_new = self._admission_chunk(request, plan, slots)
             if num_new:
                 for skipped in passed_over:
-                    self._num_skips[skipped.request_id] = self._num_skips.get(skipped.request_id, 0) + 1
+                    self._num_skips[skipped.request_id] = self._num_skips.get(skipped.request_id,
+                                                                              0) + 1
                 passed_over.clear()
                 self._admit(request, num_new, plan, slots)
             elif self._num_skips.get(request.request_id, 0) >= self.config.max_skips:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig

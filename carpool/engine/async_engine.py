@@ -22,10 +22,16 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from carpool.engine.output_stream import (EngineDeadError, EngineInfo, GenerationRequest,
-                                          OutputStream, put_all)
+from carpool.engine.output_stream import (
+    EngineDeadError,
+    EngineInfo,
+    GenerationRequest,
+    OutputStream,
+    put_all,
+)
 from carpool.outputs import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -231,7 +237,7 @@ class AsyncEngine:
         if what is not None and self.on_fatal is not None:
             try:  # first, so the server is already stopping when clients hear of it
                 self.on_fatal(exc)
-            except Exception:  # noqa: BLE001 - the streams below must still be told
+            except Exception:  # the streams below must still be told
                 logger.exception("on_fatal failed")
         error = EngineDeadError(f"the engine has stopped: {exc!r}")
         for command in pending:

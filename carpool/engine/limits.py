@@ -7,9 +7,10 @@ offline `LLM`, the HTTP server) rejects the same requests with the same words.
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
 from carpool.sampling_params import SamplingParams
+
 
 def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
     """The ids as a list of plain ints (numpy ints accepted); ValueError for an empty prompt,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from carpool.config import EngineConfig, model_path
 from carpool.core.request import Request, RequestStatus
@@ -72,7 +72,7 @@ class LLMEngine:
         self._extra_eos_ids = tuple(eos_ids[1:])
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model, tokenizer and KV cache named by `config` and build the scheduler."""
         from carpool.core.scheduler import Scheduler
         from carpool.core.static_scheduler import StaticScheduler
@@ -180,7 +180,7 @@ class LLMEngine:
             if self.step_hook is not None:
                 self.step_hook(sched_out)
             runner_out = self.runner.execute(sched_out)
-        except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
+        except Exception as exc:  # a failed step must not take the engine down
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
             return outputs + self._fail_step(sched_out, exc)
         advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids)

@@ -8,16 +8,24 @@ one last chunk has empty `choices` and the usage.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from carpool.engine.async_engine import OutputStream
 from carpool.engine.tokenizer import encode_chat
 from carpool.server.errors import bad_request
-from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
-                                       respond, usage)
+from carpool.server.generation import (
+    Choice,
+    check_model,
+    fan_out,
+    new_id,
+    ready_engine,
+    respond,
+    usage,
+)
 from carpool.server.logprobs import chat_logprobs
 from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
 from carpool.server.sse import sse_event

@@ -12,8 +12,12 @@ import argparse
 import logging
 import os
 
-from carpool.arg_utils import (add_engine_arguments, add_model_argument,
-                               add_scheduler_arguments, parse_bytes)
+from carpool.arg_utils import (
+    add_engine_arguments,
+    add_model_argument,
+    add_scheduler_arguments,
+    parse_bytes,
+)
 from carpool.config import EngineConfig
 
 logger = logging.getLogger("carpool.server")

@@ -8,16 +8,24 @@ prompt in front of the text (in the first chunk when streaming).
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from carpool.engine.async_engine import OutputStream
 from carpool.outputs import StepOutput
 from carpool.server.errors import bad_request
-from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
-                                       respond, usage)
+from carpool.server.generation import (
+    Choice,
+    check_model,
+    fan_out,
+    new_id,
+    ready_engine,
+    respond,
+    usage,
+)
 from carpool.server.logprobs import completion_logprobs
 from carpool.server.protocol import REQUEST_FIELDS, CompletionRequest
 from carpool.server.sse import sse_event

@@ -13,14 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
-                                         GenerationRequest, OutputStream)
+from carpool.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineInfo,
+    GenerationRequest,
+    OutputStream,
+)
 from carpool.engine.output_builder import CompletionBuilder
 from carpool.engine.output_stream import ServerClosingError
 from carpool.llm import child_params

@@ -7,8 +7,9 @@ as vLLM does, so newer clients keep working.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -47,7 +48,7 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: Union[Text, list[Text], None] = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -92,7 +93,7 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[Text, list[Text], TokenIds, list[TokenIds]]
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
     logprobs: int | None = None
     echo: bool = False
@@ -133,7 +134,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, list[TextPart], None] = None
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
 
     def text(self) -> str:
@@ -164,11 +165,13 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs(defaults))
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              **self._sampling_kwargs(defaults))
 
 
 class TokenizeRequest(BaseModel):

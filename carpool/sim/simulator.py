@@ -56,7 +56,7 @@ class SimResult:
 
     @property
     def slot_utilisation(self) -> float:
-        """Fraction of slot-time spent on a request that had not ended (idle gaps count as unused)."""
+        """Fraction of slot-time spent on a request that had not ended (idle gaps: unused)."""
         num_slots = len(self.steps[0].cells)
         busy = sum((s.end_s - s.start_s) * sum(c.active for c in s.cells) for s in self.steps)
         return busy / (num_slots * self.total_s)

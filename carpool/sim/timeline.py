@@ -71,7 +71,8 @@ def render_timeline(records: list[StepRecord], num_rows: int = 24) -> str:
         row = " ".join(_cell_text(cell).ljust(width) for cell in record.cells)
         lines.append(f"{record.start_s:8.2f} | {row}")
     lines.append(f"{records[-1].end_s:8.2f} | (end)   "
-                 f"[{steps_per_row} step(s) a row; '{IDLE}' idle, '{WASTED}' ended but still seated]")
+                 f"[{steps_per_row} step(s) a row; '{IDLE}' idle, '{WASTED}' ended but still "
+                 "seated]")
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from carpool.config import EngineConfig
 from carpool.core.config import SchedulerConfig
@@ -92,6 +93,7 @@ def test_health_follows_the_step_loop_from_loading_to_death(llama_checkpoint):
     assert not engine.is_ready
 
 
+@pytest.mark.slow
 def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
     process = subprocess.run(
         [sys.executable, "-m", "carpool.cli", "serve", str(tmp_path / "no-such-model"),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.live import MODEL_NAME
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 4}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
