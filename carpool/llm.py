@@ -19,7 +19,7 @@ from carpool.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.output_builder import CompletionBuilder, RequestOutputBuilder
 from carpool.engine.tokenizer import Message, encode_chat, render_chat
-from carpool.outputs import RequestOutput
+from carpool.outputs import EngineStats, RequestOutput
 from carpool.sampling_params import SamplingParams
 
 _SEED_MODULUS = 2**64  # SamplingParams.seed is at most 2**64 - 1; child seeds wrap
@@ -53,7 +53,7 @@ class LLM:
         generation_config.json sampling fields over SamplingParams' defaults (as vLLM)."""
         return SamplingParams(**self.engine.sampling_defaults)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]

@@ -142,9 +142,9 @@ def drive(engine, requests: list[BenchRequest], variant: str, clock: BenchClock 
         outputs = engine.step()
         stats = engine.stats()
         run.step(engine_start, StepRecord(step_start, clock.now(),
-                                          stats["last_step_num_prefill_tokens"],
-                                          stats["last_step_num_decode_tokens"]))
-        run.check_progress(stats["last_step_num_tokens"])
+                                          stats.last_step_num_prefill_tokens,
+                                          stats.last_step_num_decode_tokens))
+        run.check_progress(stats.last_step_num_tokens)
         for out in outputs:
             run.output(out)
             progress.update(out.finished)
@@ -196,7 +196,8 @@ class _RunRecorder:
             self._last_step[index] = len(self.steps) - 1
             if out.finish_reason in ("abort", "error"):
                 result.success, result.error = False, out.error or out.finish_reason
-            self._first_scheduled[index] = (out.request_metrics or {}).get("first_scheduled_time")
+            metrics = out.request_metrics
+            self._first_scheduled[index] = metrics.first_scheduled_time if metrics else None
 
     def finish(self, variant: str, duration_s: float, clock: str) -> OfflineRun:
         request_steps = []

@@ -25,7 +25,7 @@ from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_tokenizer
-from carpool.outputs import StepOutput
+from carpool.outputs import EngineStats, RequestMetrics, StepOutput
 from carpool.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -236,28 +236,39 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=state.num_sent_tokens,
             finish_reason=reason, error=error, request_metrics=self._metrics(request))
 
-    def _metrics(self, request: Request) -> dict:
+    def _metrics(self, request: Request) -> RequestMetrics:
         if request.finished_time is None:
             request.finished_time = self._clock()
-        return {"arrival_time": request.arrival_time,
-                "first_scheduled_time": request.first_scheduled_time,
-                "first_token_time": request.first_token_time,
-                "finished_time": request.finished_time,
-                "num_preemptions": request.num_preemptions}
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time, finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions)
 
     # ---- introspection -----------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Counters since start and the last step's shape, for logs, metrics and tests."""
         blocks = self.scheduler.block_manager
-        return self._stats.as_dict() | {
-            "num_preemptions": self.scheduler.num_preemptions_total,
-            "num_free_blocks": blocks.num_free_blocks,
-            "num_total_blocks": blocks.num_total_blocks,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage": blocks.usage,
-        }
+        return EngineStats(
+            **self._stats.as_dict(), num_preemptions=self.scheduler.num_preemptions_total,
+            num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=blocks.usage)
+
+    # ---- what the async layer reads once loaded (see engine.protocol.EngineCore) --------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler_config.max_num_seqs
+
+    @property
+    def kv_cache_info(self) -> dict:
+        return dict(self.runner.kv_cache_info)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if block accounting is off, or blocks are held while idle."""

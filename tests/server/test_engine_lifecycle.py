@@ -55,7 +55,7 @@ async def _check_step_faults_fail_only_their_requests(http, engine, body) -> Non
     response = await http.post("/v1/completions", json=body)  # the engine serves on
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     stats = await engine.call(lambda e: e.check_integrity() or e.stats())
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 def test_health_follows_the_step_loop_from_loading_to_death(llama_checkpoint):
@@ -75,7 +75,7 @@ def test_health_follows_the_step_loop_from_loading_to_death(llama_checkpoint):
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["completion_tokens"] == 4
             stats = await engine.call(lambda e: e.check_integrity() or e.stats())
-            assert stats["num_free_blocks"] == stats["num_total_blocks"]
+            assert stats.num_free_blocks == stats.num_total_blocks
 
             await _check_step_faults_fail_only_their_requests(http, engine, body)
 

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from carpool.arg_utils import parse_bytes
 from carpool.config import EngineConfig
 from carpool.metrics import ServerMetrics
-from carpool.outputs import StepOutput
+from carpool.outputs import EngineStats, RequestMetrics, StepOutput
 from carpool.server import cli
 from carpool.server.app import ServerSettings
 from carpool.server.errors import APIError, bad_request
@@ -152,25 +152,30 @@ def _samples(metrics: ServerMetrics) -> dict:
     return out
 
 
+def engine_stats(**values) -> EngineStats:
+    fields = {name: 0 for name in EngineStats.__dataclass_fields__}
+    return EngineStats(**{**fields, "kv_cache_usage": 0.0, **values})
+
+
 def test_metrics_record_steps():
     metrics = ServerMetrics("m")
-    metrics.update_gauges({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25})
+    metrics.update_gauges(engine_stats(num_running=2, num_waiting=1, kv_cache_usage=0.25))
     first = [StepOutput("a", [5], "x", num_prompt_tokens=7, num_output_tokens=1),
              StepOutput("b", [6], "y", num_prompt_tokens=3, num_output_tokens=1)]
-    metrics.record_step(first, {"last_step_num_tokens": 10, "num_preemptions": 1,
-                                "num_steps": 1}, now=1.0)
+    metrics.record_step(first, engine_stats(last_step_num_tokens=10, num_preemptions=1,
+                                            num_steps=1), now=1.0)
     done = StepOutput("a", [8], "z", num_prompt_tokens=7, num_output_tokens=2,
                       finish_reason="length",
-                      request_metrics={"arrival_time": 0.0, "first_scheduled_time": 0.25,
-                                       "first_token_time": 0.5, "finished_time": 1.5,
-                                       "num_preemptions": 1})
+                      request_metrics=RequestMetrics(
+                          arrival_time=0.0, first_scheduled_time=0.25, first_token_time=0.5,
+                          finished_time=1.5, num_preemptions=1))
     aborted = StepOutput("b", [], "", num_prompt_tokens=3, num_output_tokens=1,
                          finish_reason="abort")
-    metrics.record_step([done], {"last_step_num_tokens": 1, "num_preemptions": 1,
-                                 "num_steps": 2}, now=1.5)
+    metrics.record_step([done], engine_stats(last_step_num_tokens=1, num_preemptions=1,
+                                             num_steps=2), now=1.5)
     # a step that only reports an abort ran no model: no iteration is recorded
-    metrics.record_step([aborted], {"last_step_num_tokens": 0, "num_preemptions": 1,
-                                    "num_steps": 2}, now=1.6)
+    metrics.record_step([aborted], engine_stats(last_step_num_tokens=0, num_preemptions=1,
+                                                num_steps=2), now=1.6)
     s = _samples(metrics)
     assert s[("carpool:num_requests_running", ())] == 2
     assert s[("carpool:kv_cache_usage_perc", ())] == 0.25
@@ -190,7 +195,7 @@ def test_metrics_record_steps():
 
 def test_metrics_log_line_while_busy(caplog):
     metrics = ServerMetrics("m", log_interval_s=5.0)
-    stats = {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.5, "num_preemptions": 0}
+    stats = engine_stats(num_running=3, num_waiting=1, kv_cache_usage=0.5)
     out = lambda rid: [StepOutput(rid, [1, 2], "ab", num_prompt_tokens=10, num_output_tokens=2)]
     with caplog.at_level("INFO", logger="carpool.metrics"):
         metrics.record_step(out("a"), stats, now=100.0)
