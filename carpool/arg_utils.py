@@ -44,7 +44,7 @@ def add_engine_arguments(group) -> None:
                        help="Fraction of GPU memory the model and KV cache may use (CUDA only).")
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                        help="KV cache size in bytes, e.g. 2GiB (overrides the GPU fraction; "
-                            "CPU default: 10% of free RAM, at most 4GiB).")
+                            "CPU default: 10%% of free RAM, at most 4GiB).")
     group.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                        type=int, default=None,
                        help="Exact number of KV cache blocks (tests, tuning).")
