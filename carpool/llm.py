@@ -20,9 +20,7 @@ from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.output_builder import CompletionBuilder, RequestOutputBuilder
 from carpool.engine.tokenizer import Message, encode_chat, render_chat
 from carpool.outputs import EngineStats, RequestOutput
-from carpool.sampling_params import SamplingParams
-
-_SEED_MODULUS = 2**64  # SamplingParams.seed is at most 2**64 - 1; child seeds wrap
+from carpool.sampling_params import SamplingParams, child_params
 
 
 class LLM:
@@ -223,13 +221,3 @@ def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
     return params_list
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion `index` of a prompt: n=1, and seed + index so seeded completions differ."""
-    seed = params.seed
-    if seed is not None:
-        seed += index
-        if seed >= _SEED_MODULUS:
-            seed -= _SEED_MODULUS
-    return dataclasses.replace(params, n=1, seed=seed)

@@ -28,9 +28,8 @@ from carpool.engine.async_engine import (
 )
 from carpool.engine.output_builder import CompletionBuilder
 from carpool.engine.output_stream import ServerClosingError
-from carpool.llm import child_params
 from carpool.outputs import StepOutput
-from carpool.sampling_params import SamplingParams
+from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
 from carpool.server.protocol import REQUEST_FIELDS

@@ -1,0 +1,101 @@
+"""The package layering docs/ARCHITECTURE.md describes: who may import whom, no cycles,
+and engine layers that read their config, never the environment."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "carpool"
+
+# part -> the parts it may import (a part is a subpackage or a top-level module).
+ALLOWED = {
+    "core": {"sampling_params"},
+    "models": {"runner"},  # TODO(attention-backends): this edge and its cycle go at that merge
+    "attention": {"core", "models", "outputs", "sampling_params", "utils"},
+    "runner": {"attention", "core", "models", "outputs", "sampling_params", "utils"},
+    "utils": set(),
+    "outputs": set(),
+    "sampling_params": set(),
+    "default_model_path": set(),
+    "config": {"core", "models", "default_model_path"},
+    "engine": {"config", "core", "models", "runner", "outputs", "sampling_params"},
+    "llm": {"config", "engine", "outputs", "sampling_params"},
+    "metrics": {"outputs"},
+    "arg_utils": {"config", "core"},
+    "generate_cli": {"arg_utils", "config", "llm", "sampling_params"},
+    "server": {"arg_utils", "config", "engine", "metrics", "outputs", "sampling_params"},
+    "bench": {"config", "default_model_path", "engine", "llm", "sampling_params"},
+    "sim": {"core", "sampling_params"},
+    "testing": {"models", "default_model_path"},
+    "cli": set(),  # imports sub-commands by name, lazily
+    "__init__": {"llm", "sampling_params"},
+}
+ENGINE_LAYERS = ("core", "engine", "models", "attention", "config.py", "outputs.py")
+# Reads of the environment that another branch is removing (ModelRunner's oneDNN switch).
+KNOWN_ENV_READS = {"runner/model_runner.py"}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_parts(path: Path) -> set[str]:
+    parts = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            pieces = name.split(".")
+            if pieces[0] == "carpool" and len(pieces) > 1:
+                parts.add(pieces[1])
+    return parts
+
+
+def graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        part = part_of(path)
+        edges.setdefault(part, set()).update(imported_parts(path) - {part})
+    return edges
+
+
+def test_each_part_imports_only_what_it_may():
+    for part, targets in graph().items():
+        assert part in ALLOWED, f"new part {part}: add it to ALLOWED and docs/ARCHITECTURE.md"
+        extra = targets - ALLOWED[part]
+        assert not extra, f"carpool.{part} imports {sorted(extra)}, outside its layer"
+
+
+def test_no_cycles_between_parts_but_the_known_one():
+    edges = graph()
+    for part, targets in edges.items():
+        for target in targets:
+            if {part, target} == {"models", "runner"}:
+                continue
+            assert part not in reachable(edges, target), f"cycle through {part} and {target}"
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        for nxt in edges.get(node, ()):
+            if nxt not in seen and {node, nxt} != {"models", "runner"}:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_engine_layers_never_read_the_environment():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if not rel.startswith(ENGINE_LAYERS + ("runner",)) or rel in KNOWN_ENV_READS:
+            continue
+        text = path.read_text()
+        for needle in ("os.environ", "os.getenv", "getenv("):
+            assert needle not in text, f"{rel} reads the environment ({needle})"
