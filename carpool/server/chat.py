@@ -19,7 +19,7 @@ from carpool.engine.tokenizer import encode_chat
 from carpool.server.errors import bad_request
 from carpool.server.generation import (
     Choice,
-    check_model,
+    check_request,
     fan_out,
     new_id,
     ready_engine,
@@ -70,7 +70,7 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage],
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     engine = ready_engine(request)
     info = engine.info
-    check_model(body.model, info)
+    check_request(body, info)
     try:
         params = body.to_sampling_params(info.sampling_defaults)
         prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)

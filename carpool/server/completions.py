@@ -19,7 +19,7 @@ from carpool.outputs import StepOutput
 from carpool.server.errors import bad_request
 from carpool.server.generation import (
     Choice,
-    check_model,
+    check_request,
     fan_out,
     new_id,
     ready_engine,
@@ -62,7 +62,7 @@ class _Context:
 async def create_completion(body: CompletionRequest, request: Request):
     engine = ready_engine(request)
     info = engine.info
-    check_model(body.model, info)
+    check_request(body, info)
     try:
         prompts = body.prompts()
         params = body.to_sampling_params(info.sampling_defaults)

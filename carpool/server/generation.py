@@ -32,7 +32,7 @@ from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
-from carpool.server.protocol import REQUEST_FIELDS
+from carpool.server.protocol import REQUEST_FIELDS, SamplingRequest
 from carpool.server.sse import DONE, EventStreamResponse, sse_event
 
 logger = logging.getLogger("carpool.server")
@@ -59,6 +59,14 @@ def ready_engine(request: Request) -> AsyncEngine:
 def check_model(name: str | None, info: EngineInfo) -> None:
     if name is not None and name != info.served_model_name:
         raise not_found_model(name, info.served_model_name)
+
+
+def check_request(body: SamplingRequest, info: EngineInfo) -> None:
+    """404 for another model's name; one warning naming the fields this server ignores."""
+    check_model(body.model, info)
+    if body.ignored_fields:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       ", ".join(body.ignored_fields))
 
 
 def fan_out(base_id: str, prompts: list, params: SamplingParams,

@@ -2,7 +2,8 @@
 
 Pydantic checks types; ranges are checked once, by `SamplingParams`, whose
 `ValueError` names the field and becomes a 400. Unknown fields are ignored,
-as vLLM does, so newer clients keep working.
+as vLLM does, so newer clients keep working; the routes log one warning per
+request naming them (`ignored_fields`).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept aside (model_extra), never used
 
     model: Text | None = None
     max_tokens: int | None = None
@@ -68,6 +69,11 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict | None = None
 
     @property
+    def ignored_fields(self) -> list[str]:
+        """The request's fields this server does not know, which it ignores."""
+        return sorted(self.model_extra or {})
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -92,7 +98,7 @@ class _SamplingRequest(BaseModel):
         return kwargs
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
     logprobs: int | None = None
@@ -145,7 +151,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False

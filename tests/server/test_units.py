@@ -208,3 +208,11 @@ def test_metrics_log_line_while_busy(caplog):
     assert "KV cache usage: 50.0%" in message
     assert "Avg prompt throughput: 4.0 tokens/s" in message  # b and c: 20 tokens in 5 s
     assert "Avg generation throughput: 0.8 tokens/s" in message
+
+
+def test_unknown_request_fields_are_named_not_dropped_silently():
+    body = CompletionRequest(prompt="a", frobnicate=1, guided_json={})
+    assert body.ignored_fields == ["frobnicate", "guided_json"]
+    assert CompletionRequest(prompt="a").ignored_fields == []
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools_x=True)
+    assert chat.ignored_fields == ["tools_x"]
