@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+from carpool.core.kv_fit import check_fits_pool
 from carpool.sampling_params import SamplingParams
 
 
@@ -51,11 +52,4 @@ def check_fits_kv_cache(num_prompt_tokens: int, params: SamplingParams, max_mode
     num_output_tokens = max_model_len - num_prompt_tokens
     if params.max_tokens is not None:
         num_output_tokens = min(num_output_tokens, params.max_tokens)
-    num_tokens = num_prompt_tokens + num_output_tokens
-    num_blocks = -(-num_tokens // block_size)
-    if num_blocks > num_total_blocks:
-        raise ValueError(
-            f"this request may need {num_tokens} tokens of KV cache ({num_prompt_tokens} prompt "
-            f"+ {num_output_tokens} max output) = {num_blocks} blocks of {block_size} tokens, "
-            f"but the whole cache has {num_total_blocks} blocks; lower max_tokens, shorten the "
-            "prompt or give the KV cache more memory")
+    check_fits_pool(num_prompt_tokens, num_output_tokens, block_size, num_total_blocks)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from carpool.core.config import SchedulerConfig
+from carpool.core.kv_fit import cdiv
 from carpool.core.request import Request
 from carpool.core.scheduler import Scheduler
 from carpool.core.static_scheduler import StaticScheduler
@@ -75,7 +76,7 @@ class _SimClock:
 
 def build_scheduler(kind: str, scenario: Scenario, settings: SimSettings, clock: _SimClock):
     max_len = max(r.num_prompt_tokens + r.num_output_tokens for r in scenario.requests)
-    num_blocks = settings.num_blocks or scenario.num_slots * -(-max_len // settings.block_size)
+    num_blocks = settings.num_blocks or scenario.num_slots * cdiv(max_len, settings.block_size)
     config = SchedulerConfig(
         max_num_seqs=scenario.num_slots, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=max_len, block_size=settings.block_size,
