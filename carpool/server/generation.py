@@ -15,6 +15,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -110,6 +111,33 @@ def stream_error(exc: EngineDeadError | ServerClosingError) -> APIError:
     """The 503 a response ends with when the engine died or the server stopped under it."""
     code = "engine_dead" if isinstance(exc, EngineDeadError) else "server_shutting_down"
     return APIError(503, str(exc), code=code)
+
+
+async def serve_generation(
+        request: Request, body: SamplingRequest,
+        prepare: Callable[[EngineInfo, SamplingParams], tuple[Any, list]],
+        events: Callable[[OutputStream, Any, int, bool], AsyncIterator[str]],
+        build: Callable[[Any, list[Choice]], dict]) -> Response:
+    """The request -> generation -> response path both OpenAI routes take.
+
+    `prepare(info, params)` returns the route's context (with its response `id`) and its
+    prompts; a ValueError there, in the sampling fields or in the fan-out is a 400 naming
+    the field. Then `events(stream, context, num_choices, include_usage)` streams, or
+    `build(context, choices)` answers whole.
+    """
+    engine = ready_engine(request)
+    info = engine.info
+    check_request(body, info)
+    try:
+        params = body.to_sampling_params(info.sampling_defaults)
+        context, prompts = prepare(info, params)
+        requests = fan_out(context.id, prompts, params, info)
+    except ValueError as exc:
+        raise bad_request(exc, REQUEST_FIELDS) from None
+    return await respond(
+        request, engine, requests, body.stream,
+        lambda stream: events(stream, context, len(requests), body.include_usage),
+        lambda choices: build(context, choices))
 
 
 async def respond(request: Request, engine: AsyncEngine, requests: list[GenerationRequest],
