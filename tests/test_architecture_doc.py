@@ -8,8 +8,8 @@ from pathlib import Path
 
 from carpool import generate_cli
 from carpool.server.app import ROUTE_MODULES
-from tests.test_layers import ALLOWED
-from tests.test_readme import serve_flags
+from tests.flags import serve_flags
+from tests.layers import ALLOWED
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_text()
 

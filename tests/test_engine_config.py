@@ -12,15 +12,13 @@ import pytest
 
 from carpool.cli import main
 from carpool.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig, as_flags
-from carpool.server import cli as serve_cli
+from tests.flags import serve_parser
 
 BUILT_IN_MAX_LEN = 512
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    serve_cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return serve_parser().parse_args(list(argv))
 
 
 def test_unchunked_budget_is_checked_against_the_models_limit():

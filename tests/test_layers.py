@@ -6,31 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.layers import ALLOWED
+
 ROOT = Path(__file__).resolve().parents[1] / "carpool"
 
-# part -> the parts it may import (a part is a subpackage or a top-level module).
-ALLOWED = {
-    "core": {"sampling_params"},
-    "models": {"runner"},  # TODO(attention-backends): this edge and its cycle go at that merge
-    "attention": {"core", "models", "outputs", "sampling_params", "utils"},
-    "runner": {"attention", "core", "models", "outputs", "sampling_params", "utils"},
-    "utils": set(),
-    "outputs": set(),
-    "sampling_params": set(),
-    "default_model_path": set(),
-    "config": {"core", "models", "default_model_path"},
-    "engine": {"config", "core", "models", "runner", "outputs", "sampling_params"},
-    "llm": {"config", "engine", "outputs", "sampling_params"},
-    "metrics": {"outputs"},
-    "arg_utils": {"config", "core"},
-    "generate_cli": {"arg_utils", "config", "llm", "sampling_params"},
-    "server": {"arg_utils", "config", "engine", "metrics", "outputs", "sampling_params"},
-    "bench": {"config", "default_model_path", "engine", "llm", "sampling_params"},
-    "sim": {"core", "sampling_params"},
-    "testing": {"models", "default_model_path"},
-    "cli": set(),  # imports sub-commands by name, lazily
-    "__init__": {"llm", "sampling_params"},
-}
 ENGINE_LAYERS = ("core", "engine", "models", "attention", "config.py", "outputs.py")
 # Reads of the environment that another branch is removing (ModelRunner's oneDNN switch).
 KNOWN_ENV_READS = {"runner/model_runner.py"}

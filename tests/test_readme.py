@@ -3,7 +3,6 @@ that use the built-in model resolve as written."""
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 from pathlib import Path
@@ -11,20 +10,9 @@ from pathlib import Path
 import pytest
 
 from carpool.config import EngineConfig
-from carpool.server import cli as serve_cli
+from tests.flags import serve_flags, serve_parser
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="carpool serve")
-    serve_cli.add_arguments(parser)
-    return parser
-
-
-def serve_flags() -> set[str]:
-    return {opt for action in serve_parser()._actions for opt in action.option_strings
-            if opt.startswith("--") and opt != "--help"}
 
 
 def readme_table_flags() -> set[str]:

@@ -16,12 +16,11 @@ from carpool.server.app import ServerSettings
 from carpool.server.errors import APIError, bad_request
 from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
 from carpool.server.sse import DONE, sse_event
+from tests.flags import serve_parser
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return serve_parser().parse_args(list(argv))
 
 
 def test_flags_map_to_engine_config():
