@@ -136,7 +136,7 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -
 def load_max_position_embeddings(model: str | None) -> int:
     """The model's context limit, from its config.json (None: the built-in model)."""
     from carpool.models.config import load_model_config
-    from carpool.models.loader import resolve_model_path
+    from carpool.models.paths import resolve_model_path
 
     return load_model_config(resolve_model_path(model_path(model))).max_position_embeddings
 

@@ -90,3 +90,13 @@ def test_llm_and_generate_accept_an_unchunked_budget_below_the_default(capsys):
                  "--num-kv-blocks", "64", "--device", "cpu"]) == 0
     assert main(["generate", "--prompt", "x", "--no-tqdm", "--max-model-len", "4096"]) == 2
     assert "--max-model-len (4096)" in capsys.readouterr().err
+
+
+def test_resolving_the_config_imports_no_torch():
+    """`carpool serve` resolves its config before binding the port: that must stay quick."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from carpool.config import EngineConfig; EngineConfig.from_args(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

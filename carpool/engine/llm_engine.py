@@ -78,7 +78,7 @@ class LLMEngine:
         from carpool.core.static_scheduler import StaticScheduler
         from carpool.models.config import load_model_config
         from carpool.models.generation_defaults import load_sampling_defaults
-        from carpool.models.loader import resolve_model_path
+        from carpool.models.paths import resolve_model_path
         from carpool.runner.model_runner import ModelRunner
 
         path = resolve_model_path(model_path(config.model))
