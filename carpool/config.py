@@ -138,10 +138,10 @@ def load_max_position_embeddings(model: str | None) -> int:
     from carpool.models.config import load_model_config
     from carpool.models.paths import resolve_model_path
 
-    return load_model_config(resolve_model_path(model_path(model))).max_position_embeddings
+    return load_model_config(resolve_model_path(model_or_default(model))).max_position_embeddings
 
 
-def model_path(model: str | None) -> str:
+def model_or_default(model: str | None) -> str:
     """`model`, or the built-in model's folder when None."""
     if model is not None:
         return model

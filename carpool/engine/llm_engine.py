@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from carpool.config import EngineConfig, model_path
+from carpool.config import EngineConfig, model_or_default
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
@@ -81,7 +81,7 @@ class LLMEngine:
         from carpool.models.paths import resolve_model_path
         from carpool.runner.model_runner import ModelRunner
 
-        path = resolve_model_path(model_path(config.model))
+        path = resolve_model_path(model_or_default(config.model))
         model_config = load_model_config(path)
         config = config.for_model(model_config.max_position_embeddings)
         sched_config = config.scheduler
