@@ -9,7 +9,6 @@ import pytest
 
 from carpool import LLM, SamplingParams
 from carpool.config import EngineConfig
-from carpool.core.config import SchedulerConfig
 from carpool.engine.llm_engine import LLMEngine
 
 from carpool.testing.checkpoints import random_prompt
@@ -28,8 +27,8 @@ def llm(model_dir):
 
 
 def make_engine(model_dir, **scheduler) -> LLMEngine:
-    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
-                          max_model_len=256, scheduler=SchedulerConfig(**scheduler))
+    config = EngineConfig.from_args(model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                                    max_model_len=256, **scheduler)
     return LLMEngine.from_config(config)
 
 
@@ -76,8 +75,8 @@ def test_add_request_rejects_duplicates_and_requests_that_never_fit(model_dir):
     engine.abort_request("a")
     run_to_end(engine)
     engine.add_request("a", [4], GREEDY)  # a finished id may be used again
-    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=8,
-                          max_model_len=256, scheduler=SchedulerConfig(block_size=4))
+    config = EngineConfig.from_args(model_dir, dtype="float32", device="cpu", num_kv_blocks=8,
+                                    max_model_len=256, block_size=4)
     tiny = LLMEngine.from_config(config)
     with pytest.raises(ValueError, match="8 blocks"):
         tiny.add_request("b", [1] * 30, SamplingParams(max_tokens=10))

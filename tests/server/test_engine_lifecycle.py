@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from carpool.config import EngineConfig
-from carpool.core.config import SchedulerConfig
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.app import build_app
 from carpool.bench.local_server import free_port
@@ -18,9 +17,8 @@ from carpool.bench.local_server import free_port
 
 def _load_engine(checkpoint):
     from carpool.engine.llm_engine import LLMEngine
-    return LLMEngine.from_config(EngineConfig(
-        model=str(checkpoint), num_kv_blocks=64, max_model_len=128,
-        scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=8)))
+    return LLMEngine.from_config(EngineConfig.from_args(
+        str(checkpoint), num_kv_blocks=64, max_model_len=128, max_num_seqs=8))
 
 
 def _break_scheduler(llm_engine) -> None:
