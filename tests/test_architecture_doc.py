@@ -17,6 +17,7 @@ DOC = (Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md").read_te
 def test_every_serve_and_generate_flag_is_named():
     parser = argparse.ArgumentParser()
     generate_cli.add_arguments(parser)
+    parser.format_help()  # a stray % in a help string breaks --help
     generate_flags = {opt for a in parser._actions for opt in a.option_strings
                       if opt.startswith("--") and opt != "--help"}
     missing = {f for f in serve_flags() | generate_flags if f"`{f}`" not in DOC}
