@@ -8,6 +8,7 @@ same name (vLLM's).
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 
 from carpool.config import DTYPES
@@ -27,6 +28,19 @@ def parse_bytes(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
     return int(value)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level_argument(group, default: str) -> None:
+    group.add_argument("--log-level", default=default, choices=LOG_LEVELS,
+                       help=f"Logging level (default {default}).")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,13 @@ import argparse
 import logging
 import sys
 
-from carpool.arg_utils import add_engine_arguments, add_model_argument, add_scheduler_arguments
+from carpool.arg_utils import (
+    add_engine_arguments,
+    add_log_level_argument,
+    add_model_argument,
+    add_scheduler_arguments,
+    configure_logging,
+)
 from carpool.config import EngineConfig
 from carpool.sampling_params import SamplingParams
 
@@ -25,8 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Send each prompt as a user message through the chat template.")
     parser.add_argument("--no-tqdm", dest="use_tqdm", action="store_false",
                         help="Hide the progress bar.")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"), help="Logging level.")
+    add_log_level_argument(parser, default="warning")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=64, help="Tokens per completion.")
     sampling.add_argument("--temperature", type=float, default=1.0, help="0 means greedy.")
@@ -47,8 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from carpool.llm import LLM
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         params = SamplingParams(
             n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -14,8 +14,10 @@ import os
 
 from carpool.arg_utils import (
     add_engine_arguments,
+    add_log_level_argument,
     add_model_argument,
     add_scheduler_arguments,
+    configure_logging,
     parse_bytes,
 )
 from carpool.config import EngineConfig
@@ -33,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $CARPOOL_API_KEY).")
     server.add_argument("--served-model-name", default=None,
                         help="Model name clients send and responses report (default: MODEL).")
-    server.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error"), help="Logging level.")
+    add_log_level_argument(server, default="info")
     _add_robustness_arguments(server)
     add_engine_arguments(parser.add_argument_group("engine"))
     add_scheduler_arguments(parser.add_argument_group("scheduler"))
@@ -68,8 +69,7 @@ def server_settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         config = EngineConfig.from_cli_args(args)
         settings = server_settings_from_args(args)
