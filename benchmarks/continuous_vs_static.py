@@ -53,7 +53,7 @@ def build_requests(num_requests: int, seed: int) -> list[tuple[list[int], int]]:
 def run_variant(llm: LLM, requests, profile: cProfile.Profile | None = None) -> dict:
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    steps_before = llm.stats()["num_steps"]
+    steps_before = llm.stats().num_steps
     wall, cpu = time.perf_counter(), time.process_time()
     if profile is not None:
         profile.enable()
@@ -64,7 +64,7 @@ def run_variant(llm: LLM, requests, profile: cProfile.Profile | None = None) -> 
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert num_output == sum(n for _, n in requests), "ignore_eos: every output is full length"
     return dict(wall_s=wall, cpu_s=cpu, num_output_tokens=num_output,
-                num_steps=llm.stats()["num_steps"] - steps_before)
+                num_steps=llm.stats().num_steps - steps_before)
 
 
 def main() -> int:

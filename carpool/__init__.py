@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from carpool.sampling_params import SamplingParams  # noqa: E402
+from carpool.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

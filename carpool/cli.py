@@ -13,8 +13,9 @@ import sys
 
 SUBCOMMANDS = {
     "serve": ("carpool.server.cli", "Run the OpenAI-compatible HTTP server."),
-    "generate": ("carpool.engine.generate_cli", "Generate completions for a few prompts offline."),
-    "simulate": ("carpool.sim.cli", "Drive the real schedulers with a step-cost model, no model needed."),
+    "generate": ("carpool.generate_cli", "Generate completions for a few prompts offline."),
+    "simulate": ("carpool.sim.cli",
+                 "Drive the real schedulers with a step-cost model, no model needed."),
     "bench": ("carpool.bench.cli", "Benchmarks: serving load generator and offline comparisons."),
 }
 

@@ -1,17 +1,29 @@
 """Everything needed to build an engine: model, device, KV cache size, scheduler.
 
-One frozen dataclass shared by `LLM(...)`, `carpool serve` flags and the
-benchmarks, so a setting has one name everywhere (vLLM's).
+One frozen dataclass shared by `LLM(...)`, `carpool serve`, `carpool generate`
+and `carpool bench offline`, so a setting has one name everywhere (vLLM's).
+All of them build it through `EngineConfig.from_args`, which reads the model's
+config first and checks every value against the model's real limits; a bad
+value raises `ValueError` naming the argument and the numbers.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import inspect
+import re
 from dataclasses import dataclass, field
 
-from carpool.attention import check_backend_name
 from carpool.core.config import SchedulerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# auto: cpu on CPU, sdpa elsewhere (carpool.attention holds the backends under these names).
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa")
+
+# With no max_model_len given, the model's own limit is capped here, so a 128k-context
+# model does not size its budgets for contexts nobody sends to a small server.
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 @dataclass(frozen=True)
@@ -25,13 +37,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
-    # Scheduler settings; max_model_len 0 means "from the model's config".
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings (capped)
-    # Attention kernels: auto (cpu on CPU, sdpa elsewhere), cpu, sdpa (see carpool.attention).
-    attention_backend: str = "auto"
+    # None until resolved against the model (`from_args`, `for_model`); then equal to
+    # scheduler.max_model_len.
+    max_model_len: int | None = None
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (see carpool.attention)
     # CPU platform switches (see carpool.platform.cpu); ignored on CUDA.
-    cpu_packed_linears: bool = True  # linear layers through oneDNN with pre-packed weights
+    cpu_packed_linears: bool = True  # linear layers through oneDNN on weights packed once
     cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
 
     def __post_init__(self) -> None:
@@ -39,12 +51,120 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+            raise ValueError(f"num_kv_blocks must be a positive integer, "
+                             f"got {self.num_kv_blocks!r}")
         if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int)
                                                  or self.kv_cache_memory < 1):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, "
                              f"got {self.kv_cache_memory!r}")
-        check_backend_name(self.attention_backend)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.max_model_len == self.scheduler.max_model_len
+
+    @classmethod
+    def from_args(cls, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                  seed: int = 0, served_model_name: str | None = None,
+                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                  enable_chunked_prefill: bool = True, max_num_partial_prefills: int = 1,
+                  max_long_partial_prefills: int = 1, long_prefill_token_threshold: int = 0,
+                  block_size: int = 16, scheduler: str = "continuous",
+                  preemption_policy: str = "newest", tensor_parallel_size: int = 1,
+                  trust_remote_code: bool = False, attention_backend: str = "auto",
+                  cpu_packed_linears: bool = True,
+                  cpu_malloc_tuning: bool = True) -> EngineConfig:
+        """The config these arguments describe, for the model they name (read first).
+
+        max_model_len: None takes the model's max_position_embeddings, capped at
+        DEFAULT_MAX_MODEL_LEN_CAP. max_num_batched_tokens: None takes the scheduler's
+        default, raised to max_model_len without chunked prefill.
+        """
+        if trust_remote_code:
+            raise ValueError("trust_remote_code is not supported: carpool runs only its own "
+                             "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
+                             "safetensors, never code or pickles from a checkpoint")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 (no sharding), "
+                             f"got {tensor_parallel_size!r}")
+        max_position_embeddings = load_max_position_embeddings(model)
+        max_model_len = resolve_max_model_len(max_model_len, max_position_embeddings)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = SchedulerConfig.default_max_num_batched_tokens(
+                max_model_len, enable_chunked_prefill)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+            max_num_partial_prefills=max_num_partial_prefills,
+            max_long_partial_prefills=max_long_partial_prefills,
+            long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
+            preemption_policy=preemption_policy, scheduler=scheduler)
+        return cls(model=model, dtype=dtype, device=device, seed=seed,
+                   served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
+                   kv_cache_memory=kv_cache_memory,
+                   gpu_memory_utilization=gpu_memory_utilization,
+                   scheduler=scheduler_config, max_model_len=max_model_len,
+                   attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
+                   cpu_malloc_tuning=cpu_malloc_tuning)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """`from_args` over the flags of `carpool.arg_utils`; errors name the flags."""
+        names = inspect.signature(cls.from_args).parameters
+        try:
+            return cls.from_args(**{name: getattr(args, name) for name in names
+                                    if hasattr(args, name)})
+        except ValueError as exc:
+            raise ValueError(as_flags(str(exc), names)) from exc
+
+    def for_model(self, max_position_embeddings: int) -> EngineConfig:
+        """This config with max_model_len resolved for a model (the scheduler's too), checked
+        again; for configs built field by field rather than through `from_args`."""
+        if self.is_resolved and self.max_model_len <= max_position_embeddings:
+            return self
+        max_model_len = resolve_max_model_len(self.max_model_len, max_position_embeddings)
+        scheduler = dataclasses.replace(self.scheduler, max_model_len=max_model_len)
+        return dataclasses.replace(self, scheduler=scheduler, max_model_len=max_model_len)
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """`requested`, or the model's limit capped at DEFAULT_MAX_MODEL_LEN_CAP."""
+    if requested is None:
+        return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
+    if requested > max_position_embeddings:
+        raise ValueError(f"max_model_len ({requested}) is larger than the model's "
+                         f"max_position_embeddings ({max_position_embeddings})")
+    return requested
+
+
+def load_max_position_embeddings(model: str | None) -> int:
+    """The model's context limit, from its config.json (None: the built-in model)."""
+    from carpool.models.config import load_model_config
+    from carpool.models.paths import resolve_model_path
+
+    return load_model_config(resolve_model_path(model_or_default(model))).max_position_embeddings
+
+
+def model_or_default(model: str | None) -> str:
+    """`model`, or the built-in model's folder when None."""
+    if model is not None:
+        return model
+    from carpool.default_model_path import default_model_path
+    return str(default_model_path())
+
+
+def as_flags(message: str, names) -> str:
+    """`message` with each argument name in `names` written as its flag (--max-model-len)."""
+    def flag(match: re.Match) -> str:
+        return "--" + match.group(0).replace("_", "-")
+    pattern = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True) if "_" in n)
+    return re.sub(rf"\b(?:{pattern})\b", flag, message)

@@ -12,57 +12,28 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from carpool.config import EngineConfig
-from carpool.core.config import SchedulerConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.output_builder import CompletionBuilder, RequestOutputBuilder
 from carpool.engine.tokenizer import Message, encode_chat, render_chat
-from carpool.outputs import RequestOutput
-from carpool.sampling_params import SamplingParams
-
-_SEED_MODULUS = 2**64  # SamplingParams.seed is at most 2**64 - 1; child seeds wrap
+from carpool.outputs import EngineStats, RequestOutput
+from carpool.sampling_params import SamplingParams, child_params
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto",
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, enable_chunked_prefill: bool = True,
-                 max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1,
-                 long_prefill_token_threshold: int = 0, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
-                 gpu_memory_utilization: float = 0.9, scheduler: str = "continuous",
-                 preemption_policy: str = "newest", device: str = "auto", seed: int = 0,
-                 served_model_name: str | None = None, trust_remote_code: bool = False,
-                 attention_backend: str = "auto", cpu_packed_linears: bool = True,
-                 cpu_malloc_tuning: bool = True):
-        if trust_remote_code:
-            raise ValueError("trust_remote_code is not supported: carpool runs only its own "
-                             "model code over safetensors weights")
-        scheduler_len = max_model_len or SchedulerConfig.max_model_len
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = SchedulerConfig.max_num_batched_tokens
-            if not enable_chunked_prefill:
-                max_num_batched_tokens = max(max_num_batched_tokens, scheduler_len)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=scheduler_len, enable_chunked_prefill=enable_chunked_prefill,
-            max_num_partial_prefills=max_num_partial_prefills,
-            max_long_partial_prefills=max_long_partial_prefills,
-            long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
-            preemption_policy=preemption_policy, scheduler=scheduler)
-        config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed,
-            served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            scheduler=scheduler_config, max_model_len=max_model_len,
-            attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
-            cpu_malloc_tuning=cpu_malloc_tuning)
-        self._attach(LLMEngine.from_config(config))
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        """`model`: a Hugging Face folder or hub id (None: the built-in model). Keyword
+        arguments are `EngineConfig.from_args`'s, vLLM's names: dtype, device, seed,
+        max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+        num_kv_blocks, kv_cache_memory, gpu_memory_utilization, block_size, scheduler, ...
+        ValueError names a bad argument and the numbers."""
+        self._attach(LLMEngine.from_config(EngineConfig.from_args(model, **engine_args)))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an engine built from a ready EngineConfig (the CLI's path)."""
         llm = cls.__new__(cls)
         llm._attach(LLMEngine.from_config(config))
@@ -80,7 +51,7 @@ class LLM:
         generation_config.json sampling fields over SamplingParams' defaults (as vLLM)."""
         return SamplingParams(**self.engine.sampling_defaults)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -250,13 +221,3 @@ def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
     return params_list
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Completion `index` of a prompt: n=1, and seed + index so seeded completions differ."""
-    seed = params.seed
-    if seed is not None:
-        seed += index
-        if seed >= _SEED_MODULUS:
-            seed -= _SEED_MODULUS
-    return dataclasses.replace(params, n=1, seed=seed)

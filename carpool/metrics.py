@@ -12,7 +12,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from carpool.outputs import StepOutput
+from carpool.outputs import EngineStats, StepOutput
 
 logger = logging.getLogger("carpool.metrics")
 
@@ -32,8 +32,10 @@ class ServerMetrics:
         gauge = self._make(Gauge)
         counter = self._make(Counter)
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.num_requests_waiting = gauge("num_requests_waiting",
+                                          "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc",
+                                    "Fraction of KV cache blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks freed).")
@@ -71,18 +73,18 @@ class ServerMetrics:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
-    def update_gauges(self, stats: dict) -> None:
-        self.num_requests_running.set(stats.get("num_running", 0))
-        self.num_requests_waiting.set(stats.get("num_waiting", 0))
-        self.kv_cache_usage.set(stats.get("kv_cache_usage", 0.0))
+    def update_gauges(self, stats: EngineStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
 
-    def record_step(self, outputs: list[StepOutput], stats: dict, now: float) -> None:
+    def record_step(self, outputs: list[StepOutput], stats: EngineStats, now: float) -> None:
         """Counters and histograms for one engine step (loop thread), then maybe the log line."""
-        num_steps = stats.get("num_steps", 0)
+        num_steps = stats.num_steps
         if num_steps > self._num_steps_seen:  # the model ran (not only abort notices)
-            self.iteration_tokens.observe(stats.get("last_step_num_tokens", 0))
+            self.iteration_tokens.observe(stats.last_step_num_tokens)
         self._num_steps_seen = num_steps
-        num_preemptions = stats.get("num_preemptions", 0)
+        num_preemptions = stats.num_preemptions
         if num_preemptions > self._num_preemptions_seen:
             self.num_preemptions.inc(num_preemptions - self._num_preemptions_seen)
         self._num_preemptions_seen = num_preemptions
@@ -107,17 +109,16 @@ class ServerMetrics:
 
     def _record_finished(self, out: StepOutput) -> None:
         self.request_success.labels(finished_reason=out.finish_reason, **self._labels).inc()
-        m = out.request_metrics or {}
-        arrival = m.get("arrival_time")
-        if arrival is None:
+        m = out.request_metrics
+        if m is None:
             return
-        for histogram, key in ((self.ttft, "first_token_time"), (self.e2e, "finished_time"),
-                               (self.queue_time, "first_scheduled_time")):
-            if m.get(key) is not None:
-                histogram.observe(max(0.0, m[key] - arrival))
-        self.request_preemptions.observe(m.get("num_preemptions", 0))
+        for histogram, end in ((self.ttft, m.first_token_time), (self.e2e, m.finished_time),
+                               (self.queue_time, m.first_scheduled_time)):
+            if end is not None:
+                histogram.observe(max(0.0, end - m.arrival_time))
+        self.request_preemptions.observe(m.num_preemptions)
 
-    def _maybe_log(self, stats: dict, now: float) -> None:
+    def _maybe_log(self, stats: EngineStats, now: float) -> None:
         window = self._last_log
         if window is None or now - window[0] > 2 * self._log_interval_s:
             # first step, or first after an idle spell: start a fresh window
@@ -132,6 +133,6 @@ class ServerMetrics:
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d",
             (self._totals["prompt"] - prompt_seen) / elapsed,
             (self._totals["generation"] - generation_seen) / elapsed,
-            stats.get("num_running", 0), stats.get("num_waiting", 0),
-            100.0 * stats.get("kv_cache_usage", 0.0), stats.get("num_preemptions", 0))
+            stats.num_running, stats.num_waiting, 100.0 * stats.kv_cache_usage,
+            stats.num_preemptions)
         self._last_log = (now, self._totals["prompt"], self._totals["generation"])

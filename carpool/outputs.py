@@ -8,7 +8,7 @@ the shapes vLLM users know.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -20,6 +20,38 @@ class Logprob:
 
 # One output position: token id -> Logprob, holding the chosen token and the top-N.
 PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One finished request's timeline (engine clock, time.monotonic) and preemptions."""
+
+    arrival_time: float
+    first_scheduled_time: float | None  # None: finished (aborted) before it was scheduled
+    first_token_time: float | None
+    finished_time: float
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """`LLMEngine.stats()`: counters since start, the last step's shape, the queues and cache."""
+
+    num_steps: int  # steps that ran the model
+    num_generated_tokens: int  # output tokens sampled and returned
+    num_prompt_tokens: int  # prompt tokens of requests that produced their first token
+    last_step_num_tokens: int
+    last_step_num_prefill_tokens: int
+    last_step_num_decode_tokens: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use, 0-1
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass
@@ -35,9 +67,7 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why, when finish_reason == "error"
-    # Set on the finishing output only: arrival_time, first_scheduled_time, first_token_time,
-    # finished_time (engine clock, time.monotonic) and num_preemptions, for metrics.
-    request_metrics: dict | None = None
+    request_metrics: RequestMetrics | None = None  # on the finishing output only
 
     @property
     def finished(self) -> bool:
@@ -65,4 +95,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    metrics: dict = field(default_factory=dict)
+    # One per completion (n of them), in index order; None for a completion not finished.
+    metrics: list[RequestMetrics | None] = field(default_factory=list)

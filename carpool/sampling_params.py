@@ -8,10 +8,14 @@ an HTTP 400.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+
+
+_SEED_MODULUS = 2**64  # seed is at most 2**64 - 1; child seeds wrap
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,17 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion `index` of a prompt asked for `n` of them: n=1, and seed + index (wrapping at
+    2**64) so seeded completions differ. `LLM.generate` and the server fan out alike."""
+    seed = params.seed
+    if seed is not None:
+        seed += index
+        if seed >= _SEED_MODULUS:
+            seed -= _SEED_MODULUS
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _require_int(name: str, value: object, *, minimum: int | None = None,

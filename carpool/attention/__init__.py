@@ -14,25 +14,20 @@ import torch
 
 from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionShape", "StepLayout",
-           "check_backend_name", "create_backend", "resolve_backend_name"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionShape", "StepLayout",
+           "create_backend", "resolve_backend_name"]
 
 # name -> "module:class"
 _REGISTRY = {"cpu": "carpool.attention.cpu:CpuBackend",
              "sdpa": "carpool.attention.sdpa:SdpaBackend"}
-ATTENTION_BACKENDS = ("auto", *_REGISTRY)
+BACKEND_NAMES = ("auto", *_REGISTRY)  # what `attention_backend` may be
 _DEVICE_TYPES = {"cpu": ("cpu",), "sdpa": ("cpu", "cuda")}
-
-
-def check_backend_name(name: str) -> None:
-    """ValueError naming `attention_backend` unless `name` is one of ATTENTION_BACKENDS."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
     """"auto" -> cpu on CPU, sdpa elsewhere; ValueError for a name that can't run there."""
-    check_backend_name(name)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
         return "cpu" if device_type == "cpu" else "sdpa"
     if device_type not in _DEVICE_TYPES[name]:

@@ -34,7 +34,8 @@ MIN_ROWS_PER_DECODE_GROUP = 16
 class PagedGroup:
     """Requests attended together in one batched call (index tensors on the device)."""
 
-    query_index: torch.Tensor  # [S, max_q] int64: packed token index of each query (pads repeat one)
+    # [S, max_q] int64: packed token index of each query (pads repeat one)
+    query_index: torch.Tensor
     block_tables: torch.Tensor  # [S, max_blocks] int64: block ids (pads point at block 0; masked)
     mask: torch.Tensor  # [S, 1, max_q, max_blocks * block_size] bool: True = may attend
     valid_rows: torch.Tensor  # [num_valid] int64: rows of the flattened [S * max_q] that are real

@@ -1,7 +1,8 @@
 """`carpool bench serve|offline`: the load generator and the in-process comparisons.
 
     carpool bench serve --base-url http://127.0.0.1:8000 --workload random --request-rate 4
-    carpool bench offline --model CKPT --workload mix --compare static,continuous,chunked --plot slots.png
+    carpool bench offline --model CKPT --workload mix --compare static,continuous,chunked \
+        --plot slots.png
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from carpool.bench.workloads import WORKLOADS, WorkloadConfig
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    serve = sub.add_parser("serve", help="Streaming load generator for an OpenAI-compatible server.")
+    serve = sub.add_parser("serve",
+                           help="Streaming load generator for an OpenAI-compatible server.")
     _add_workload_arguments(serve)
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
-    serve.add_argument("--model", help="Model name to ask for (default: the first /v1/models lists).")
+    serve.add_argument("--model",
+                       help="Model name to ask for (default: the first /v1/models lists).")
     serve.add_argument("--tokenizer", help="Tokenizer folder for building prompts "
                        "(default: the built-in model's).")
     serve.add_argument("--request-rate", type=float, default=math.inf,
@@ -29,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-concurrency", type=int, help="At most this many requests in flight.")
     serve.add_argument("--ignore-eos", action="store_true",
                        help="Ask for exactly max_tokens (vLLM's ignore_eos extension).")
-    serve.add_argument("--slo", help="Goodput SLOs in ms, e.g. ttft=500,tpot=50 (keys: ttft, tpot, e2el).")
+    serve.add_argument("--slo",
+                       help="Goodput SLOs in ms, e.g. ttft=500,tpot=50 (keys: ttft, tpot, e2el).")
     serve.add_argument("--api-key")
     serve.add_argument("--no-progress", action="store_true")
     serve.add_argument("--result-file", help="Write the figures as JSON here.")
@@ -40,13 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--scheduler", choices=("continuous", "static"), default="continuous")
     offline.add_argument("--no-chunked-prefill", action="store_true")
     offline.add_argument("--compare", nargs="?", const=",".join(DEFAULT_COMPARE),
-                         help="Comma-separated variants run one after another on the same requests "
-                         "(static, continuous, chunked, chunked-partial; default: the first three).")
-    offline.add_argument("--repeat", type=int, default=1, help="Rounds, for min/median/max of each ratio.")
-    offline.add_argument("--plot", help="PNG: slot timeline and tokens per step, one column per variant.")
+                         help="Comma-separated variants run one after another on the same "
+                              "requests (static, continuous, chunked, chunked-partial; default: "
+                              "the first three).")
+    offline.add_argument("--repeat", type=int, default=1,
+                         help="Rounds, for min/median/max of each ratio.")
+    offline.add_argument("--plot",
+                         help="PNG: slot timeline and tokens per step, one column per variant.")
     offline.add_argument("--result-file", help="Write the figures as JSON here.")
     offline.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                         help="Time figures by wall clock, or by this process's CPU time (idle waits "
+                         help="Time figures by wall clock, or by this process's CPU time (idle "
+                              "waits "
                          "skipped): steadier on a machine shared with other jobs; use with "
                          "OMP_NUM_THREADS=1.")
     offline.add_argument("--no-progress", action="store_true")
@@ -60,7 +68,8 @@ _WORKLOAD_HELP = {
     "num_prompts": "Requests (mixed-load: the decoding ones)",
     "input_len": "Prompt tokens (random, mix, mixed-load decoders)",
     "output_len": "Output tokens (random)",
-    "short_output_len": "Output tokens of the short half (mix) and of the long prompts (mixed-load)",
+    "short_output_len":
+        "Output tokens of the short half (mix) and of the long prompts (mixed-load)",
     "long_output_len": "Output tokens of the long half (mix) and of the decoders (mixed-load)",
     "num_long_prompts": "Long prompts arriving among the decoders (mixed-load)",
     "long_prompt_len": "Tokens of each long prompt (mixed-load)",
@@ -143,7 +152,8 @@ def _run_offline(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     variants = _variants(args)
     requests = build_workload(_workload_config(args), _tokenizer(args.model))
-    max_model_len = args.max_model_len or max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    max_model_len = args.max_model_len or max(len(r.prompt_token_ids) + r.max_tokens
+                                              for r in requests)
     common = _engine_settings(args)
     rounds, last_runs = [], []
     for round_index in range(args.repeat):
@@ -155,7 +165,8 @@ def _run_offline(args: argparse.Namespace) -> int:
             last_runs.append(run_)
             rounds[-1][variant] = summarize(run_.results, run_.duration_s)
             print(format_summary(rounds[-1][variant],
-                                 f"Offline {variant}, {args.clock} clock, round {round_index + 1}/{args.repeat}"),
+                                 f"Offline {variant}, {args.clock} clock, round "
+                                 f"{round_index + 1}/{args.repeat}"),
                   flush=True)
     baseline = "static" if "static" in variants else variants[0]
     if len(variants) > 1 or args.repeat > 1:
@@ -177,7 +188,8 @@ def _variants(args: argparse.Namespace) -> list[str]:
         names = [v.strip() for v in args.compare.split(",") if v.strip()]
         unknown = [v for v in names if v not in VARIANTS]
         if unknown or not names:
-            raise ValueError(f"--compare: variants must be among {tuple(VARIANTS)}, got {args.compare!r}")
+            raise ValueError(f"--compare: variants must be among {tuple(VARIANTS)}, got "
+                             f"{args.compare!r}")
         return names
     if args.scheduler == "static":
         return ["static"]

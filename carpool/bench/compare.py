@@ -41,7 +41,8 @@ class Spread:
         return f"{self.median:.2f} [{self.low:.2f}-{self.high:.2f}]"
 
 
-def ratio_spreads(rounds: list[dict[str, BenchmarkSummary]], baseline: str) -> dict[str, dict[str, Spread]]:
+def ratio_spreads(rounds: list[dict[str, BenchmarkSummary]],
+                  baseline: str) -> dict[str, dict[str, Spread]]:
     """variant -> figure label -> spread over rounds of (variant's figure / baseline's)."""
     spreads: dict[str, dict[str, Spread]] = {}
     for variant in rounds[0]:

@@ -13,8 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import httpx
 
@@ -62,14 +62,16 @@ class LocalServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"carpool serve exited with {self.process.returncode}:\n{self.log()}")
+                raise RuntimeError("carpool serve exited with "
+                                   f"{self.process.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"carpool serve not healthy after {self.startup_timeout_s}s:\n{self.log()}")
+        raise RuntimeError("carpool serve not healthy after "
+                           f"{self.startup_timeout_s}s:\n{self.log()}")
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -88,8 +88,8 @@ class BenchClock:
 def engine_kwargs(variant: str, common: dict, max_model_len: int) -> dict:
     """`LLM(...)` keyword arguments for `variant` on top of the shared settings.
 
-    Without chunked prefill a prompt must fit one step whole, so the step budget
-    is raised to `max_model_len` there, as vLLM does.
+    Variants without chunked prefill drop the partial-prefill settings and the step
+    budget: the engine's default budget then fits the longest prompt in one step.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
@@ -99,8 +99,8 @@ def engine_kwargs(variant: str, common: dict, max_model_len: int) -> dict:
             continue  # an explicit setting wins over the variant's default
         kwargs[key] = value
     if not kwargs["enable_chunked_prefill"]:
-        kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 0, max_model_len)
-        for key in ("max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):
+        for key in ("max_num_batched_tokens", "max_num_partial_prefills",
+                    "max_long_partial_prefills", "long_prefill_token_threshold"):
             kwargs.pop(key, None)
     if kwargs.get("max_long_partial_prefills", 1) > kwargs.get("max_num_partial_prefills", 1):
         kwargs["max_long_partial_prefills"] = kwargs["max_num_partial_prefills"]
@@ -113,7 +113,8 @@ def build_engine(model: str, kwargs: dict):
     from carpool.sampling_params import SamplingParams
 
     llm = LLM(model=model, **kwargs)
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2, temperature=0.0),
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=2,
+                                                                      temperature=0.0),
                  use_tqdm=False)
     return llm.engine
 
@@ -130,7 +131,8 @@ def drive(engine, requests: list[BenchRequest], variant: str, clock: BenchClock 
     start = clock.now()
     num_added = 0
     while num_added < len(order) or engine.has_unfinished_requests():
-        while num_added < len(order) and start + (requests[order[num_added]].arrival_time or 0.0) <= clock.now():
+        while (num_added < len(order)
+               and start + (requests[order[num_added]].arrival_time or 0.0) <= clock.now()):
             _add(engine, order[num_added], requests[order[num_added]], run, clock.now())
             num_added += 1
         if not engine.has_unfinished_requests():
@@ -139,9 +141,10 @@ def drive(engine, requests: list[BenchRequest], variant: str, clock: BenchClock 
         engine_start, step_start = time.monotonic(), clock.now()
         outputs = engine.step()
         stats = engine.stats()
-        run.step(engine_start, StepRecord(step_start, clock.now(), stats["last_step_num_prefill_tokens"],
-                                          stats["last_step_num_decode_tokens"]))
-        run.check_progress(stats["last_step_num_tokens"])
+        run.step(engine_start, StepRecord(step_start, clock.now(),
+                                          stats.last_step_num_prefill_tokens,
+                                          stats.last_step_num_decode_tokens))
+        run.check_progress(stats.last_step_num_tokens)
         for out in outputs:
             run.output(out)
             progress.update(out.finished)
@@ -154,7 +157,8 @@ def _add(engine, index: int, request: BenchRequest, run: _RunRecorder, now: floa
 
     params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
     engine.add_request(f"bench-{index}", list(request.prompt_token_ids), params)
-    run.results[index] = RequestResult(start_time=now, num_prompt_tokens=len(request.prompt_token_ids))
+    run.results[index] = RequestResult(start_time=now,
+                                       num_prompt_tokens=len(request.prompt_token_ids))
 
 
 class _RunRecorder:
@@ -192,14 +196,16 @@ class _RunRecorder:
             self._last_step[index] = len(self.steps) - 1
             if out.finish_reason in ("abort", "error"):
                 result.success, result.error = False, out.error or out.finish_reason
-            self._first_scheduled[index] = (out.request_metrics or {}).get("first_scheduled_time")
+            metrics = out.request_metrics
+            self._first_scheduled[index] = metrics.first_scheduled_time if metrics else None
 
     def finish(self, variant: str, duration_s: float, clock: str) -> OfflineRun:
         request_steps = []
         for i in range(self._num_requests):
             last = self._last_step[i]
             began = self._first_scheduled.get(i)
-            first = last if began is None else max(0, bisect.bisect_right(self._engine_starts, began) - 1)
+            first = last if began is None else max(0, bisect.bisect_right(self._engine_starts,
+                                                                          began) - 1)
             request_steps.append((min(first, last), last))
         return OfflineRun(variant, [self.results[i] for i in range(self._num_requests)], self.steps,
                           duration_s, request_steps, clock)

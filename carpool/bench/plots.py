@@ -55,8 +55,10 @@ def draw_slot_timeline(ax, run: OfflineRun, num_steps: int) -> None:
     for lane in range(num_lanes):
         ax.broken_barh([(0, len(run.steps))], (lane + 0.1, 0.8), facecolors=_IDLE_COLOUR)
     for span in spans:
-        ax.broken_barh([(span.first_step, span.last_step - span.first_step + 1)], (span.lane + 0.1, 0.8),
-                       facecolors=cmap(span.request_index % cmap.N), edgecolor="white", linewidth=0.3)
+        ax.broken_barh([(span.first_step, span.last_step - span.first_step + 1)],
+                       (span.lane + 0.1, 0.8),
+                       facecolors=cmap(span.request_index % cmap.N), edgecolor="white",
+                       linewidth=0.3)
     ax.set_xlim(0, num_steps)
     ax.set_ylim(0, max(num_lanes, 1))
     ax.yaxis.set_major_locator(_integer_locator())
@@ -93,11 +95,13 @@ def save_comparison_plot(path: str, runs: list[OfflineRun]) -> None:
     num_steps = max(len(r.steps) for r in runs)
     fig, axes = plt.subplots(2, len(runs), figsize=(4.5 * len(runs), 6), squeeze=False,
                              gridspec_kw={"height_ratios": [2, 1]})
-    max_tokens = max((s.num_prefill_tokens + s.num_decode_tokens for r in runs for s in r.steps), default=1)
+    max_tokens = max((s.num_prefill_tokens + s.num_decode_tokens for r in runs for s in r.steps),
+                     default=1)
     for column, run in enumerate(runs):
         draw_slot_timeline(axes[0][column], run, num_steps)
         draw_tokens_per_step(axes[1][column], run, num_steps)
-        axes[1][column].set_ylim(0, max_tokens * 1.05)  # one scale, so a tall prefill spike shows as one
+        # one scale, so a tall prefill spike shows as one
+        axes[1][column].set_ylim(0, max_tokens * 1.05)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -85,7 +85,8 @@ async def run_load(requests: list[BenchRequest], config: ServeConfig,
         raise ValueError("every request needs its text prompt to be sent over HTTP")
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(headers=headers, timeout=config.timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(headers=headers, timeout=config.timeout_s,
+                                 limits=limits) as client:
         model = config.model or await resolve_model(client, config.base_url)
         gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         progress = tqdm(total=len(requests), disable=not show_progress, desc="requests")
@@ -116,14 +117,17 @@ async def send_completion(client: httpx.AsyncClient, config: ServeConfig, model:
             "stream_options": {"include_usage": True}}
     if config.ignore_eos:
         body["ignore_eos"] = True
-    result = RequestResult(start_time=time.perf_counter(), num_prompt_tokens=len(request.prompt_token_ids))
+    result = RequestResult(start_time=time.perf_counter(),
+                           num_prompt_tokens=len(request.prompt_token_ids))
     num_chunk_tokens = 0
     usage = None
     try:
-        async with client.stream("POST", f"{config.base_url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{config.base_url}/v1/completions",
+                                 json=body) as response:
             if response.status_code != 200:
                 result.success = False
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
+                body_text = (await response.aread()).decode()[:500]
+                result.error = f"HTTP {response.status_code}: {body_text}"
                 result.end_time = time.perf_counter()
                 return result
             async for line in response.aiter_lines():

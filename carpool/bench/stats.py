@@ -106,7 +106,8 @@ def parse_slo(text: str) -> dict[str, float]:
         try:
             slos[key] = float(value)
         except ValueError:
-            raise ValueError(f"--slo: {key} must be a number of milliseconds, got {value!r}") from None
+            raise ValueError(f"--slo: {key} must be a number of milliseconds, "
+                             f"got {value!r}") from None
         if slos[key] <= 0:
             raise ValueError(f"--slo: {key} must be > 0 ms, got {value!r}")
     if not slos:

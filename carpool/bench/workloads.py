@@ -61,16 +61,19 @@ class WorkloadConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.num_long_prompts, int) or self.num_long_prompts < 0:
-            raise ValueError(f"num_long_prompts must be an integer >= 0, got {self.num_long_prompts!r}")
+            raise ValueError("num_long_prompts must be an integer >= 0, got "
+                             f"{self.num_long_prompts!r}")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio!r}")
         if self.long_prompt_interval < 0:
-            raise ValueError(f"long_prompt_interval must be >= 0, got {self.long_prompt_interval!r}")
+            raise ValueError(f"long_prompt_interval must be >= 0, "
+                             f"got {self.long_prompt_interval!r}")
         if self.name == "sharegpt" and not self.dataset_path:
             raise ValueError("dataset_path is required for the sharegpt workload")
 
 
-def build_workload(config: WorkloadConfig, tokenizer, *, with_text: bool = False) -> list[BenchRequest]:
+def build_workload(config: WorkloadConfig, tokenizer, *,
+                   with_text: bool = False) -> list[BenchRequest]:
     """The requests of `config`, in submission order.
 
     `tokenizer` is a Hugging Face tokenizer. With `with_text`, random prompts are
@@ -85,7 +88,8 @@ def build_workload(config: WorkloadConfig, tokenizer, *, with_text: bool = False
         return _mixed_load(config, sampler, rng)
     if config.name == "mix":
         shorts = config.num_prompts // 2
-        kinds = [config.short_output_len] * shorts + [config.long_output_len] * (config.num_prompts - shorts)
+        num_longs = config.num_prompts - shorts
+        kinds = [config.short_output_len] * shorts + [config.long_output_len] * num_longs
         rng.shuffle(kinds)
     else:
         kinds = [config.output_len] * config.num_prompts
@@ -93,9 +97,11 @@ def build_workload(config: WorkloadConfig, tokenizer, *, with_text: bool = False
                             _around(rng, out, config.range_ratio)) for out in kinds]
 
 
-def _mixed_load(config: WorkloadConfig, sampler: _PromptSampler, rng: random.Random) -> list[BenchRequest]:
+def _mixed_load(config: WorkloadConfig, sampler: _PromptSampler,
+                rng: random.Random) -> list[BenchRequest]:
     decoders = [sampler.request(_around(rng, config.input_len, config.range_ratio),
-                                _around(rng, config.long_output_len, config.range_ratio), arrival=0.0)
+                                _around(rng, config.long_output_len, config.range_ratio),
+                                arrival=0.0)
                 for _ in range(config.num_prompts)]
     longs = [sampler.request(_around(rng, config.long_prompt_len, config.range_ratio),
                              config.short_output_len, arrival=config.long_prompt_interval * (i + 1))
@@ -118,7 +124,8 @@ class _PromptSampler:
             raise ValueError("the tokenizer has no ordinary tokens to build prompts from")
         self.tokenizer, self.rng, self.with_text = tokenizer, rng, with_text
 
-    def request(self, prompt_len: int, max_tokens: int, arrival: float | None = None) -> BenchRequest:
+    def request(self, prompt_len: int, max_tokens: int,
+                arrival: float | None = None) -> BenchRequest:
         ids = self.rng.choices(self.pool, k=prompt_len)
         if not self.with_text:
             return BenchRequest(tuple(ids), max_tokens, arrival)
@@ -174,5 +181,6 @@ def _read_records(path: Path) -> list[tuple[str, str | None, int | None]]:
         elif "prompt" in row:
             records.append((row["prompt"], row.get("completion"), row.get("output_len")))
         else:
-            raise ValueError(f"dataset_path {path}: record {i} has neither 'conversations' nor 'prompt'")
+            raise ValueError(f"dataset_path {path}: record {i} has neither 'conversations' nor "
+                             "'prompt'")
     return records

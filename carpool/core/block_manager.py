@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from carpool.core.kv_fit import cdiv
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised by `allocate` when the pool cannot grow a table as asked."""
@@ -53,7 +55,7 @@ class BlockManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks a request must gain for its table to hold `num_tokens` tokens in all."""

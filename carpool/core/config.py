@@ -38,7 +38,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+        if not isinstance(self.long_prefill_token_threshold,
+                          int) or self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be an integer >= 0, "
                              f"got {self.long_prefill_token_threshold!r}")
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
@@ -57,6 +58,13 @@ class SchedulerConfig:
             raise ValueError(f"scheduler must be one of {SCHEDULER_KINDS}, got {self.scheduler!r}")
         if not isinstance(self.max_skips, int) or self.max_skips < 0:
             raise ValueError(f"max_skips must be an integer >= 0, got {self.max_skips!r}")
+
+    @staticmethod
+    def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: bool) -> int:
+        """The step budget when none is given: 2048, raised to max_model_len without chunked
+        prefill so the longest prompt fits one step (as vLLM)."""
+        budget = SchedulerConfig.max_num_batched_tokens
+        return budget if enable_chunked_prefill else max(budget, max_model_len)
 
     @property
     def effective_long_prefill_threshold(self) -> int | None:

@@ -8,7 +8,7 @@ its prompt and the outputs it already produced.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from carpool.core.request import Request
 

@@ -8,10 +8,12 @@ stop rules and frees a finished request's blocks in the same call.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig
+from carpool.core.kv_fit import check_fits_pool
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 
@@ -45,6 +47,22 @@ class RequestTable:
         self._clock = clock
         self._requests: dict[str, Request] = {}  # unfinished only
         self._finished_ids: list[str] = []  # since the last schedule()
+        self._waiting: deque[Request] = deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (status WAITING); raises ValueError if it could never run."""
+        self._register(request)
+        self._waiting.append(request)
+
+    def update(self, scheduler_output: SchedulerOutput,
+               sampled_token_ids: Mapping[str, int]) -> list[Request]:
+        """Advance the scheduled requests, append their sampled tokens, finish (and free) the
+        ones that stop. Returns the requests that received a token, in schedule order."""
+        return self._apply_step(scheduler_output, sampled_token_ids)
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -79,14 +97,8 @@ class RequestTable:
                 f"prompt has {request.num_prompt_tokens} tokens; with at least 1 output token "
                 f"that exceeds max_model_len ({max_model_len})")
         request.max_model_len = max_model_len
-        num_tokens = request.num_prompt_tokens + request.max_output_tokens
-        num_blocks = self.block_manager.num_blocks_for(num_tokens)
-        if num_blocks > self.block_manager.num_total_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} may need {num_tokens} tokens of KV cache "
-                f"({request.num_prompt_tokens} prompt + {request.max_output_tokens} max output) = "
-                f"{num_blocks} blocks of {self.block_manager.block_size}, but the whole pool "
-                f"has {self.block_manager.num_total_blocks} blocks; lower max_tokens")
+        check_fits_pool(request.num_prompt_tokens, request.max_output_tokens,
+                        self.block_manager.block_size, self.block_manager.num_total_blocks)
         request.status = RequestStatus.WAITING
         request.queued_time = self._clock()
         self._requests[request.request_id] = request

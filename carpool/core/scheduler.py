@@ -20,8 +20,7 @@ No waiting request is admitted in a step that preempted one.
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Callable, Mapping
+from collections.abc import Callable
 
 from carpool.core.admission import PartialPrefillSlots, prefill_chunk
 from carpool.core.block_manager import BlockManager
@@ -37,7 +36,6 @@ class Scheduler(RequestTable):
     def __init__(self, config: SchedulerConfig, num_blocks: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, BlockManager(num_blocks, config.block_size), clock)
-        self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order, oldest first
         self._prefill_ends: dict[str, int] = {}  # num_tokens the current prefill must reach
         self._num_skips: dict[str, int] = {}
@@ -45,17 +43,8 @@ class Scheduler(RequestTable):
         self.num_preemptions_total = 0
 
     @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
     def num_running(self) -> int:
         return len(self._running)
-
-    def add_request(self, request: Request) -> None:
-        """Queue a request (status WAITING); raises ValueError if it could never run."""
-        self._register(request)
-        self._waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. Changes block tables, running/waiting membership and preemptions;
@@ -65,14 +54,6 @@ class Scheduler(RequestTable):
         if not plan.preempted_ids:
             self._admit_waiting(plan)
         return plan.to_output(self.block_manager, self._take_finished_ids())
-
-    def update(self, scheduler_output: SchedulerOutput,
-               sampled_token_ids: Mapping[str, int]) -> list[Request]:
-        """Advance the scheduled requests, append their sampled tokens, finish the ones that stop.
-
-        Returns the requests that received a token, in schedule order.
-        """
-        return self._apply_step(scheduler_output, sampled_token_ids)
 
     # -- pass 1 and 2: running requests ------------------------------------------------------
 
@@ -138,7 +119,8 @@ class Scheduler(RequestTable):
             num_new = self._admission_chunk(request, plan, slots)
             if num_new:
                 for skipped in passed_over:
-                    self._num_skips[skipped.request_id] = self._num_skips.get(skipped.request_id, 0) + 1
+                    self._num_skips[skipped.request_id] = self._num_skips.get(skipped.request_id,
+                                                                              0) + 1
                 passed_over.clear()
                 self._admit(request, num_new, plan, slots)
             elif self._num_skips.get(request.request_id, 0) >= self.config.max_skips:

@@ -7,8 +7,8 @@ last of them produces a sampled token. Nothing here is a tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from carpool.sampling_params import SamplingParams
 

@@ -15,8 +15,7 @@ maximum output, so it never needs preemption.
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Callable, Mapping
+from collections.abc import Callable
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig
@@ -29,13 +28,8 @@ class StaticScheduler(RequestTable):
     def __init__(self, config: SchedulerConfig, num_blocks: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(config, BlockManager(num_blocks, config.block_size), clock)
-        self._waiting: deque[Request] = deque()
         self._batch: list[Request] = []  # seated members, ended ones included, until all end
         self.num_preemptions_total = 0  # static batching never preempts
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
 
     @property
     def num_running(self) -> int:
@@ -46,11 +40,6 @@ class StaticScheduler(RequestTable):
         """The current batch's members in seat order, ended ones included."""
         return [request.request_id for request in self._batch]
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request (status WAITING); raises ValueError if it could never run."""
-        self._register(request)
-        self._waiting.append(request)
-
     def schedule(self) -> SchedulerOutput:
         """Plan one step: seat a new batch if the last one ended, then prefill it whole
         or decode 1 token per unfinished member. Changes block tables and seating."""
@@ -60,14 +49,6 @@ class StaticScheduler(RequestTable):
                      for request in self._batch if not request.is_finished]
         return SchedulerOutput(scheduled=scheduled, finished_ids=self._take_finished_ids(),
                                num_padding_tokens=self._num_padding_tokens())
-
-    def update(self, scheduler_output: SchedulerOutput,
-               sampled_token_ids: Mapping[str, int]) -> list[Request]:
-        """Advance the members, append their sampled tokens, finish (and free) the ones that end.
-
-        Returns the requests that received a token, in seat order.
-        """
-        return self._apply_step(scheduler_output, sampled_token_ids)
 
     def _seat_batch(self) -> list[Request]:
         """Take waiting requests FCFS while seats and the KV pool (at their maximum size) allow."""

@@ -22,10 +22,25 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from carpool.engine.output_stream import (EngineDeadError, EngineInfo, GenerationRequest,
-                                          OutputStream, put_all)
+from carpool.engine.commands import (
+    AbortRequests,
+    AddRequests,
+    CallEngine,
+    Command,
+    EngineSnapshot,
+    Stop,
+)
+from carpool.engine.output_stream import (
+    EngineDeadError,
+    EngineInfo,
+    GenerationRequest,
+    OutputStream,
+    put_all,
+)
+from carpool.engine.protocol import EngineCore
 from carpool.outputs import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -34,7 +49,7 @@ logger = logging.getLogger(__name__)
 class AsyncEngine:
     """Runs an `LLMEngine` on its own thread; see the module docstring."""
 
-    def __init__(self, engine_factory: Callable[[], Any], *,
+    def __init__(self, engine_factory: Callable[[], EngineCore], *,
                  metrics_factory: Callable[[EngineInfo], Any] | None = None,
                  on_ready: Callable[[EngineInfo], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
@@ -44,11 +59,11 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self.metrics: Any = None
         self.info: EngineInfo | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is it dead?" against "queue a command"
         self._streams: dict[str, OutputStream] = {}  # loop thread only
         self._num_requests_taken = 0  # requests of every add command handled so far
-        self._snapshot: dict = {}
+        self._snapshot: EngineSnapshot | None = None  # None until the engine is loaded
         self._ready = threading.Event()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
@@ -70,8 +85,8 @@ class AsyncEngine:
     def dead_error(self) -> BaseException | None:
         return self._dead
 
-    def snapshot(self) -> dict:
-        """The engine stats published after the latest step or command (do not mutate)."""
+    def snapshot(self) -> EngineSnapshot | None:
+        """The engine stats published after the latest step or command; None while loading."""
         return self._snapshot
 
     def add(self, requests: list[GenerationRequest]) -> OutputStream:
@@ -79,7 +94,7 @@ class AsyncEngine:
         stream = OutputStream(self, asyncio.get_running_loop(), [r.request_id for r in requests])
         with self._lock:
             if self._dead is None:
-                self._commands.put(("add", requests, stream, time.monotonic()))
+                self._commands.put(AddRequests(list(requests), stream, time.monotonic()))
                 return stream
         stream._set_admitted(EngineDeadError(f"the engine has stopped: {self._dead!r}"))
         return stream
@@ -87,7 +102,7 @@ class AsyncEngine:
     def abort(self, request_ids: list[str]) -> None:
         with self._lock:
             if self._dead is None:
-                self._commands.put(("abort", list(request_ids)))
+                self._commands.put(AbortRequests(list(request_ids)))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(llm_engine)` on the loop thread between two steps and return its result."""
@@ -96,14 +111,14 @@ class AsyncEngine:
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
-            self._commands.put(("call", fn, future, loop))
+            self._commands.put(CallEngine(fn, future, loop))
         return await future
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread; open streams get EngineDeadError."""
         with self._lock:
             if self._dead is None:
-                self._commands.put(("stop",))
+                self._commands.put(Stop())
         self._thread.join(timeout)
 
     # ---- loop thread -----------------------------------------------------
@@ -124,26 +139,25 @@ class AsyncEngine:
             return
         self._die(EngineDeadError("the engine was shut down"), None)
 
-    def _on_loaded(self, engine: Any) -> None:
+    def _on_loaded(self, engine: EngineCore) -> None:
         try:
             tokenizer = copy.deepcopy(engine.tokenizer)
         except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared
             tokenizer = engine.tokenizer
         self.info = EngineInfo(
             served_model_name=engine.served_model_name, max_model_len=engine.max_model_len,
-            vocab_size=engine.model_config.vocab_size,
-            max_num_seqs=engine.scheduler_config.max_num_seqs,
-            kv_cache_info=dict(engine.runner.kv_cache_info), tokenizer=tokenizer,
+            vocab_size=engine.vocab_size, max_num_seqs=engine.max_num_seqs,
+            kv_cache_info=engine.kv_cache_info, tokenizer=tokenizer,
             sampling_defaults=dict(engine.sampling_defaults))
         if self._metrics_factory is not None:
             self.metrics = self._metrics_factory(self.info)
         self._publish(engine)
 
-    def _loop(self, engine: Any) -> None:
+    def _loop(self, engine: EngineCore) -> None:
         while True:
             commands = self._take_commands(block=not engine.has_unfinished_requests())
             for command in commands:
-                if command[0] == "stop":
+                if isinstance(command, Stop):
                     return
                 self._handle(engine, command)
             if commands:
@@ -153,11 +167,11 @@ class AsyncEngine:
             outputs = engine.step()
             now = time.monotonic()
             self._deliver(outputs)
-            stats = self._publish(engine)
+            snapshot = self._publish(engine)
             if self.metrics is not None:
-                self.metrics.record_step(outputs, stats, now)
+                self.metrics.record_step(outputs, snapshot.stats, now)
 
-    def _take_commands(self, block: bool) -> list[tuple]:
+    def _take_commands(self, block: bool) -> list[Command]:
         commands = [self._commands.get()] if block else []
         while True:
             try:
@@ -165,30 +179,29 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _handle(self, engine: Any, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            self._add(engine, *command[1:])
-        elif kind == "abort":
-            live = [rid for rid in command[1] if self._streams.pop(rid, None) is not None]
+    def _handle(self, engine: EngineCore, command: Command) -> None:
+        if isinstance(command, AddRequests):
+            self._add(engine, command)
+        elif isinstance(command, AbortRequests):
+            live = [rid for rid in command.request_ids
+                    if self._streams.pop(rid, None) is not None]
             if live:
                 engine.abort_request(live)
-        elif kind == "call":
-            fn, future, loop = command[1:]
+        elif isinstance(command, CallEngine):
             try:
-                result, error = fn(engine), None
+                result, error = command.fn(engine), None
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 result, error = None, exc
-            _notify(loop, _settle, future, result, error)
+            _notify(command.loop, _settle, command.future, result, error)
 
-    def _add(self, engine: Any, requests: list[GenerationRequest], stream: OutputStream,
-             arrival_time: float) -> None:
-        self._num_requests_taken += len(requests)
+    def _add(self, engine: EngineCore, command: AddRequests) -> None:
+        self._num_requests_taken += len(command.requests)
+        stream = command.stream
         added: list[str] = []
         try:
-            for r in requests:
+            for r in command.requests:
                 engine.add_request(r.request_id, r.prompt, r.sampling_params,
-                                   arrival_time=arrival_time)
+                                   arrival_time=command.arrival_time)
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             if added:
@@ -212,14 +225,12 @@ class AsyncEngine:
         for loop, batch in batches.items():
             _notify(loop, put_all, batch)
 
-    def _publish(self, engine: Any) -> dict:
-        stats = dict(engine.stats())
-        stats["time"] = time.monotonic()
-        stats["num_requests_taken"] = self._num_requests_taken  # see Admission
-        self._snapshot = stats
+    def _publish(self, engine: EngineCore) -> EngineSnapshot:
+        snapshot = EngineSnapshot(engine.stats(), time.monotonic(), self._num_requests_taken)
+        self._snapshot = snapshot
         if self.metrics is not None:
-            self.metrics.update_gauges(stats)
-        return stats
+            self.metrics.update_gauges(snapshot.stats)
+        return snapshot
 
     def _die(self, exc: BaseException, what: str | None) -> None:
         if what is not None:
@@ -231,14 +242,14 @@ class AsyncEngine:
         if what is not None and self.on_fatal is not None:
             try:  # first, so the server is already stopping when clients hear of it
                 self.on_fatal(exc)
-            except Exception:  # noqa: BLE001 - the streams below must still be told
+            except Exception:  # the streams below must still be told
                 logger.exception("on_fatal failed")
         error = EngineDeadError(f"the engine has stopped: {exc!r}")
         for command in pending:
-            if command[0] == "add":
-                _notify(command[2].loop, command[2]._set_admitted, error)
-            elif command[0] == "call":
-                _notify(command[3], _settle, command[2], None, error)
+            if isinstance(command, AddRequests):
+                _notify(command.stream.loop, command.stream._set_admitted, error)
+            elif isinstance(command, CallEngine):
+                _notify(command.loop, _settle, command.future, None, error)
         for stream in {id(s): s for s in self._streams.values()}.values():
             _notify(stream.loop, stream._put, error)
         self._streams.clear()

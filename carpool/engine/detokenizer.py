@@ -17,8 +17,8 @@ or half a character. When a stop string appears the text is cut there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from carpool.outputs import PositionLogprobs
 from carpool.sampling_params import SamplingParams

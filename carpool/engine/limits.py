@@ -6,37 +6,11 @@ offline `LLM`, the HTTP server) rejects the same requests with the same words.
 
 from __future__ import annotations
 
-import dataclasses
 import operator
-from typing import Sequence
+from collections.abc import Sequence
 
-from carpool.core.config import SchedulerConfig
+from carpool.core.kv_fit import check_fits_pool
 from carpool.sampling_params import SamplingParams
-
-# With no max_model_len given, the model's own limit is capped here, so a 128k-context
-# model does not size its budgets for contexts nobody sends to a small server.
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
-
-
-def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
-    """`requested`, or the model's limit capped at DEFAULT_MAX_MODEL_LEN_CAP."""
-    if requested is None:
-        return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise ValueError(f"max_model_len must be a positive integer, got {requested!r}")
-    if requested > max_position_embeddings:
-        raise ValueError(f"max_model_len ({requested}) is larger than the model's "
-                         f"max_position_embeddings ({max_position_embeddings})")
-    return requested
-
-
-def resolve_scheduler_config(config: SchedulerConfig, max_model_len: int) -> SchedulerConfig:
-    """The scheduler config with the engine's max_model_len; without chunked prefill the
-    step budget is raised to max_model_len so the longest prompt fits one step (as vLLM)."""
-    budget = config.max_num_batched_tokens
-    if not config.enable_chunked_prefill:
-        budget = max(budget, max_model_len)
-    return dataclasses.replace(config, max_model_len=max_model_len, max_num_batched_tokens=budget)
 
 
 def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -78,11 +52,4 @@ def check_fits_kv_cache(num_prompt_tokens: int, params: SamplingParams, max_mode
     num_output_tokens = max_model_len - num_prompt_tokens
     if params.max_tokens is not None:
         num_output_tokens = min(num_output_tokens, params.max_tokens)
-    num_tokens = num_prompt_tokens + num_output_tokens
-    num_blocks = -(-num_tokens // block_size)
-    if num_blocks > num_total_blocks:
-        raise ValueError(
-            f"this request may need {num_tokens} tokens of KV cache ({num_prompt_tokens} prompt "
-            f"+ {num_output_tokens} max output) = {num_blocks} blocks of {block_size} tokens, "
-            f"but the whole cache has {num_total_blocks} blocks; lower max_tokens, shorten the "
-            "prompt or give the KV cache more memory")
+    check_fits_pool(num_prompt_tokens, num_output_tokens, block_size, num_total_blocks)

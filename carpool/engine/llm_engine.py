@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
-from carpool.config import EngineConfig
+from carpool.config import EngineConfig, model_or_default
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_tokenizer
-from carpool.outputs import StepOutput
+from carpool.outputs import EngineStats, RequestMetrics, StepOutput
 from carpool.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -72,28 +72,24 @@ class LLMEngine:
         self._extra_eos_ids = tuple(eos_ids[1:])
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model, tokenizer and KV cache named by `config` and build the scheduler."""
         from carpool.core.scheduler import Scheduler
         from carpool.core.static_scheduler import StaticScheduler
         from carpool.models.config import load_model_config
         from carpool.models.generation_defaults import load_sampling_defaults
-        from carpool.models.loader import resolve_model_path
+        from carpool.models.paths import resolve_model_path
         from carpool.runner.model_runner import ModelRunner
 
-        model = config.model
-        if model is None:
-            from carpool.default_model_path import default_model_path
-            model = str(default_model_path())
-        path = resolve_model_path(model)
+        path = resolve_model_path(model_or_default(config.model))
         model_config = load_model_config(path)
-        max_model_len = limits.resolve_max_model_len(config.max_model_len,
-                                                     model_config.max_position_embeddings)
-        sched_config = limits.resolve_scheduler_config(config.scheduler, max_model_len)
+        config = config.for_model(model_config.max_position_embeddings)
+        sched_config = config.scheduler
         runner = ModelRunner(
             path, dtype=config.dtype, device=config.device, block_size=sched_config.block_size,
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization, max_model_len=max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            max_model_len=config.max_model_len,
             max_num_batched_tokens=sched_config.max_num_batched_tokens,
             max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
             attention_backend=config.attention_backend,
@@ -101,7 +97,7 @@ class LLMEngine:
             cpu_malloc_tuning=config.cpu_malloc_tuning)
         scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
         scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
-        return cls(config, model, runner, load_tokenizer(path), scheduler,
+        return cls(config, str(path), runner, load_tokenizer(path), scheduler,
                    sampling_defaults=load_sampling_defaults(path))
 
     # ---- requests in -------------------------------------------------------------------
@@ -187,7 +183,7 @@ class LLMEngine:
             if self.step_hook is not None:
                 self.step_hook(sched_out)
             runner_out = self.runner.execute(sched_out)
-        except Exception as exc:  # noqa: BLE001 - a failed step must not take the engine down
+        except Exception as exc:  # a failed step must not take the engine down
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
             return outputs + self._fail_step(sched_out, exc)
         advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
@@ -243,28 +239,39 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=state.num_sent_tokens,
             finish_reason=reason, error=error, request_metrics=self._metrics(request))
 
-    def _metrics(self, request: Request) -> dict:
+    def _metrics(self, request: Request) -> RequestMetrics:
         if request.finished_time is None:
             request.finished_time = self._clock()
-        return {"arrival_time": request.arrival_time,
-                "first_scheduled_time": request.first_scheduled_time,
-                "first_token_time": request.first_token_time,
-                "finished_time": request.finished_time,
-                "num_preemptions": request.num_preemptions}
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time, finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions)
 
     # ---- introspection -----------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """Counters since start and the last step's shape, for logs, metrics and tests."""
         blocks = self.scheduler.block_manager
-        return self._stats.as_dict() | {
-            "num_preemptions": self.scheduler.num_preemptions_total,
-            "num_free_blocks": blocks.num_free_blocks,
-            "num_total_blocks": blocks.num_total_blocks,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage": blocks.usage,
-        }
+        return EngineStats(
+            **self._stats.as_dict(), num_preemptions=self.scheduler.num_preemptions_total,
+            num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=blocks.usage)
+
+    # ---- what the async layer reads once loaded (see engine.protocol.EngineCore) --------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler_config.max_num_seqs
+
+    @property
+    def kv_cache_info(self) -> dict:
+        return dict(self.runner.kv_cache_info)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if block accounting is off, or blocks are held while idle."""

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from carpool.outputs import CompletionOutput, PositionLogprobs, RequestOutput, StepOutput
+from carpool.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    StepOutput,
+)
 
 
 @dataclass
@@ -23,7 +29,7 @@ class CompletionBuilder:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    metrics: dict | None = None
+    metrics: RequestMetrics | None = None
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
@@ -67,10 +73,8 @@ class RequestOutputBuilder:
         return sum(len(c.token_ids) for c in self.completions)
 
     def build(self) -> RequestOutput:
-        metrics = self.completions[0].metrics if len(self.completions) == 1 else {
-            "completions": [c.metrics for c in self.completions]}
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids),
             outputs=[c.build() for c in self.completions], finished=self.finished,
-            metrics=metrics or {})
+            metrics=[c.metrics for c in self.completions])

@@ -68,7 +68,7 @@ class OutputStream:
         """Wait until the engine accepted every request; raises its ValueError if not."""
         await self._admitted
 
-    def __aiter__(self) -> "OutputStream":
+    def __aiter__(self) -> OutputStream:
         return self
 
     async def __anext__(self) -> tuple[int, StepOutput]:

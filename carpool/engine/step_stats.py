@@ -8,8 +8,8 @@ fed back (its position is past the prompt), otherwise a prefill token
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Mapping
 
 from carpool.core.scheduler_output import SchedulerOutput
 

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from carpool.attention import AttentionBackend
 from carpool.models.config import ModelConfig
 from carpool.models.rope import Rotary, RotaryEmbedding
-from carpool.attention import AttentionBackend
 
 
 class StackedLinear(nn.Linear):

@@ -1,4 +1,4 @@
-"""Find a checkpoint (local folder or Hugging Face hub id) and load its safetensors weights.
+"""Load a checkpoint's safetensors weights (`paths.resolve_model_path` finds the checkpoint).
 
 Weights are read with `safetensors` only, never pickle: a single
 `model.safetensors`, or shards listed in `model.safetensors.index.json`. The
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from carpool.models.config import ModelConfig
 from carpool.models.llama import LlamaForCausalLM, checkpoint_targets
+from carpool.models.paths import resolve_model_path as resolve_model_path  # re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -25,32 +25,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors that are derived, not learned (older Llama exports carry them).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id fetched with huggingface_hub (cache first).
-
-    Honours HF_HUB_OFFLINE. Raises FileNotFoundError naming what is missing.
-    """
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {path} has no config.json")
-        return path
-    if path.exists():
-        raise FileNotFoundError(f"model path {path} is not a folder")
-    if str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
-        raise FileNotFoundError(f"model folder {path} does not exist")
-    try:
-        from huggingface_hub import constants, snapshot_download
-
-        local = snapshot_download(repo_id=str(model), allow_patterns=[
-            "*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"])
-    except Exception as exc:  # offline, unknown repo, gated, no network
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local folder nor a downloadable hub id "
-            f"(hub offline: {bool(constants.HF_HUB_OFFLINE)}): {exc}") from exc
-    return Path(local)
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -97,7 +97,8 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, _ = rope_inv_freq(self.rope, self.head_dim)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
         """positions [T] int -> cos, sin [T, head_dim] in `dtype`."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)

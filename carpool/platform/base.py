@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 from torch import nn
 
 
-class Platform(ABC):
+class Platform:
     # True: the KV cache is sized from a memory budget measured after a profiling
     # forward pass (`begin_profile` / `kv_cache_budget`); False: `default_kv_cache_bytes`.
     profiles_memory: bool = False
@@ -28,9 +26,9 @@ class Platform(ABC):
     def end_profile(self) -> None:
         """Stop measuring; release what the profiling pass cached."""
 
-    @abstractmethod
     def describe(self) -> str:
         """One line for the start-up log."""
+        raise NotImplementedError
 
     def kv_cache_budget(self, utilization: float) -> int:
         """Bytes left for the KV cache after the profiled peak (platforms that profile)."""

@@ -25,7 +25,8 @@ class InputBatch:
     input_ids: torch.Tensor  # [T] int64 (real tokens, then padding tokens)
     positions: torch.Tensor  # [T] int64
     layout: StepLayout
-    logits_indices: torch.Tensor  # [N] int64: packed index of the last token of each sampled request
+    # [N] int64: packed index of the last token of each sampled request
+    logits_indices: torch.Tensor
     sampled: list[ScheduledRequest]  # the N requests that sample, in logits row order
 
 

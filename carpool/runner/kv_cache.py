@@ -29,14 +29,15 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+    def from_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         # 2: keys and values
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+        return (2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * element_size)
 
 
 def num_blocks_for_bytes(spec: KVCacheSpec, num_bytes: int, field: str) -> int:

@@ -52,9 +52,10 @@ class ModelRunner:
                  cpu_malloc_tuning: bool = True, platform: Platform | None = None) -> None:
         path = resolve_model_path(model_path)
         self.model_config: ModelConfig = load_model_config(path)
-        if max_model_len > self.model_config.max_position_embeddings:
+        max_position_embeddings = self.model_config.max_position_embeddings
+        if max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+                             f"max_position_embeddings ({max_position_embeddings})")
         self.device = resolve_device(device)
         self.platform = platform if platform is not None else platform_for(
             self.device, cpu_packed_linears=cpu_packed_linears,
@@ -136,7 +137,7 @@ class ModelRunner:
         return min(num_blocks, self.max_num_seqs * -(-self.max_model_len // self.block_size))
 
     def _profile_forward(self) -> None:
-        """Run the largest steps the scheduler may send, against a throwaway cache, for peak memory."""
+        """Run the largest steps the scheduler may send against a throwaway cache (peak memory)."""
         num_blocks, steps = profiling_steps(self.max_num_batched_tokens, self.max_num_seqs,
                                             self.max_model_len, self.block_size)
         self.platform.begin_profile()

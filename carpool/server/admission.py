@@ -49,8 +49,9 @@ class Admission:
                            f"the server's whole waiting queue holds ({limit}); split the request",
                            param="n")
         snapshot = engine.snapshot()
-        num_waiting = (snapshot.get("num_waiting", 0) + self.num_sent
-                       - snapshot.get("num_requests_taken", 0))
+        num_waiting = self.num_sent
+        if snapshot is not None:
+            num_waiting += snapshot.stats.num_waiting - snapshot.num_requests_taken
         if num_waiting + num_requests > limit:
             raise APIError(503, f"The server is overloaded: {num_waiting} requests are waiting "
                            f"(limit {limit}); retry after {RETRY_AFTER_S}s.",

@@ -22,6 +22,8 @@ from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
 
+# The modules whose `router` build_app includes.
+ROUTE_MODULES = (completions, chat, tokenize, meta)
 # Routes anyone may call without the API key (load balancers probe them).
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -87,7 +89,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> Fa
     app.state.settings = settings
     app.state.admission = Admission(settings.max_num_waiting_requests)
     install_error_handlers(app)
-    for module in (completions, chat, tokenize, meta):
+    for module in ROUTE_MODULES:
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key is not None:  # added last: runs first, before any body is read

@@ -8,18 +8,19 @@ one last chunk has empty `choices` and the usage.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from carpool.engine.async_engine import OutputStream
+from carpool.engine.output_stream import EngineInfo
 from carpool.engine.tokenizer import encode_chat
-from carpool.server.errors import bad_request
-from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
-                                       respond, usage)
+from carpool.sampling_params import SamplingParams
+from carpool.server.generation import Choice, new_id, serve_generation, usage
 from carpool.server.logprobs import chat_logprobs
-from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
+from carpool.server.protocol import ChatCompletionRequest, ChatMessage
 from carpool.server.sse import sse_event
 
 router = APIRouter()
@@ -60,21 +61,13 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage],
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    engine = ready_engine(request)
-    info = engine.info
-    check_model(body.model, info)
-    try:
-        params = body.to_sampling_params(info.sampling_defaults)
+    def prepare(info: EngineInfo, params: SamplingParams) -> tuple[_Context, list]:
         prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)
         ctx = _Context(new_id("chatcmpl"), int(time.time()), info.served_model_name,
                        params.logprobs if body.logprobs else None, info.tokenizer)
-        requests = fan_out(ctx.id, [prompt_ids], params, info)
-    except ValueError as exc:
-        raise bad_request(exc, REQUEST_FIELDS) from None
-    return await respond(
-        request, engine, requests, body.stream,
-        lambda stream: _events(stream, ctx, len(requests), body.include_usage),
-        lambda choices: _response(ctx, choices))
+        return ctx, [prompt_ids]
+
+    return await serve_generation(request, body, prepare, _events, _response)
 
 def _response(ctx: _Context, choices: list[Choice]) -> dict:
     body = ctx.envelope("chat.completion", [

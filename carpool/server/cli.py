@@ -11,33 +11,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 
-from carpool.attention import ATTENTION_BACKENDS
-from carpool.config import DTYPES, EngineConfig
-from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
+from carpool.arg_utils import (
+    add_engine_arguments,
+    add_log_level_argument,
+    add_model_argument,
+    add_scheduler_arguments,
+    configure_logging,
+    parse_bytes,
+)
+from carpool.config import EngineConfig
 
 logger = logging.getLogger("carpool.server")
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
-          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """'4GiB', '512MiB', '2e9', '1000000' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4GiB or 512MiB)")
-    try:
-        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
-    return int(value)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model folder or hub id (default: the built-in model).")
+    add_model_argument(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1",
                         help="Address to bind (default 127.0.0.1; 0.0.0.0 exposes the server).")
@@ -47,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $CARPOOL_API_KEY).")
     server.add_argument("--served-model-name", default=None,
                         help="Model name clients send and responses report (default: MODEL).")
-    server.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error"), help="Logging level.")
+    add_log_level_argument(server, default="info")
     _add_robustness_arguments(server)
     add_engine_arguments(parser.add_argument_group("engine"))
     add_scheduler_arguments(parser.add_argument_group("scheduler"))
@@ -70,90 +57,6 @@ def _add_robustness_arguments(group) -> None:
                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}).")
     group.add_argument("--log-prompts", action="store_true",
                        help="Include prompts in the per-request log lines (off: never logged).")
-    group.add_argument("--trust-remote-code", action="store_true",
-                       help="Not supported: carpool never runs code shipped with a checkpoint.")
-
-
-def add_engine_arguments(group) -> None:
-    group.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="Weights and activations dtype (auto: the checkpoint's).")
-    group.add_argument("--device", default="auto",
-                       help="Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
-    group.add_argument("--seed", type=int, default=0, help="Seed of the sampler's generators.")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="Fraction of GPU memory the model and KV cache may use (CUDA only).")
-    group.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
-                       help="KV cache size in bytes, e.g. 2GiB (overrides the GPU fraction).")
-    group.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
-                       type=int, default=None, help="Exact number of KV cache blocks (tests, tuning).")
-    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                       help="Attention kernels: auto (cpu on CPU, sdpa on CUDA), cpu (CPU fast "
-                            "paths), sdpa (portable PyTorch SDPA over gathered blocks).")
-    group.add_argument("--cpu-packed-linears", action=argparse.BooleanOptionalAction,
-                       default=True,
-                       help="CPU: run linear layers through oneDNN on weights packed once at "
-                            "load (float32 and bfloat16).")
-    group.add_argument("--cpu-malloc-tuning", action=argparse.BooleanOptionalAction,
-                       default=True,
-                       help="CPU: keep freed memory in the malloc heap (no page faults on each "
-                            "step's large temporaries; the process keeps its peak heap).")
-    group.add_argument("--tensor-parallel-size", type=int, default=1, choices=(1,),
-                       help="Devices to shard the model over (only 1 is supported).")
-
-
-def add_scheduler_arguments(group) -> None:
-    defaults = SchedulerConfig()
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
-                       help=f"Most requests running at once (default {defaults.max_num_seqs}).")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="Most tokens per step, the step's budget "
-                            f"(default {defaults.max_num_batched_tokens}).")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="Longest prompt + output (default: the model's, capped at 8192).")
-    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=defaults.enable_chunked_prefill,
-                       help="Split long prompts into chunks that share steps with decodes.")
-    group.add_argument("--max-num-partial-prefills", type=int,
-                       default=defaults.max_num_partial_prefills,
-                       help="Most requests part-way through their prompt at once.")
-    group.add_argument("--max-long-partial-prefills", type=int,
-                       default=defaults.max_long_partial_prefills,
-                       help="Of those, most with prompts longer than the threshold.")
-    group.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                       help="A prompt longer than this is 'long'; chunks are capped at it (0: auto).")
-    group.add_argument("--block-size", type=int, default=defaults.block_size,
-                       help=f"Tokens per KV cache block (default {defaults.block_size}).")
-    group.add_argument("--scheduler", default=defaults.scheduler, choices=SCHEDULER_KINDS,
-                       help="continuous batching, or the static baseline.")
-    group.add_argument("--preemption-policy", default=defaults.preemption_policy,
-                       choices=PREEMPTION_POLICIES,
-                       help="Which running request gives up its blocks when the cache is full.")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags describe; ValueError names a bad flag's field."""
-    defaults = SchedulerConfig()
-    max_model_len = args.max_model_len or defaults.max_model_len
-    budget = args.max_num_batched_tokens
-    if budget is None:
-        budget = defaults.max_num_batched_tokens
-        if not args.enable_chunked_prefill:
-            budget = max(budget, max_model_len)
-    scheduler = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        block_size=args.block_size, preemption_policy=args.preemption_policy,
-        scheduler=args.scheduler)
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-        served_model_name=args.served_model_name, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        scheduler=scheduler, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend, cpu_packed_linears=args.cpu_packed_linears,
-        cpu_malloc_tuning=args.cpu_malloc_tuning)
 
 
 def server_settings_from_args(args: argparse.Namespace):
@@ -166,17 +69,11 @@ def server_settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.trust_remote_code:
-        logger.error("--trust-remote-code is not supported: carpool runs only its own model "
-                     "code (Llama, Mistral, Qwen2, Qwen3) and loads weights from safetensors, "
-                     "never code or pickles from a checkpoint")
-        return 2
+    configure_logging(args.log_level)
     try:
-        config = engine_config_from_args(args)
+        config = EngineConfig.from_cli_args(args)
         settings = server_settings_from_args(args)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         logger.error("invalid settings: %s", exc)
         return 2
     from carpool.server.serve import serve

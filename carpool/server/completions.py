@@ -8,18 +8,19 @@ prompt in front of the text (in the first chunk when streaming).
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
 from carpool.engine.async_engine import OutputStream
+from carpool.engine.output_stream import EngineInfo
 from carpool.outputs import StepOutput
-from carpool.server.errors import bad_request
-from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
-                                       respond, usage)
+from carpool.sampling_params import SamplingParams
+from carpool.server.generation import Choice, new_id, serve_generation, usage
 from carpool.server.logprobs import completion_logprobs
-from carpool.server.protocol import REQUEST_FIELDS, CompletionRequest
+from carpool.server.protocol import CompletionRequest
 from carpool.server.sse import sse_event
 
 router = APIRouter()
@@ -52,21 +53,13 @@ class _Context:
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
-    engine = ready_engine(request)
-    info = engine.info
-    check_model(body.model, info)
-    try:
+    def prepare(info: EngineInfo, params: SamplingParams) -> tuple[_Context, list]:
         prompts = body.prompts()
-        params = body.to_sampling_params(info.sampling_defaults)
         ctx = _Context(new_id("cmpl"), int(time.time()), info.served_model_name, prompts,
                        params.n, body.echo, params.logprobs, info.tokenizer)
-        requests = fan_out(ctx.id, prompts, params, info)
-    except ValueError as exc:
-        raise bad_request(exc, REQUEST_FIELDS) from None
-    return await respond(
-        request, engine, requests, body.stream,
-        lambda stream: _events(stream, ctx, len(requests), body.include_usage),
-        lambda choices: _response(ctx, choices))
+        return ctx, prompts
+
+    return await serve_generation(request, body, prepare, _events, _response)
 
 def _response(ctx: _Context, choices: list[Choice]) -> dict:
     body = ctx.envelope([_choice_body(ctx, c) for c in choices])

@@ -84,7 +84,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     # its check says most: prefer a value error to "should be a valid list".
     first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
-        return APIError(400, f"Malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
+        return APIError(400,
+                        f"Malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                         code="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if not _is_type_tag(part)]
     param = loc[0] if loc else None

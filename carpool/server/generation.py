@@ -13,22 +13,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from carpool.engine.async_engine import (AsyncEngine, EngineDeadError, EngineInfo,
-                                         GenerationRequest, OutputStream)
+from carpool.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineInfo,
+    GenerationRequest,
+    OutputStream,
+)
 from carpool.engine.output_builder import CompletionBuilder
 from carpool.engine.output_stream import ServerClosingError
-from carpool.llm import child_params
 from carpool.outputs import StepOutput
-from carpool.sampling_params import SamplingParams
+from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
-from carpool.server.protocol import REQUEST_FIELDS
+from carpool.server.protocol import REQUEST_FIELDS, SamplingRequest
 from carpool.server.sse import DONE, EventStreamResponse, sse_event
 
 logger = logging.getLogger("carpool.server")
@@ -55,6 +60,14 @@ def ready_engine(request: Request) -> AsyncEngine:
 def check_model(name: str | None, info: EngineInfo) -> None:
     if name is not None and name != info.served_model_name:
         raise not_found_model(name, info.served_model_name)
+
+
+def check_request(body: SamplingRequest, info: EngineInfo) -> None:
+    """404 for another model's name; one warning naming the fields this server ignores."""
+    check_model(body.model, info)
+    if body.ignored_fields:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       ", ".join(body.ignored_fields))
 
 
 def fan_out(base_id: str, prompts: list, params: SamplingParams,
@@ -98,6 +111,33 @@ def stream_error(exc: EngineDeadError | ServerClosingError) -> APIError:
     """The 503 a response ends with when the engine died or the server stopped under it."""
     code = "engine_dead" if isinstance(exc, EngineDeadError) else "server_shutting_down"
     return APIError(503, str(exc), code=code)
+
+
+async def serve_generation(
+        request: Request, body: SamplingRequest,
+        prepare: Callable[[EngineInfo, SamplingParams], tuple[Any, list]],
+        events: Callable[[OutputStream, Any, int, bool], AsyncIterator[str]],
+        build: Callable[[Any, list[Choice]], dict]) -> Response:
+    """The request -> generation -> response path both OpenAI routes take.
+
+    `prepare(info, params)` returns the route's context (with its response `id`) and its
+    prompts; a ValueError there, in the sampling fields or in the fan-out is a 400 naming
+    the field. Then `events(stream, context, num_choices, include_usage)` streams, or
+    `build(context, choices)` answers whole.
+    """
+    engine = ready_engine(request)
+    info = engine.info
+    check_request(body, info)
+    try:
+        params = body.to_sampling_params(info.sampling_defaults)
+        context, prompts = prepare(info, params)
+        requests = fan_out(context.id, prompts, params, info)
+    except ValueError as exc:
+        raise bad_request(exc, REQUEST_FIELDS) from None
+    return await respond(
+        request, engine, requests, body.stream,
+        lambda stream: events(stream, context, len(requests), body.include_usage),
+        lambda choices: build(context, choices))
 
 
 async def respond(request: Request, engine: AsyncEngine, requests: list[GenerationRequest],

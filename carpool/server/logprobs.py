@@ -46,15 +46,6 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], positions: list[Po
     return result, text_offset
 
 
-def merge_completion_logprobs(parts: list[dict]) -> dict:
-    merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                               "text_offset": []}
-    for part in parts:
-        for key in merged:
-            merged[key].extend(part[key])
-    return merged
-
-
 def chat_logprobs(tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs],
                   num_top: int) -> dict:
     """The chat `logprobs` object: `{"content": [...]}`, `num_top` alternatives per token."""

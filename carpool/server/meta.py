@@ -59,7 +59,7 @@ async def stats(request: Request, integrity: bool = False) -> JSONResponse:
     """
     engine = ready_engine(request)
     if not integrity:
-        return JSONResponse(engine.snapshot())
+        return JSONResponse(engine.snapshot().as_dict())
     return JSONResponse(await engine.call(_checked_stats))
 
 
@@ -69,4 +69,4 @@ def _checked_stats(llm_engine) -> dict:
         verdict = "ok"
     except AssertionError as exc:
         verdict = f"violated: {exc}"
-    return {**llm_engine.stats(), "integrity": verdict}
+    return {**llm_engine.stats().as_dict(), "integrity": verdict}

@@ -2,13 +2,15 @@
 
 Pydantic checks types; ranges are checked once, by `SamplingParams`, whose
 `ValueError` names the field and becomes a 400. Unknown fields are ignored,
-as vLLM does, so newer clients keep working.
+as vLLM does, so newer clients keep working; the routes log one warning per
+request naming them (`ignored_fields`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -37,17 +39,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept aside (model_extra), never used
 
     model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: Union[Text, list[Text], None] = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -65,6 +67,11 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     # Accepted so that clients sending them get a clear 400 rather than silent neglect.
     logit_bias: dict | None = None
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The request's fields this server does not know, which it ignores."""
+        return sorted(self.model_extra or {})
 
     @property
     def include_usage(self) -> bool:
@@ -91,8 +98,8 @@ class _SamplingRequest(BaseModel):
         return kwargs
 
 
-class CompletionRequest(_SamplingRequest):
-    prompt: Union[Text, list[Text], TokenIds, list[TokenIds]]
+class CompletionRequest(SamplingRequest):
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
     logprobs: int | None = None
     echo: bool = False
@@ -133,7 +140,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[Text, list[TextPart], None] = None
+    content: Text | list[TextPart] | None = None
     name: Text | None = None
 
     def text(self) -> str:
@@ -144,7 +151,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -164,11 +171,13 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs(defaults))
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              **self._sampling_kwargs(defaults))
 
 
 class TokenizeRequest(BaseModel):

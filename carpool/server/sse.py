@@ -10,7 +10,7 @@ when its generator never started.
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send

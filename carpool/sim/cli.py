@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-b", type=float, default=None,
                         help="seconds per batched token (default: the scenario's, 0)")
     parser.add_argument("--slots", type=int, default=None,
-                        help=f"max_num_seqs, the batch's slots (default: the scenario's, {DEFAULT_SLOTS})")
+                        help="max_num_seqs, the batch's slots (default: the scenario's, "
+                             f"{DEFAULT_SLOTS})")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,

@@ -11,7 +11,9 @@ WASTE_COLOR = "#bbbbbb"
 
 
 def plot_timelines(results: dict[str, SimResult], path: str) -> None:
-    """Draw each scheduler's slots over time; white is idle, grey is an ended member still seated."""
+    """Draw each scheduler's slots over time.
+
+    White is idle, grey is an ended member still seated."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -23,7 +23,8 @@ def _result_json(result: SimResult) -> dict:
         "num_steps": result.num_steps,
         "num_preemptions": result.num_preemptions,
         "num_padding_tokens": result.num_padding_tokens,
-        "requests": {rid: {"finish_s": round(finish, 3), "latency_s": round(result.latency_s[rid], 3)}
+        "requests": {rid: {"finish_s": round(finish, 3), "latency_s": round(result.latency_s[rid],
+                                                                            3)}
                      for rid, finish in result.finish_s.items()},
     }
 

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from carpool.core.config import SchedulerConfig
+from carpool.core.kv_fit import cdiv
 from carpool.core.request import Request
 from carpool.core.scheduler import Scheduler
 from carpool.core.static_scheduler import StaticScheduler
@@ -56,7 +57,7 @@ class SimResult:
 
     @property
     def slot_utilisation(self) -> float:
-        """Fraction of slot-time spent on a request that had not ended (idle gaps count as unused)."""
+        """Fraction of slot-time spent on a request that had not ended (idle gaps: unused)."""
         num_slots = len(self.steps[0].cells)
         busy = sum((s.end_s - s.start_s) * sum(c.active for c in s.cells) for s in self.steps)
         return busy / (num_slots * self.total_s)
@@ -75,7 +76,7 @@ class _SimClock:
 
 def build_scheduler(kind: str, scenario: Scenario, settings: SimSettings, clock: _SimClock):
     max_len = max(r.num_prompt_tokens + r.num_output_tokens for r in scenario.requests)
-    num_blocks = settings.num_blocks or scenario.num_slots * -(-max_len // settings.block_size)
+    num_blocks = settings.num_blocks or scenario.num_slots * cdiv(max_len, settings.block_size)
     config = SchedulerConfig(
         max_num_seqs=scenario.num_slots, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=max_len, block_size=settings.block_size,

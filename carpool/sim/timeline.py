@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from carpool.core.kv_fit import cdiv
+
 IDLE = "."  # nobody in the slot
 WASTED = "x"  # a member that already ended, still computed until its batch ends
 
@@ -63,7 +65,7 @@ def render_timeline(records: list[StepRecord], num_rows: int = 24) -> str:
         return "(no steps)"
     num_slots = len(records[0].cells)
     width = max(3, max(len(c.request_id) for r in records for c in r.cells if c.request_id))
-    steps_per_row = max(1, -(-len(records) // num_rows))
+    steps_per_row = max(1, cdiv(len(records), num_rows))
     header = "   t (s) | " + " ".join(f"slot{i}".ljust(width) for i in range(num_slots))
     lines = [header, "-" * len(header)]
     for first in range(0, len(records), steps_per_row):
@@ -71,7 +73,8 @@ def render_timeline(records: list[StepRecord], num_rows: int = 24) -> str:
         row = " ".join(_cell_text(cell).ljust(width) for cell in record.cells)
         lines.append(f"{record.start_s:8.2f} | {row}")
     lines.append(f"{records[-1].end_s:8.2f} | (end)   "
-                 f"[{steps_per_row} step(s) a row; '{IDLE}' idle, '{WASTED}' ended but still seated]")
+                 f"[{steps_per_row} step(s) a row; '{IDLE}' idle, '{WASTED}' ended but still "
+                 "seated]")
     return "\n".join(lines)
 
 

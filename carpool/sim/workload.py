@@ -38,7 +38,8 @@ class LinearCostModel:
 
     def __post_init__(self) -> None:
         if not self.a >= 0 or not self.b >= 0 or self.a + self.b == 0:
-            raise ValueError(f"cost coefficients must be >= 0 and not both 0, got a={self.a}, b={self.b}")
+            raise ValueError(f"cost coefficients must be >= 0 and not both 0, got a={self.a}, "
+                             f"b={self.b}")
 
     def step_seconds(self, num_batched_tokens: int) -> float:
         return self.a + self.b * num_batched_tokens

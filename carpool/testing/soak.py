@@ -18,8 +18,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from carpool.testing.stream_load import (ClientPlan, async_client, percentile, read_rss_bytes,
-                                         run_client)
+from carpool.testing.stream_load import (
+    ClientPlan,
+    async_client,
+    percentile,
+    read_rss_bytes,
+    run_client,
+)
 
 SOAK_PROMPTS = ["import os\n", "class Foo:", "for i in range(", "def main():\n    ", "x = [",
                 "def handler(request):\n    return request.json()\n" * 6, "# comment\n",

@@ -78,7 +78,7 @@ async def run_client(http: httpx.AsyncClient, model: str, plan: ClientPlan) -> C
     else:
         try:
             await asyncio.wait_for(stream, plan.leave_before_headers_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             result.left = True
     result.latency = time.monotonic() - started
     return result

@@ -180,3 +180,12 @@ def test_backend_names_are_checked():
         create_backend("cpu", shape, torch.device("cuda"))
     assert create_backend("auto", shape, CPU).name == "cpu"
     assert resolve_backend_name("auto", "cuda") == "sdpa"
+
+
+def test_config_names_the_registered_backends():
+    from carpool.attention import BACKEND_NAMES
+    from carpool.config import ATTENTION_BACKENDS, EngineConfig
+
+    assert ATTENTION_BACKENDS == BACKEND_NAMES
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")

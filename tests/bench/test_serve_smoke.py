@@ -11,6 +11,8 @@ from carpool.bench.workloads import WorkloadConfig, build_workload
 from carpool.cli import main
 from carpool.engine.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
+
 MODEL_NAME = "bench-tiny"
 API_KEY = "bench-key"
 

@@ -88,13 +88,13 @@ def test_greedy_matches_transformers(arch, setting, backend, separated_checkpoin
         assert completion.text == tokenizer.decode(expected, skip_special_tokens=True)
 
     stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats.num_free_blocks == stats.num_total_blocks
     llm.engine.check_integrity()
     if setting in ("chunked_prefill", "partial_prefills"):
         assert num_partial_chunks > 0
     if setting == "unchunked":
         assert num_partial_chunks == 0
     if setting == "preemption":
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     else:
-        assert stats["num_preemptions"] == 0
+        assert stats.num_preemptions == 0

@@ -9,7 +9,6 @@ import pytest
 
 from carpool import LLM, SamplingParams
 from carpool.config import EngineConfig
-from carpool.core.config import SchedulerConfig
 from carpool.engine.llm_engine import LLMEngine
 
 from carpool.testing.checkpoints import random_prompt
@@ -28,8 +27,8 @@ def llm(model_dir):
 
 
 def make_engine(model_dir, **scheduler) -> LLMEngine:
-    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
-                          max_model_len=256, scheduler=SchedulerConfig(**scheduler))
+    config = EngineConfig.from_args(model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                                    max_model_len=256, **scheduler)
     return LLMEngine.from_config(config)
 
 
@@ -76,8 +75,8 @@ def test_add_request_rejects_duplicates_and_requests_that_never_fit(model_dir):
     engine.abort_request("a")
     run_to_end(engine)
     engine.add_request("a", [4], GREEDY)  # a finished id may be used again
-    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=8,
-                          max_model_len=256, scheduler=SchedulerConfig(block_size=4))
+    config = EngineConfig.from_args(model_dir, dtype="float32", device="cpu", num_kv_blocks=8,
+                                    max_model_len=256, block_size=4)
     tiny = LLMEngine.from_config(config)
     with pytest.raises(ValueError, match="8 blocks"):
         tiny.add_request("b", [1] * 30, SamplingParams(max_tokens=10))
@@ -106,7 +105,7 @@ def test_bad_prompt_in_a_list_leaves_nothing_queued(llm):
     with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
         llm.generate(["a", "b", "c"], [GREEDY, GREEDY], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.stats()["num_waiting"] == 0
+    assert llm.stats().num_waiting == 0
 
 
 # ---- abort and faults ----------------------------------------------------------------------
@@ -117,19 +116,19 @@ def test_abort_frees_blocks_and_reports_once(model_dir):
         engine.add_request(f"r{i}", prompt, GREEDY)
     engine.step()
     engine.step()
-    free_before = engine.stats()["num_free_blocks"]
+    free_before = engine.stats().num_free_blocks
     engine.abort_request(["r1", "r3", "unknown"])
-    assert engine.stats()["num_free_blocks"] > free_before  # freed at once, not next step
+    assert engine.stats().num_free_blocks > free_before  # freed at once, not next step
     outs = engine.step()
     aborted = [o for o in outs if o.finish_reason == "abort"]
     assert sorted(o.request_id for o in aborted) == ["r1", "r3"]
-    assert all(o.request_metrics["finished_time"] is not None for o in aborted)
+    assert all(o.request_metrics.finished_time is not None for o in aborted)
     engine.abort_request("r1")  # already gone: ignored
     rest = run_to_end(engine)
     assert set(rest) == {"r0", "r2"}
     assert all(rest[r][-1].finish_reason == "length" for r in rest)
     engine.check_integrity()
-    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
 def test_fault_fails_only_that_steps_requests(model_dir):
@@ -163,9 +162,9 @@ def test_step_outputs_are_deltas_that_add_up(model_dir):
     assert [o.num_output_tokens for o in outs] == list(range(1, 11))  # prefill chunks say nothing
     assert not any(o.finished for o in outs[:-1])
     metrics = outs[-1].request_metrics
-    assert (metrics["arrival_time"] <= metrics["first_scheduled_time"]
-            <= metrics["first_token_time"] <= metrics["finished_time"])
-    assert metrics["num_preemptions"] == 0
+    assert (metrics.arrival_time <= metrics.first_scheduled_time
+            <= metrics.first_token_time <= metrics.finished_time)
+    assert metrics.num_preemptions == 0
 
 
 def test_stop_string_through_the_engine(llm):
@@ -187,7 +186,7 @@ def test_stop_string_through_the_engine(llm):
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.token_ids == full.token_ids[:len(out.token_ids)]
         assert len(out.token_ids) < 40
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+    assert llm.stats().num_free_blocks == llm.stats().num_total_blocks
 
 
 def test_stop_token_ids_and_logprobs(llm):
@@ -276,15 +275,15 @@ def test_stats_report_the_work_done(model_dir):
     engine.add_request("b", list(range(5)), GREEDY)
     engine.step()
     stats = engine.stats()
-    assert stats["last_step_num_tokens"] == 32 == stats["last_step_num_prefill_tokens"]
-    assert stats["num_running"] == 1 and stats["num_waiting"] == 1
-    assert 0 < stats["kv_cache_usage"] <= 1
+    assert stats.last_step_num_tokens == 32 == stats.last_step_num_prefill_tokens
+    assert stats.num_running == 1 and stats.num_waiting == 1
+    assert 0 < stats.kv_cache_usage <= 1
     run_to_end(engine)
     stats = engine.stats()
-    assert stats["num_generated_tokens"] == 48 and stats["num_prompt_tokens"] == 55
-    assert stats["num_running"] == stats["num_waiting"] == 0
-    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 64
-    assert stats["kv_cache_usage"] == 0.0 and stats["num_steps"] >= 24
+    assert stats.num_generated_tokens == 48 and stats.num_prompt_tokens == 55
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_total_blocks == 64
+    assert stats.kv_cache_usage == 0.0 and stats.num_steps >= 24
 
 
 def test_generate_raises_on_engine_errors_and_cleans_up_on_interrupt(model_dir):

@@ -60,12 +60,13 @@ def test_cpu_float32_runner_packs_linears_unless_told_not_to(llama_checkpoint):
 def test_packing_is_a_flag_and_a_config_field():
     import argparse
 
-    from carpool.server.cli import add_arguments, engine_config_from_args
+    from carpool.config import EngineConfig
+    from carpool.server.cli import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    config = engine_config_from_args(parser.parse_args(["--no-cpu-packed-linears",
-                                                        "--no-cpu-malloc-tuning"]))
+    config = EngineConfig.from_cli_args(parser.parse_args(["--no-cpu-packed-linears",
+                                                           "--no-cpu-malloc-tuning"]))
     assert config.cpu_packed_linears is False and config.cpu_malloc_tuning is False
-    default = engine_config_from_args(parser.parse_args([]))
+    default = EngineConfig.from_cli_args(parser.parse_args([]))
     assert default.cpu_packed_linears is True and default.cpu_malloc_tuning is True

@@ -16,8 +16,10 @@ import random
 import pytest
 
 from carpool.testing.stream_load import async_client, plan_clients, run_client
-from tests.reliability.conftest import (API_KEY, MODEL, greedy_texts, live_server, metric_value,
+from tests.reliability.live import (API_KEY, MODEL, greedy_texts, live_server, metric_value,
                                         wait_idle_and_intact)
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 # Chunked prefill in 64-token steps, so a long prompt takes several steps to prefill.
 STORM_FLAGS = ["--max-num-seqs", "32", "--num-kv-blocks", "512", "--max-model-len", "512",

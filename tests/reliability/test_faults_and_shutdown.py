@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.reliability.conftest import (MODEL, assert_openai_error, fault_server, greedy_texts,
+from tests.reliability.live import (MODEL, assert_openai_error, fault_server, greedy_texts,
                                         wait_idle_and_intact)
 from tests.reliability.fault_server import LOOP_FAULT_PROMPT, SLOW_PROMPT, STEP_FAULT_PROMPT
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 FLAGS = ["--max-num-seqs", "8", "--num-kv-blocks", "256", "--max-model-len", "256"]
 PROMPTS = ["import os\n", "class Foo:", "for i in range(", "def main():"]

@@ -10,6 +10,8 @@ the recorded full run uses 1000).
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 
@@ -18,7 +20,9 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, strategies as st
 from schemathesis import GenerationMode
 
-from tests.reliability.conftest import AUTH, wait_idle_and_intact
+from tests.reliability.live import AUTH, wait_idle_and_intact
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 FUZZED = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
           ("/tokenize", "POST"), ("/detokenize", "POST")]

@@ -7,7 +7,9 @@ import socket
 import httpx
 import pytest
 
-from tests.reliability.conftest import API_KEY, MODEL, assert_openai_error, wait_idle_and_intact
+from tests.reliability.live import API_KEY, MODEL, assert_openai_error, wait_idle_and_intact
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 COMPLETION = b'{"model": "%s", "prompt": "x", "max_tokens": 3, %%s}' % MODEL.encode()
 CHAT = b'{"model": "%s", "max_tokens": 3, %%s}' % MODEL.encode()

@@ -16,8 +16,10 @@ import time
 
 import pytest
 
-from tests.reliability.conftest import (MODEL, assert_openai_error, greedy_texts, live_server,
+from tests.reliability.live import (MODEL, assert_openai_error, greedy_texts, live_server,
                                         metric_value, sse_payloads, wait_idle_and_intact)
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 NUM_SEATS = 4
 QUEUE_LIMIT = 8

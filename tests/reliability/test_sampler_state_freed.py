@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 
 from carpool.config import EngineConfig
-from carpool.core.config import SchedulerConfig
 from carpool.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(llama_checkpoint):
     from carpool.engine.llm_engine import LLMEngine
-    return LLMEngine.from_config(EngineConfig(
-        model=str(llama_checkpoint), num_kv_blocks=64, max_model_len=128, device="cpu",
-        scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=8)))
+    return LLMEngine.from_config(EngineConfig.from_args(
+        str(llama_checkpoint), num_kv_blocks=64, max_model_len=128, device="cpu",
+        max_num_seqs=8))
 
 
 def _drain(engine) -> None:

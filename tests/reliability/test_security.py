@@ -20,7 +20,9 @@ from carpool.engine.async_engine import AsyncEngine
 from carpool.server import app as app_module
 from carpool.server.app import PUBLIC_PATHS, build_app
 from carpool.server.cli import add_arguments
-from tests.reliability.conftest import API_KEY, MODEL, assert_openai_error
+from tests.reliability.live import API_KEY, MODEL, assert_openai_error
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 PACKAGE = Path(carpool.__file__).parent
 UNSAFE_LOADING = [

@@ -6,11 +6,15 @@ the full 10 minutes and prints the same figures.
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import os
 
 from carpool.testing.soak import soak
-from tests.reliability.conftest import API_KEY, MODEL, live_server, wait_idle_and_intact
+from tests.reliability.live import API_KEY, MODEL, live_server, wait_idle_and_intact
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 SOAK_FLAGS = ["--max-num-seqs", "16", "--num-kv-blocks", "256", "--max-model-len", "256",
               "--max-num-batched-tokens", "128"]

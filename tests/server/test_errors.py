@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.live import MODEL_NAME
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 4}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -156,3 +158,13 @@ def test_openai_client_sees_errors_as_exceptions(server):
     assert info.value.body["param"] == "temperature"
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model="nope", messages=CHAT["messages"])
+
+
+def test_unknown_fields_are_ignored_with_one_warning_naming_them(server):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={**COMPLETION, "frobnicate_xyz": 1})
+        assert response.status_code == 200, response.text
+        response = http.post("/v1/chat/completions", json={**CHAT, "quux_field": True})
+        assert response.status_code == 200, response.text
+    log = server.local.log()
+    assert log.count("ignored: frobnicate_xyz") == 1 and log.count("ignored: quux_field") == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import socket
 import time
@@ -9,7 +11,9 @@ import time
 import httpx
 import openai
 
-from tests.server.conftest import API_KEY, metric_value, wait_until_idle
+from tests.server.live import API_KEY, metric_value, wait_until_idle
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 PROMPTS = ["import os\n", "class Foo:", "for i in range(", "def main():", "x = [", "return "]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from carpool import SamplingParams
-from tests.server.test_openai_client import MESSAGES
+from tests.server.live import MESSAGES
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 PROMPTS = ["def fibonacci(n):", "import sys\nimport os\n", "class Point:\n    def __init__(self"]
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
+from tests.server.live import MESSAGES
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
+
 PROMPT = "def fibonacci(n):"
-MESSAGES = [{"role": "system", "content": "You write Python."},
-            {"role": "user", "content": "Print the first ten squares."}]
 
 
 def test_completion_shape_and_usage(client, server):

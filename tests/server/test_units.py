@@ -7,47 +7,48 @@ import argparse
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from carpool.arg_utils import parse_bytes
+from carpool.config import EngineConfig
 from carpool.metrics import ServerMetrics
-from carpool.outputs import StepOutput
+from carpool.outputs import EngineStats, RequestMetrics, StepOutput
 from carpool.server import cli
 from carpool.server.app import ServerSettings
 from carpool.server.errors import APIError, bad_request
 from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
 from carpool.server.sse import DONE, sse_event
+from tests.flags import serve_parser
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
+    return serve_parser().parse_args(list(argv))
 
 
 def test_flags_map_to_engine_config():
-    args = parse("/m", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                 "--max-model-len", "1024", "--max-num-partial-prefills", "4",
+    args = parse("--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                 "--max-model-len", "256", "--max-num-partial-prefills", "4",
                  "--max-long-partial-prefills", "2", "--long-prefill-token-threshold", "64",
                  "--block-size", "32", "--kv-cache-memory", "1GiB", "--scheduler", "static",
                  "--dtype", "float32", "--device", "cpu", "--seed", "5",
                  "--served-model-name", "m", "--gpu-memory-utilization", "0.5")
-    config = cli.engine_config_from_args(args)
+    config = EngineConfig.from_cli_args(args)
     s = config.scheduler
-    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (8, 512, 1024)
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (8, 512, 256)
     assert (s.max_num_partial_prefills, s.max_long_partial_prefills) == (4, 2)
     assert (s.long_prefill_token_threshold, s.block_size, s.scheduler) == (64, 32, "static")
-    assert config.kv_cache_memory == 2**30 and config.max_model_len == 1024
-    assert (config.model, config.dtype, config.device, config.seed) == ("/m", "float32", "cpu", 5)
+    assert config.kv_cache_memory == 2**30 and config.max_model_len == 256
+    assert (config.model, config.dtype, config.device, config.seed) == (None, "float32", "cpu", 5)
     assert config.served_model_name == "m" and config.gpu_memory_utilization == 0.5
 
 
 def test_defaults_and_unchunked_budget():
     args = parse()
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
-    config = cli.engine_config_from_args(parse("--no-enable-chunked-prefill",
-                                               "--max-model-len", "4096"))
+    config = EngineConfig.from_cli_args(parse("--no-enable-chunked-prefill",
+                                              "--max-model-len", "512"))
     assert not config.scheduler.enable_chunked_prefill
-    assert config.scheduler.max_num_batched_tokens == 4096  # the longest prompt fits one step
-    with pytest.raises(ValueError, match="max_long_partial_prefills"):
-        cli.engine_config_from_args(parse("--max-long-partial-prefills", "3"))
+    assert config.scheduler.max_num_batched_tokens == 2048  # the default already fits 512
+    with pytest.raises(ValueError, match="--max-long-partial-prefills"):
+        EngineConfig.from_cli_args(parse("--max-long-partial-prefills", "3"))
 
 
 def test_every_flag_has_one_line_help():
@@ -79,13 +80,13 @@ def test_api_key_from_environment(monkeypatch):
                                            ("512MiB", 512 * 2**20), ("2e9", 2 * 10**9),
                                            ("1.5 GB", 1_500_000_000)])
 def test_parse_bytes(text, expected):
-    assert cli.parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "lots", "4 parsecs", "1e"])
 def test_parse_bytes_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        cli.parse_bytes(text)
+        parse_bytes(text)
 
 
 def test_prompt_shapes():
@@ -150,25 +151,30 @@ def _samples(metrics: ServerMetrics) -> dict:
     return out
 
 
+def engine_stats(**values) -> EngineStats:
+    fields = {name: 0 for name in EngineStats.__dataclass_fields__}
+    return EngineStats(**{**fields, "kv_cache_usage": 0.0, **values})
+
+
 def test_metrics_record_steps():
     metrics = ServerMetrics("m")
-    metrics.update_gauges({"num_running": 2, "num_waiting": 1, "kv_cache_usage": 0.25})
+    metrics.update_gauges(engine_stats(num_running=2, num_waiting=1, kv_cache_usage=0.25))
     first = [StepOutput("a", [5], "x", num_prompt_tokens=7, num_output_tokens=1),
              StepOutput("b", [6], "y", num_prompt_tokens=3, num_output_tokens=1)]
-    metrics.record_step(first, {"last_step_num_tokens": 10, "num_preemptions": 1,
-                                "num_steps": 1}, now=1.0)
+    metrics.record_step(first, engine_stats(last_step_num_tokens=10, num_preemptions=1,
+                                            num_steps=1), now=1.0)
     done = StepOutput("a", [8], "z", num_prompt_tokens=7, num_output_tokens=2,
                       finish_reason="length",
-                      request_metrics={"arrival_time": 0.0, "first_scheduled_time": 0.25,
-                                       "first_token_time": 0.5, "finished_time": 1.5,
-                                       "num_preemptions": 1})
+                      request_metrics=RequestMetrics(
+                          arrival_time=0.0, first_scheduled_time=0.25, first_token_time=0.5,
+                          finished_time=1.5, num_preemptions=1))
     aborted = StepOutput("b", [], "", num_prompt_tokens=3, num_output_tokens=1,
                          finish_reason="abort")
-    metrics.record_step([done], {"last_step_num_tokens": 1, "num_preemptions": 1,
-                                 "num_steps": 2}, now=1.5)
+    metrics.record_step([done], engine_stats(last_step_num_tokens=1, num_preemptions=1,
+                                             num_steps=2), now=1.5)
     # a step that only reports an abort ran no model: no iteration is recorded
-    metrics.record_step([aborted], {"last_step_num_tokens": 0, "num_preemptions": 1,
-                                    "num_steps": 2}, now=1.6)
+    metrics.record_step([aborted], engine_stats(last_step_num_tokens=0, num_preemptions=1,
+                                                num_steps=2), now=1.6)
     s = _samples(metrics)
     assert s[("carpool:num_requests_running", ())] == 2
     assert s[("carpool:kv_cache_usage_perc", ())] == 0.25
@@ -188,7 +194,7 @@ def test_metrics_record_steps():
 
 def test_metrics_log_line_while_busy(caplog):
     metrics = ServerMetrics("m", log_interval_s=5.0)
-    stats = {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.5, "num_preemptions": 0}
+    stats = engine_stats(num_running=3, num_waiting=1, kv_cache_usage=0.5)
     out = lambda rid: [StepOutput(rid, [1, 2], "ab", num_prompt_tokens=10, num_output_tokens=2)]
     with caplog.at_level("INFO", logger="carpool.metrics"):
         metrics.record_step(out("a"), stats, now=100.0)
@@ -201,3 +207,11 @@ def test_metrics_log_line_while_busy(caplog):
     assert "KV cache usage: 50.0%" in message
     assert "Avg prompt throughput: 4.0 tokens/s" in message  # b and c: 20 tokens in 5 s
     assert "Avg generation throughput: 0.8 tokens/s" in message
+
+
+def test_unknown_request_fields_are_named_not_dropped_silently():
+    body = CompletionRequest(prompt="a", frobnicate=1, guided_json={})
+    assert body.ignored_fields == ["frobnicate", "guided_json"]
+    assert CompletionRequest(prompt="a").ignored_fields == []
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools_x=True)
+    assert chat.ignored_fields == ["tools_x"]

@@ -10,24 +10,28 @@ import argparse
 import logging
 import sys
 
+from carpool.arg_utils import (
+    add_engine_arguments,
+    add_log_level_argument,
+    add_model_argument,
+    add_scheduler_arguments,
+    configure_logging,
+)
+from carpool.config import EngineConfig
 from carpool.sampling_params import SamplingParams
 
 logger = logging.getLogger("carpool.generate")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from carpool.server.cli import add_engine_arguments, add_scheduler_arguments
-
-    parser.add_argument("model", nargs="?", default=None,
-                        help="Hugging Face model folder or hub id (default: the built-in model).")
+    add_model_argument(parser)
     parser.add_argument("--prompt", action="append", required=True,
                         help="A prompt; repeat the flag for several (they run as one batch).")
     parser.add_argument("--chat", action="store_true",
                         help="Send each prompt as a user message through the chat template.")
     parser.add_argument("--no-tqdm", dest="use_tqdm", action="store_false",
                         help="Hide the progress bar.")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"), help="Logging level.")
+    add_log_level_argument(parser, default="warning")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=64, help="Tokens per completion.")
     sampling.add_argument("--temperature", type=float, default=1.0, help="0 means greedy.")
@@ -43,21 +47,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="Show the top-N logprobs of each output token.")
     add_engine_arguments(parser.add_argument_group("engine"))
     add_scheduler_arguments(parser.add_argument_group("scheduler"))
-    parser.set_defaults(served_model_name=None)
 
 
 def run(args: argparse.Namespace) -> int:
     from carpool.llm import LLM
-    from carpool.server.cli import engine_config_from_args
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         params = SamplingParams(
             n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop),
             ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-        llm = LLM.from_config(engine_config_from_args(args))
+        llm = LLM.from_config(EngineConfig.from_cli_args(args))
         if args.chat:
             conversations = [[{"role": "user", "content": p}] for p in args.prompt]
             outputs = llm.chat(conversations, params, use_tqdm=args.use_tqdm)

@@ -1,0 +1,112 @@
+"""The engine and scheduler flags, shared by `carpool serve`, `generate` and `bench offline`.
+
+A neutral module: front ends import it, it imports only configs, so no front end
+imports another. Each flag's dest is the `EngineConfig.from_args` argument of the
+same name (vLLM's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+from carpool.config import ATTENTION_BACKENDS, DTYPES
+from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '2e9', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 4GiB or 512MiB)")
+    try:
+        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r}") from None
+    return int(value)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_log_level_argument(group, default: str) -> None:
+    group.add_argument("--log-level", default=default, choices=LOG_LEVELS,
+                       help=f"Logging level (default {default}).")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="Hugging Face model folder or hub id (default: the built-in model).")
+
+
+def add_engine_arguments(group) -> None:
+    group.add_argument("--dtype", default="auto", choices=DTYPES,
+                       help="Weights and activations dtype (auto: the checkpoint's).")
+    group.add_argument("--device", default="auto",
+                       help="Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    group.add_argument("--seed", type=int, default=0, help="Seed of the sampler's generators.")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="Fraction of GPU memory the model and KV cache may use (CUDA only).")
+    group.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+                       help="KV cache size in bytes, e.g. 2GiB (overrides the GPU fraction; "
+                            "CPU default: 10%% of free RAM, at most 4GiB).")
+    group.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
+                       type=int, default=None,
+                       help="Exact number of KV cache blocks (tests, tuning).")
+    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                       help="Attention kernels: auto (cpu on CPU, sdpa on CUDA), cpu (CPU fast "
+                            "paths), sdpa (portable PyTorch SDPA over gathered blocks).")
+    group.add_argument("--cpu-packed-linears", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="CPU: run linear layers through oneDNN on weights packed once at "
+                            "load (float32 and bfloat16).")
+    group.add_argument("--cpu-malloc-tuning", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="CPU: keep freed memory in the malloc heap (no page faults on each "
+                            "step's large temporaries; the process keeps its peak heap).")
+    group.add_argument("--tensor-parallel-size", type=int, default=1, choices=(1,),
+                       help="Devices to shard the model over (only 1 is supported).")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="Not supported: carpool never runs code shipped with a checkpoint.")
+
+
+def add_scheduler_arguments(group) -> None:
+    defaults = SchedulerConfig()
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                       help=f"Most requests running at once (default {defaults.max_num_seqs}).")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="Most tokens per step, the step's budget (default "
+                            f"{defaults.max_num_batched_tokens}, or max-model-len if larger "
+                            "without chunked prefill).")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="Longest prompt + output (default: the model's, capped at 8192).")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_chunked_prefill,
+                       help="Split long prompts into chunks that share steps with decodes.")
+    group.add_argument("--max-num-partial-prefills", type=int,
+                       default=defaults.max_num_partial_prefills,
+                       help="Most requests part-way through their prompt at once.")
+    group.add_argument("--max-long-partial-prefills", type=int,
+                       default=defaults.max_long_partial_prefills,
+                       help="Of those, most with prompts longer than the threshold.")
+    group.add_argument("--long-prefill-token-threshold", type=int,
+                       default=defaults.long_prefill_token_threshold,
+                       help="A prompt longer than this is 'long'; chunks are capped at it (0: "
+                            "auto).")
+    group.add_argument("--block-size", type=int, default=defaults.block_size,
+                       help=f"Tokens per KV cache block (default {defaults.block_size}).")
+    group.add_argument("--scheduler", default=defaults.scheduler, choices=SCHEDULER_KINDS,
+                       help="continuous batching, or the static baseline.")
+    group.add_argument("--preemption-policy", default=defaults.preemption_policy,
+                       choices=PREEMPTION_POLICIES,
+                       help="Which running request gives up its blocks when the cache is full.")
+

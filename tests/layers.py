@@ -1,0 +1,29 @@
+"""Which part of carpool may import which: the table docs/ARCHITECTURE.md describes."""
+
+from __future__ import annotations
+
+# part -> the parts it may import (a part is a subpackage or a top-level module).
+ALLOWED = {
+    "core": {"sampling_params"},
+    "models": {"attention"},  # the backend and its metadata arrive as forward arguments
+    "attention": set(),
+    "platform": {"models"},
+    "runner": {"attention", "core", "models", "outputs", "platform", "sampling_params",
+               "utils"},
+    "utils": set(),
+    "outputs": set(),
+    "sampling_params": set(),
+    "default_model_path": set(),
+    "config": {"core", "models", "default_model_path"},
+    "engine": {"config", "core", "models", "runner", "outputs", "sampling_params"},
+    "llm": {"config", "engine", "outputs", "sampling_params"},
+    "metrics": {"outputs"},
+    "arg_utils": {"config", "core"},
+    "generate_cli": {"arg_utils", "config", "llm", "sampling_params"},
+    "server": {"arg_utils", "config", "engine", "metrics", "outputs", "sampling_params"},
+    "bench": {"config", "default_model_path", "engine", "llm", "sampling_params"},
+    "sim": {"core", "sampling_params"},
+    "testing": {"models", "default_model_path"},
+    "cli": set(),  # imports sub-commands by name, lazily
+    "__init__": {"llm", "sampling_params"},
+}

@@ -1,0 +1,102 @@
+"""One config path: `EngineConfig.from_args` checks values against the model's real limits.
+
+The built-in model's max_position_embeddings is 512, below the scheduler's default
+budget (2048): the cases that a placeholder max_model_len used to reject wrongly.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from carpool.cli import main
+from carpool.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig, as_flags
+from tests.flags import serve_parser
+
+BUILT_IN_MAX_LEN = 512
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    return serve_parser().parse_args(list(argv))
+
+
+def test_unchunked_budget_is_checked_against_the_models_limit():
+    config = EngineConfig.from_args(enable_chunked_prefill=False, max_num_batched_tokens=1024)
+    assert config.max_model_len == config.scheduler.max_model_len == BUILT_IN_MAX_LEN
+    assert config.scheduler.max_num_batched_tokens == 1024
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(256\) must be >= "
+                                         r"max_model_len \(512\)"):
+        EngineConfig.from_args(enable_chunked_prefill=False, max_num_batched_tokens=256)
+
+
+def test_serve_flags_resolve_against_the_model():
+    config = EngineConfig.from_cli_args(serve_args("--no-enable-chunked-prefill",
+                                                   "--max-num-batched-tokens", "1024"))
+    assert (config.scheduler.max_num_batched_tokens, config.max_model_len) == (1024, 512)
+    with pytest.raises(ValueError, match=r"--max-num-batched-tokens \(256\) must be >= "
+                                         r"--max-model-len \(512\)"):
+        EngineConfig.from_cli_args(serve_args("--no-enable-chunked-prefill",
+                                              "--max-num-batched-tokens", "256"))
+    with pytest.raises(ValueError, match=r"--max-model-len \(4096\) is larger than the "
+                                         r"model's max_position_embeddings \(512\)"):
+        EngineConfig.from_cli_args(serve_args("--max-model-len", "4096"))
+
+
+def test_defaults_come_from_the_model():
+    config = EngineConfig.from_args()
+    assert config.max_model_len == min(BUILT_IN_MAX_LEN, DEFAULT_MAX_MODEL_LEN_CAP)
+    assert config.scheduler.max_num_batched_tokens == 2048
+    unchunked = EngineConfig.from_args(enable_chunked_prefill=False)
+    assert unchunked.scheduler.max_num_batched_tokens == 2048  # already >= 512
+
+
+def test_default_unchunked_budget_grows_to_max_model_len(make_checkpoint):
+    model = str(make_checkpoint("llama", max_position_embeddings=4096))
+    config = EngineConfig.from_args(model, enable_chunked_prefill=False)
+    assert config.scheduler.max_num_batched_tokens == config.max_model_len == 4096
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(trust_remote_code=True), "trust_remote_code is not supported"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size must be 1"),
+    (dict(max_model_len=0), "max_model_len must be a positive integer"),
+    (dict(block_size=0), "block_size must be a positive integer"),
+    (dict(dtype="int4"), "dtype must be one of"),
+])
+def test_errors_name_the_argument(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        EngineConfig.from_args(**kwargs)
+
+
+def test_errors_in_flag_words():
+    names = ("max_model_len", "max_num_batched_tokens", "model")
+    assert as_flags("max_num_batched_tokens (1) < max_model_len (2); model", names) == (
+        "--max-num-batched-tokens (1) < --max-model-len (2); model")
+    assert as_flags("the model's max_position_embeddings", names) == (
+        "the model's max_position_embeddings")
+
+
+def test_llm_and_generate_accept_an_unchunked_budget_below_the_default(capsys):
+    from carpool import LLM, SamplingParams
+
+    llm = LLM(enable_chunked_prefill=False, max_num_batched_tokens=1024, num_kv_blocks=64,
+              device="cpu")
+    assert llm.engine.scheduler_config.max_num_batched_tokens == 1024
+    out = llm.generate("def f", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) <= 2
+    assert main(["generate", "--prompt", "def f", "--max-tokens", "2", "--no-tqdm",
+                 "--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024",
+                 "--num-kv-blocks", "64", "--device", "cpu"]) == 0
+    assert main(["generate", "--prompt", "x", "--no-tqdm", "--max-model-len", "4096"]) == 2
+    assert "--max-model-len (4096)" in capsys.readouterr().err
+
+
+def test_resolving_the_config_imports_no_torch():
+    """`carpool serve` resolves its config before binding the port: that must stay quick."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from carpool.config import EngineConfig; EngineConfig.from_args(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
