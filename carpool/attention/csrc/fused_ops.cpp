@@ -4,9 +4,12 @@
 // form: x * cos + rotate_half(x) * sin), one pass instead of the eager path's slices, cat,
 // negation, two products and a sum per tensor. It rounds where PyTorch rounds (each eager
 // op's result is stored in the tensor's dtype), so results are the eager path's to the bit
-// in float32 and in bfloat16/float16 (built with -ffp-contract=off: no fused multiply-add).
+// in float32 and in bfloat16/float16 (no fused multiply-add in this file, see the pragma).
 // The eager `apply_rope` stays the oracle. (A fused silu(gate) * up was tried and dropped:
 // no faster than eager here, and aten's float32 silu is not reproduced to the bit.)
+
+// Per file (the other kernels keep contraction): no fused multiply-add, as in eager.
+#pragma GCC optimize("fp-contract=off")
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
