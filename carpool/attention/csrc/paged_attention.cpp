@@ -27,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -70,34 +71,90 @@ inline void store_scaled(const float* src, float factor, scalar_t* dst, int64_t 
   for (; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i] * factor);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+// Rows of queries, keys, values and accumulators are padded with zeros to kMaxVecs-bounded
+// multiples of the vector width, so the inner loops below use whole vectors only.
+constexpr int kMaxVecs = 16;  // head_dim up to 16 vectors: 256 with AVX512, 128 with AVX2
+constexpr int kMaxRows = 4;   // query rows per register pass
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+// scores[r * score_stride + t] = queries[r] . keys[t] for t in [t_begin, t_end), R rows at once:
+// each key row is loaded once into registers for the R queries.
+template <int NV, int R>
+void block_scores(const float* queries, int64_t q_stride, const float* keys, int64_t key_stride,
+                  int64_t t_begin, int64_t t_end, float* scores, int64_t score_stride) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    Vec k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = Vec::loadu(keys + t * key_stride + v * Vec::size());
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = Vec::loadu(queries + r * q_stride) * k[0];
+      for (int v = 1; v < NV; ++v) {
+        acc[r] = at::vec::fmadd(Vec::loadu(queries + r * q_stride + v * Vec::size()), k[v], acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      scores[r * score_stride + t] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[r]);
+    }
   }
-  if (d < n) acc = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), acc);
-  return at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc);
 }
 
-// y[d] = y[d] * beta + w * x[d] for d < n.
-inline void scale_add(float beta, float w, const float* x, float* y, int64_t n) {
-  const Vec b(beta), wv(w);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    at::vec::fmadd(wv, Vec::loadu(x + d), Vec::loadu(y + d) * b).store(y + d);
+// acc[r] = acc[r] * correction[r] + sum_t probs[r][t] * values[t], t in [t_begin, t_end),
+// R rows at once with the accumulators in registers.
+template <int NV, int R>
+void block_values(const float* probs, int64_t prob_stride, const float* values,
+                  int64_t value_stride, int64_t t_begin, int64_t t_end, const float* correction,
+                  float* acc, int64_t acc_stride) {
+  Vec a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const Vec c(correction[r]);
+    for (int v = 0; v < NV; ++v) a[r][v] = Vec::loadu(acc + r * acc_stride + v * Vec::size()) * c;
   }
-  for (; d < n; ++d) y[d] = y[d] * beta + w * x[d];
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    Vec x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = Vec::loadu(values + t * value_stride + v * Vec::size());
+    for (int r = 0; r < R; ++r) {
+      const Vec p(probs[r * prob_stride + t]);
+      for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, x[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) a[r][v].store(acc + r * acc_stride + v * Vec::size());
+  }
 }
 
-// y[d] += w * x[d] for d < n.
-inline void axpy(float w, const float* x, float* y, int64_t n) {
-  const Vec wv(w);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    at::vec::fmadd(wv, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
-  }
-  if (d < n) at::vec::fmadd(wv, Vec::loadu(x + d, n - d), Vec::loadu(y + d, n - d)).store(y + d, n - d);
+using ScoresFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*,
+                          int64_t);
+using ValuesFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+                          const float*, float*, int64_t);
+
+// The (NV, R) instantiations, looked up at run time: table[NV - 1][R - 1].
+struct BlockOps {
+  ScoresFn scores[kMaxVecs][kMaxRows];
+  ValuesFn values[kMaxVecs][kMaxRows];
+};
+
+template <int NV, int... R>
+void fill_rows(BlockOps& ops, std::integer_sequence<int, R...>) {
+  ((ops.scores[NV - 1][R] = &block_scores<NV, R + 1>), ...);
+  ((ops.values[NV - 1][R] = &block_values<NV, R + 1>), ...);
+}
+
+template <int... NV>
+BlockOps make_ops(std::integer_sequence<int, NV...>) {
+  BlockOps ops{};
+  (fill_rows<NV + 1>(ops, std::make_integer_sequence<int, kMaxRows>{}), ...);
+  return ops;
+}
+
+const BlockOps& block_ops() {
+  static const BlockOps ops = make_ops(std::make_integer_sequence<int, kMaxVecs>{});
+  return ops;
+}
+
+// Rows per register pass for a head_dim of num_vecs vectors: the accumulators fit in registers.
+inline int64_t rows_per_pass(int64_t num_vecs) {
+  return std::max<int64_t>(1, std::min<int64_t>(kMaxRows, 12 / num_vecs));
 }
 
 struct Shapes {
@@ -106,6 +163,9 @@ struct Shapes {
   int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
   float scale;
   int64_t sliding_window;  // 0 = none
+  int64_t num_vecs;        // head_dim in vectors, rounded up
+  int64_t padded_dim;      // num_vecs * Vec::size(): row stride of the float buffers
+  int64_t score_stride;    // block_size rounded up to whole vectors
 };
 
 struct WorkItem {
@@ -116,39 +176,99 @@ struct WorkItem {
   int64_t cost;     // keys read times rows, to hand out the longest first
 };
 
-// Per-thread buffers, grown on demand.
+// Per-thread buffers; padding columns are zeroed once and never written.
 struct Scratch {
-  std::vector<float> queries, acc, row_max, row_sum, scores, keys, values;
+  std::vector<float> queries, acc, row_max, row_sum, correction, scores, keys, values;
   std::vector<int64_t> key_lo, key_hi;
   void reserve(int64_t rows, const Shapes& s) {
-    queries.resize(rows * s.head_dim);
-    acc.resize(rows * s.head_dim);
-    row_max.resize(rows);
-    row_sum.resize(rows);
-    key_lo.resize(rows);
-    key_hi.resize(rows);
-    scores.resize(rows * s.block_size);
-    keys.resize(s.block_size * s.head_dim);
-    values.resize(s.block_size * s.head_dim);
+    if (static_cast<int64_t>(row_max.size()) < rows) {
+      queries.assign(rows * s.padded_dim, 0.f);
+      acc.assign(rows * s.padded_dim, 0.f);
+      row_max.resize(rows);
+      row_sum.resize(rows);
+      correction.resize(rows);
+      key_lo.resize(rows);
+      key_hi.resize(rows);
+      scores.assign(rows * s.score_stride, 0.f);
+    }
+    if (keys.empty()) {
+      keys.assign(s.block_size * s.padded_dim, 0.f);
+      values.assign(s.block_size * s.padded_dim, 0.f);
+    }
   }
 };
+
+// Rows [0, n) of a cache block as float32 rows of stride `stride` (the block itself when it
+// is float32 and needs no padding, else converted into `buffer`).
+template <typename scalar_t>
+const float* block_as_float(const scalar_t* block, int64_t n, const Shapes& s, float* buffer,
+                            int64_t& stride) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (s.padded_dim == s.head_dim) {
+      stride = s.head_dim;
+      return block;
+    }
+  }
+  stride = s.padded_dim;
+  if (s.padded_dim == s.head_dim) {
+    to_float(block, buffer, n * s.head_dim);
+  } else {
+    for (int64_t t = 0; t < n; ++t) to_float(block + t * s.head_dim, buffer + t * stride, s.head_dim);
+  }
+  return buffer;
+}
+
+// Asks for the cache lines of `bytes` bytes at `p` ahead of use (blocks sit anywhere in the
+// cache, so the hardware prefetcher cannot guess the next one).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+// Online softmax over one block's scores of row r, keys [lo, hi) allowed: scores become
+// probabilities relative to the new running max (0 outside [lo, hi)), and correction[r]
+// the factor that rescales what the row accumulated before.
+inline void softmax_step(float* sc, int64_t lo, int64_t hi, int64_t score_stride,
+                         float& row_max, float& row_sum, float& correction) {
+  for (int64_t t = 0; t < lo; ++t) sc[t] = kNegInf;
+  for (int64_t t = hi; t < score_stride; ++t) sc[t] = kNegInf;
+  Vec m(kNegInf);
+  for (int64_t t = 0; t < score_stride; t += Vec::size()) m = at::vec::maximum(m, Vec::loadu(sc + t));
+  const float block_max = at::vec::vec_reduce_all<float>(
+      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
+  const float new_max = std::max(row_max, block_max);
+  correction = (row_max == kNegInf || new_max == row_max) ? 1.f : std::exp(row_max - new_max);
+  row_max = new_max;
+  const Vec shift(new_max);
+  Vec sum(0.f);
+  for (int64_t t = 0; t < score_stride; t += Vec::size()) {
+    Vec p = (Vec::loadu(sc + t) - shift).exp_u20();
+    p.store(sc + t);
+  }
+  for (int64_t t = 0; t < lo; ++t) sc[t] = 0.f;
+  for (int64_t t = hi; t < score_stride; ++t) sc[t] = 0.f;
+  for (int64_t t = 0; t < score_stride; t += Vec::size()) sum = sum + Vec::loadu(sc + t);
+  row_sum = row_sum * correction + at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum);
+}
 
 template <typename scalar_t>
 void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const scalar_t* cache,
                  scalar_t* out, const int32_t* block_tables, const int32_t* query_starts,
                  const int32_t* query_lens, const int32_t* seq_lens, Scratch& buf) {
-  const int64_t D = s.head_dim, G = s.group_size, BS = s.block_size;
+  const int64_t D = s.head_dim, Dp = s.padded_dim, G = s.group_size, BS = s.block_size;
   const int64_t num_queries = item.q_end - item.q_begin;
   const int64_t rows = num_queries * G;  // row r = (query r / G, query head kv_head * G + r % G)
   const int64_t seq_len = seq_lens[item.seq];
   const int64_t first_pos = seq_len - query_lens[item.seq] + item.q_begin;
   const int64_t token0 = query_starts[item.seq] + item.q_begin;
   buf.reserve(rows, s);
+  const BlockOps& ops = block_ops();
+  const int64_t pass_rows = rows_per_pass(s.num_vecs);
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = first_pos + r / G, head = item.kv_head * G + r % G;
     const scalar_t* q_row = q + (token0 + r / G) * s.q_token_stride + head * s.q_head_stride;
-    float* qf = buf.queries.data() + r * D;
+    float* qf = buf.queries.data() + r * Dp;
     to_float(q_row, qf, D);
     for (int64_t d = 0; d < D; ++d) qf[d] *= s.scale;
     buf.key_lo[r] = s.sliding_window > 0 ? std::max<int64_t>(0, pos - s.sliding_window + 1) : 0;
@@ -156,7 +276,7 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
     buf.row_max[r] = kNegInf;
     buf.row_sum[r] = 0.f;
   }
-  std::fill(buf.acc.begin(), buf.acc.begin() + rows * D, 0.f);
+  std::fill(buf.acc.begin(), buf.acc.begin() + rows * Dp, 0.f);
 
   const int64_t keys_begin = buf.key_lo[0], keys_end = buf.key_hi[rows - 1];
   const int32_t* table = block_tables + item.seq * s.max_blocks;
@@ -169,69 +289,57 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
     TORCH_CHECK(block >= 0 && block < s.num_cache_blocks, "paged_attention: block id ", block,
                 " of request ", item.seq, " is outside the cache (", s.num_cache_blocks, " blocks)");
     const int64_t t0 = b * BS, num_keys = std::min(BS, keys_end - t0);
-    const scalar_t* key_src = key_head + block * BS * D;
-    const float* keys;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      keys = key_src;
-    } else {
-      to_float(key_src, buf.keys.data(), num_keys * D);
-      keys = buf.keys.data();
+    if ((b + 1) * BS < keys_end) {  // the next block's keys and values, while this one computes
+      const int64_t next = table[b + 1];
+      if (next >= 0 && next < s.num_cache_blocks) {
+        const int64_t next_keys = std::min(BS, keys_end - (b + 1) * BS);
+        prefetch(key_head + next * BS * D, next_keys * D * sizeof(scalar_t));
+        prefetch(value_head + next * BS * D, next_keys * D * sizeof(scalar_t));
+      }
     }
-    // Scores and online softmax: row r attends keys [lo, hi) of this block.
+    int64_t key_stride, value_stride;
+    const float* keys = block_as_float(key_head + block * BS * D, num_keys, s, buf.keys.data(),
+                                       key_stride);
+    for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
+      const int64_t n = std::min(pass_rows, rows - r0);
+      // Keys any of these rows may attend in this block (rows are in position order).
+      const int64_t lo = std::max(buf.key_lo[r0], t0) - t0;
+      const int64_t hi = std::min(buf.key_hi[r0 + n - 1], t0 + num_keys) - t0;
+      if (lo >= hi) continue;
+      ops.scores[s.num_vecs - 1][n - 1](buf.queries.data() + r0 * Dp, Dp, keys, key_stride, lo, hi,
+                                        buf.scores.data() + r0 * s.score_stride, s.score_stride);
+    }
+    bool any_row = false;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t lo = std::max(buf.key_lo[r], t0) - t0;
       const int64_t hi = std::min(buf.key_hi[r], t0 + num_keys) - t0;
-      float* sc = buf.scores.data() + r * BS;
-      if (lo >= hi) {
-        std::fill(sc, sc + BS, 0.f);
+      float* sc = buf.scores.data() + r * s.score_stride;
+      if (lo >= hi) {  // nothing allowed here: no change to the row
+        std::fill(sc, sc + s.score_stride, 0.f);
+        buf.correction[r] = 1.f;
         continue;
       }
-      const float* qf = buf.queries.data() + r * D;
-      float block_max = kNegInf;
-      for (int64_t t = lo; t < hi; ++t) {
-        sc[t] = dot(qf, keys + t * D, D);
-        block_max = std::max(block_max, sc[t]);
-      }
-      const float old_max = buf.row_max[r];
-      const float new_max = std::max(old_max, block_max);
-      if (new_max > old_max && old_max != kNegInf) {
-        const float correction = std::exp(old_max - new_max);
-        buf.row_sum[r] *= correction;
-        float* acc = buf.acc.data() + r * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-      }
-      buf.row_max[r] = new_max;
-      float sum = 0.f;
-      for (int64_t t = 0; t < lo; ++t) sc[t] = 0.f;
-      for (int64_t t = lo; t < hi; ++t) {
-        sc[t] = std::exp(sc[t] - new_max);
-        sum += sc[t];
-      }
-      for (int64_t t = hi; t < BS; ++t) sc[t] = 0.f;
-      buf.row_sum[r] += sum;
+      any_row = true;
+      softmax_step(sc, lo, hi, s.score_stride, buf.row_max[r], buf.row_sum[r], buf.correction[r]);
     }
-    // Values: acc[r] += sum_t p[r][t] * v[t].
-    const scalar_t* value_src = value_head + block * BS * D;
-    const float* values;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      values = value_src;
-    } else {
-      to_float(value_src, buf.values.data(), num_keys * D);
-      values = buf.values.data();
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lo = std::max(buf.key_lo[r], t0) - t0;
-      const int64_t hi = std::min(buf.key_hi[r], t0 + num_keys) - t0;
-      const float* sc = buf.scores.data() + r * BS;
-      float* acc = buf.acc.data() + r * D;
-      for (int64_t t = lo; t < hi; ++t) axpy(sc[t], values + t * D, acc, D);
+    if (!any_row) continue;
+    const float* values = block_as_float(value_head + block * BS * D, num_keys, s,
+                                         buf.values.data(), value_stride);
+    for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
+      const int64_t n = std::min(pass_rows, rows - r0);
+      const int64_t lo = std::max(buf.key_lo[r0], t0) - t0;
+      const int64_t hi = std::min(buf.key_hi[r0 + n - 1], t0 + num_keys) - t0;
+      if (lo >= hi) continue;
+      ops.values[s.num_vecs - 1][n - 1](buf.scores.data() + r0 * s.score_stride, s.score_stride,
+                                        values, value_stride, lo, hi, buf.correction.data() + r0,
+                                        buf.acc.data() + r0 * Dp, Dp);
     }
   }
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t head = item.kv_head * G + r % G;
     scalar_t* out_row = out + (token0 + r / G) * s.out_token_stride + head * s.out_head_stride;
-    store_scaled(buf.acc.data() + r * D, 1.f / buf.row_sum[r], out_row, D);
+    store_scaled(buf.acc.data() + r * Dp, 1.f / buf.row_sum[r], out_row, D);
   }
 }
 
@@ -307,6 +415,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   s.out_head_stride = out.stride(1);
   s.scale = static_cast<float>(scale);
   s.sliding_window = sliding_window;
+  s.num_vecs = round_up(s.head_dim, Vec::size()) / Vec::size();
+  TORCH_CHECK(s.num_vecs <= kMaxVecs, "paged_attention: head_dim ", s.head_dim, " above the ",
+              kMaxVecs * Vec::size(), " this build supports");
+  s.padded_dim = s.num_vecs * Vec::size();
+  s.score_stride = round_up(s.block_size, Vec::size());
 
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* q_lens = query_lens.data_ptr<int32_t>();
