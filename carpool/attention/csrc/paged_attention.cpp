@@ -99,6 +99,30 @@ void block_scores(const float* queries, int64_t q_stride, const float* keys, int
   }
 }
 
+// The same scores from the block's keys transposed (keys_t[d * score_stride + t], all
+// score_stride columns): q[r][d] broadcast times a vector of keys, no horizontal sums.
+// Used where ATen transposes with vector shuffles (AVX512); columns past the block's keys
+// hold stale finite values, masked by the softmax.
+template <int KV, int R>
+void block_scores_transposed(const float* queries, int64_t q_stride, const float* keys_t,
+                             int64_t head_dim, float* scores, int64_t score_stride) {
+  Vec acc[R][KV];
+  for (int r = 0; r < R; ++r) {
+    for (int k = 0; k < KV; ++k) acc[r][k] = Vec(0.f);
+  }
+  for (int64_t d = 0; d < head_dim; ++d) {
+    Vec kt[KV];
+    for (int k = 0; k < KV; ++k) kt[k] = Vec::loadu(keys_t + d * score_stride + k * Vec::size());
+    for (int r = 0; r < R; ++r) {
+      const Vec qd(queries[r * q_stride + d]);
+      for (int k = 0; k < KV; ++k) acc[r][k] = at::vec::fmadd(qd, kt[k], acc[r][k]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int k = 0; k < KV; ++k) acc[r][k].store(scores + r * score_stride + k * Vec::size());
+  }
+}
+
 // acc[r] = acc[r] * correction[r] + sum_t probs[r][t] * values[t], t in [t_begin, t_end),
 // R rows at once with the accumulators in registers.
 template <int NV, int R>
@@ -127,12 +151,24 @@ using ScoresFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t,
                           int64_t);
 using ValuesFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
                           const float*, float*, int64_t);
+using TransposedScoresFn = void (*)(const float*, int64_t, const float*, int64_t, float*,
+                                    int64_t);
+constexpr int kMaxKeyVecs = 4;         // block_size up to 4 vectors for the transposed scores
+constexpr int kMaxTransposedRows = 8;  // query rows per pass there
+// Fewer rows than this do not repay a block's transpose (decodes of G <= 3 query heads).
+constexpr int kMinTransposedRows = 4;
 
 // The (NV, R) instantiations, looked up at run time: table[NV - 1][R - 1].
 struct BlockOps {
   ScoresFn scores[kMaxVecs][kMaxRows];
   ValuesFn values[kMaxVecs][kMaxRows];
+  TransposedScoresFn transposed[kMaxKeyVecs][kMaxTransposedRows];
 };
+
+template <int KV, int... R>
+void fill_transposed(BlockOps& ops, std::integer_sequence<int, R...>) {
+  ((ops.transposed[KV - 1][R] = &block_scores_transposed<KV, R + 1>), ...);
+}
 
 template <int NV, int... R>
 void fill_rows(BlockOps& ops, std::integer_sequence<int, R...>) {
@@ -144,6 +180,10 @@ template <int... NV>
 BlockOps make_ops(std::integer_sequence<int, NV...>) {
   BlockOps ops{};
   (fill_rows<NV + 1>(ops, std::make_integer_sequence<int, kMaxRows>{}), ...);
+  fill_transposed<1>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+  fill_transposed<2>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+  fill_transposed<3>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+  fill_transposed<4>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
   return ops;
 }
 
@@ -166,6 +206,7 @@ struct Shapes {
   int64_t num_vecs;        // head_dim in vectors, rounded up
   int64_t padded_dim;      // num_vecs * Vec::size(): row stride of the float buffers
   int64_t score_stride;    // block_size rounded up to whole vectors
+  bool transposed_scores;  // scores from transposed key blocks (block_scores_transposed)
 };
 
 struct WorkItem {
@@ -178,7 +219,7 @@ struct WorkItem {
 
 // Per-thread buffers; padding columns are zeroed once and never written.
 struct Scratch {
-  std::vector<float> queries, acc, row_max, row_sum, correction, scores, keys, values;
+  std::vector<float> queries, acc, row_max, row_sum, correction, scores, keys, keys_t, values;
   std::vector<int64_t> key_lo, key_hi;
   void reserve(int64_t rows, const Shapes& s) {
     if (static_cast<int64_t>(row_max.size()) < rows) {
@@ -193,6 +234,7 @@ struct Scratch {
     }
     if (keys.empty()) {
       keys.assign(s.block_size * s.padded_dim, 0.f);
+      keys_t.assign(s.head_dim * s.score_stride, 0.f);
       values.assign(s.block_size * s.padded_dim, 0.f);
     }
   }
@@ -264,6 +306,7 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
   buf.reserve(rows, s);
   const BlockOps& ops = block_ops();
   const int64_t pass_rows = rows_per_pass(s.num_vecs);
+  const bool transposed = s.transposed_scores && rows >= kMinTransposedRows;
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = first_pos + r / G, head = item.kv_head * G + r % G;
@@ -300,14 +343,25 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
     int64_t key_stride, value_stride;
     const float* keys = block_as_float(key_head + block * BS * D, num_keys, s, buf.keys.data(),
                                        key_stride);
-    for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
-      const int64_t n = std::min(pass_rows, rows - r0);
+    if (transposed) {
+      at::vec::transpose_mxn<float>(keys, key_stride, buf.keys_t.data(), s.score_stride,
+                                    static_cast<int>(num_keys), static_cast<int>(D));
+    }
+    const int64_t step = transposed ? kMaxTransposedRows : pass_rows;
+    for (int64_t r0 = 0; r0 < rows; r0 += step) {
+      const int64_t n = std::min(step, rows - r0);
       // Keys any of these rows may attend in this block (rows are in position order).
       const int64_t lo = std::max(buf.key_lo[r0], t0) - t0;
       const int64_t hi = std::min(buf.key_hi[r0 + n - 1], t0 + num_keys) - t0;
       if (lo >= hi) continue;
-      ops.scores[s.num_vecs - 1][n - 1](buf.queries.data() + r0 * Dp, Dp, keys, key_stride, lo, hi,
-                                        buf.scores.data() + r0 * s.score_stride, s.score_stride);
+      float* scores = buf.scores.data() + r0 * s.score_stride;
+      if (transposed) {
+        ops.transposed[s.score_stride / Vec::size() - 1][n - 1](
+            buf.queries.data() + r0 * Dp, Dp, buf.keys_t.data(), D, scores, s.score_stride);
+      } else {
+        ops.scores[s.num_vecs - 1][n - 1](buf.queries.data() + r0 * Dp, Dp, keys, key_stride, lo,
+                                          hi, scores, s.score_stride);
+      }
     }
     bool any_row = false;
     for (int64_t r = 0; r < rows; ++r) {
@@ -420,6 +474,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
               kMaxVecs * Vec::size(), " this build supports");
   s.padded_dim = s.num_vecs * Vec::size();
   s.score_stride = round_up(s.block_size, Vec::size());
+#if defined(CPU_CAPABILITY_AVX512)
+  s.transposed_scores = s.score_stride <= kMaxKeyVecs * Vec::size();
+#else
+  s.transposed_scores = false;  // ATen's run-time-size transpose is scalar below AVX512
+#endif
 
   const int32_t* starts = query_starts.data_ptr<int32_t>();
   const int32_t* q_lens = query_lens.data_ptr<int32_t>();
