@@ -15,11 +15,12 @@
 // when the max grows. bfloat16/float16 blocks are converted to float32 once per block.
 // Threads take work items dynamically, longest context first.
 
-#include <torch/extension.h>
-
+// Narrow headers on purpose: <torch/extension.h> takes about 3x longer to compile.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
@@ -170,10 +171,22 @@ void fill_transposed(BlockOps& ops, std::integer_sequence<int, R...>) {
   ((ops.transposed[KV - 1][R] = &block_scores_transposed<KV, R + 1>), ...);
 }
 
+// Rows per register pass for a head_dim of num_vecs vectors: the accumulators fit in registers.
+constexpr int64_t rows_per_pass(int64_t num_vecs) {
+  return std::max<int64_t>(1, std::min<int64_t>(kMaxRows, 12 / num_vecs));
+}
+
+template <int NV, int R>
+void fill_row(BlockOps& ops) {
+  if constexpr (R <= rows_per_pass(NV)) {  // only the passes attend_item makes
+    ops.scores[NV - 1][R - 1] = &block_scores<NV, R>;
+    ops.values[NV - 1][R - 1] = &block_values<NV, R>;
+  }
+}
+
 template <int NV, int... R>
 void fill_rows(BlockOps& ops, std::integer_sequence<int, R...>) {
-  ((ops.scores[NV - 1][R] = &block_scores<NV, R + 1>), ...);
-  ((ops.values[NV - 1][R] = &block_values<NV, R + 1>), ...);
+  (fill_row<NV, R + 1>(ops), ...);
 }
 
 template <int... NV>
@@ -192,10 +205,6 @@ const BlockOps& block_ops() {
   return ops;
 }
 
-// Rows per register pass for a head_dim of num_vecs vectors: the accumulators fit in registers.
-inline int64_t rows_per_pass(int64_t num_vecs) {
-  return std::max<int64_t>(1, std::min<int64_t>(kMaxRows, 12 / num_vecs));
-}
 
 struct Shapes {
   int64_t num_heads, num_kv_heads, group_size, head_dim;
