@@ -71,6 +71,9 @@ def check_against_reference(kernels, case, sliding_window=0, scale=0.125):
     assert not actual[covered].isnan().any()
 
 
+HEADS = [(4, 4), (9, 3), (16, 2), (4, 1)]  # (H, Hkv): group sizes 1, 3, 8, and MQA (G 4)
+
+
 def lengths(kind, num_seqs, gen_seed):
     """(q_lens, seq_lens) for decodes, prompt chunks continuing a prefix, or both mixed."""
     gen = torch.Generator().manual_seed(gen_seed)
@@ -81,9 +84,6 @@ def lengths(kind, num_seqs, gen_seed):
         q_lens.append(q_len)
         seq_lens.append(q_len + int(torch.randint(0, 70, (1,), generator=gen)))
     return q_lens, seq_lens
-
-
-HEADS = [(4, 4), (9, 3), (16, 2), (4, 1)]  # (H, Hkv): group sizes 1, 3, 8, and MQA
 
 
 @pytest.mark.parametrize("kind", ["decode", "chunk", "mixed"])
@@ -97,10 +97,12 @@ def test_matches_reference_float32(kernels, kind, heads, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-@pytest.mark.parametrize("head_dim", [40, 64])
-def test_matches_reference_reduced_precision(kernels, dtype, kind, head_dim):
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+def test_matches_reference_reduced_precision(kernels, dtype, kind, head_dim, heads):
+    """bfloat16/float16 rows are read in place or through a float32 copy, by head_dim and G."""
     q_lens, seq_lens = lengths(kind, 8, gen_seed=1)
-    case = make_case(q_lens, seq_lens, 9, 3, head_dim, dtype, seed=2)
+    case = make_case(q_lens, seq_lens, *heads, head_dim, dtype, seed=2)
     check_against_reference(kernels, case)
 
 

@@ -79,14 +79,29 @@ constexpr int kMaxRows = 4;   // query rows per register pass
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+// One row of NV float vectors from float32 or (NV even) bfloat16/float16 values.
+template <typename kv_t, int NV>
+inline void load_row(const kv_t* row, Vec (&x)[NV]) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    for (int v = 0; v < NV; ++v) x[v] = Vec::loadu(row + v * Vec::size());
+  } else {
+    static_assert(NV % 2 == 0, "reduced-precision rows are read as whole pairs of vectors");
+    for (int v = 0; v < NV; v += 2) {
+      auto [lo, hi] = at::vec::convert_to_float<kv_t>(at::vec::Vectorized<kv_t>::loadu(row + v * Vec::size()));
+      x[v] = lo;
+      x[v + 1] = hi;
+    }
+  }
+}
+
 // scores[r * score_stride + t] = queries[r] . keys[t] for t in [t_begin, t_end), R rows at once:
-// each key row is loaded once into registers for the R queries.
-template <int NV, int R>
-void block_scores(const float* queries, int64_t q_stride, const float* keys, int64_t key_stride,
+// each key row is loaded (and converted) once into registers for the R queries.
+template <typename kv_t, int NV, int R>
+void block_scores(const float* queries, int64_t q_stride, const kv_t* keys, int64_t key_stride,
                   int64_t t_begin, int64_t t_end, float* scores, int64_t score_stride) {
   for (int64_t t = t_begin; t < t_end; ++t) {
     Vec k[NV];
-    for (int v = 0; v < NV; ++v) k[v] = Vec::loadu(keys + t * key_stride + v * Vec::size());
+    load_row(keys + t * key_stride, k);
     Vec acc[R];
     for (int r = 0; r < R; ++r) {
       acc[r] = Vec::loadu(queries + r * q_stride) * k[0];
@@ -126,8 +141,8 @@ void block_scores_transposed(const float* queries, int64_t q_stride, const float
 
 // acc[r] = acc[r] * correction[r] + sum_t probs[r][t] * values[t], t in [t_begin, t_end),
 // R rows at once with the accumulators in registers.
-template <int NV, int R>
-void block_values(const float* probs, int64_t prob_stride, const float* values,
+template <typename kv_t, int NV, int R>
+void block_values(const float* probs, int64_t prob_stride, const kv_t* values,
                   int64_t value_stride, int64_t t_begin, int64_t t_end, const float* correction,
                   float* acc, int64_t acc_stride) {
   Vec a[R][NV];
@@ -137,7 +152,7 @@ void block_values(const float* probs, int64_t prob_stride, const float* values,
   }
   for (int64_t t = t_begin; t < t_end; ++t) {
     Vec x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = Vec::loadu(values + t * value_stride + v * Vec::size());
+    load_row(values + t * value_stride, x);
     for (int r = 0; r < R; ++r) {
       const Vec p(probs[r * prob_stride + t]);
       for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, x[v], a[r][v]);
@@ -148,9 +163,11 @@ void block_values(const float* probs, int64_t prob_stride, const float* values,
   }
 }
 
-using ScoresFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*,
+template <typename kv_t>
+using ScoresFn = void (*)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*,
                           int64_t);
-using ValuesFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+template <typename kv_t>
+using ValuesFn = void (*)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t,
                           const float*, float*, int64_t);
 using TransposedScoresFn = void (*)(const float*, int64_t, const float*, int64_t, float*,
                                     int64_t);
@@ -159,15 +176,17 @@ constexpr int kMaxTransposedRows = 8;  // query rows per pass there
 // Fewer rows than this do not repay a block's transpose (decodes of G <= 3 query heads).
 constexpr int kMinTransposedRows = 4;
 
-// The (NV, R) instantiations, looked up at run time: table[NV - 1][R - 1].
+// The (NV, R) instantiations reading kv_t rows, looked up at run time: table[NV - 1][R - 1]
+// (for bfloat16/float16, even NV only; the transposed ones exist for float only).
+template <typename kv_t>
 struct BlockOps {
-  ScoresFn scores[kMaxVecs][kMaxRows];
-  ValuesFn values[kMaxVecs][kMaxRows];
+  ScoresFn<kv_t> scores[kMaxVecs][kMaxRows];
+  ValuesFn<kv_t> values[kMaxVecs][kMaxRows];
   TransposedScoresFn transposed[kMaxKeyVecs][kMaxTransposedRows];
 };
 
 template <int KV, int... R>
-void fill_transposed(BlockOps& ops, std::integer_sequence<int, R...>) {
+void fill_transposed(BlockOps<float>& ops, std::integer_sequence<int, R...>) {
   ((ops.transposed[KV - 1][R] = &block_scores_transposed<KV, R + 1>), ...);
 }
 
@@ -176,32 +195,36 @@ constexpr int64_t rows_per_pass(int64_t num_vecs) {
   return std::max<int64_t>(1, std::min<int64_t>(kMaxRows, 12 / num_vecs));
 }
 
-template <int NV, int R>
-void fill_row(BlockOps& ops) {
-  if constexpr (R <= rows_per_pass(NV)) {  // only the passes attend_item makes
-    ops.scores[NV - 1][R - 1] = &block_scores<NV, R>;
-    ops.values[NV - 1][R - 1] = &block_values<NV, R>;
+template <typename kv_t, int NV, int R>
+void fill_row(BlockOps<kv_t>& ops) {
+  // Only the passes attend_item makes; reduced-precision rows in whole pairs of vectors.
+  if constexpr (R <= rows_per_pass(NV) && (std::is_same_v<kv_t, float> || NV % 2 == 0)) {
+    ops.scores[NV - 1][R - 1] = &block_scores<kv_t, NV, R>;
+    ops.values[NV - 1][R - 1] = &block_values<kv_t, NV, R>;
   }
 }
 
-template <int NV, int... R>
-void fill_rows(BlockOps& ops, std::integer_sequence<int, R...>) {
-  (fill_row<NV, R + 1>(ops), ...);
+template <typename kv_t, int NV, int... R>
+void fill_rows(BlockOps<kv_t>& ops, std::integer_sequence<int, R...>) {
+  (fill_row<kv_t, NV, R + 1>(ops), ...);
 }
 
-template <int... NV>
-BlockOps make_ops(std::integer_sequence<int, NV...>) {
-  BlockOps ops{};
-  (fill_rows<NV + 1>(ops, std::make_integer_sequence<int, kMaxRows>{}), ...);
-  fill_transposed<1>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
-  fill_transposed<2>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
-  fill_transposed<3>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
-  fill_transposed<4>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+template <typename kv_t, int... NV>
+BlockOps<kv_t> make_ops(std::integer_sequence<int, NV...>) {
+  BlockOps<kv_t> ops{};
+  (fill_rows<kv_t, NV + 1>(ops, std::make_integer_sequence<int, kMaxRows>{}), ...);
+  if constexpr (std::is_same_v<kv_t, float>) {
+    fill_transposed<1>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+    fill_transposed<2>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+    fill_transposed<3>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+    fill_transposed<4>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+  }
   return ops;
 }
 
-const BlockOps& block_ops() {
-  static const BlockOps ops = make_ops(std::make_integer_sequence<int, kMaxVecs>{});
+template <typename kv_t>
+const BlockOps<kv_t>& block_ops() {
+  static const BlockOps<kv_t> ops = make_ops<kv_t>(std::make_integer_sequence<int, kMaxVecs>{});
   return ops;
 }
 
@@ -313,9 +336,14 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
   const int64_t first_pos = seq_len - query_lens[item.seq] + item.q_begin;
   const int64_t token0 = query_starts[item.seq] + item.q_begin;
   buf.reserve(rows, s);
-  const BlockOps& ops = block_ops();
+  const BlockOps<float>& ops = block_ops<float>();
+  const BlockOps<scalar_t>& in_place_ops = block_ops<scalar_t>();
   const int64_t pass_rows = rows_per_pass(s.num_vecs);
   const bool transposed = s.transposed_scores && rows >= kMinTransposedRows;
+  // bfloat16/float16 rows that fill whole vectors are converted in registers, not copied
+  // first, when one register pass covers all rows (else each pass would convert them again).
+  const bool in_place = !std::is_same_v<scalar_t, float> && Dp == D && s.num_vecs % 2 == 0 &&
+                        rows <= pass_rows && !transposed;
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = first_pos + r / G, head = item.kv_head * G + r % G;
@@ -349,9 +377,10 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
         prefetch(value_head + next * BS * D, next_keys * D * sizeof(scalar_t));
       }
     }
-    int64_t key_stride, value_stride;
-    const float* keys = block_as_float(key_head + block * BS * D, num_keys, s, buf.keys.data(),
-                                       key_stride);
+    int64_t key_stride = D, value_stride = D;
+    const scalar_t* key_src = key_head + block * BS * D;
+    const float* keys = in_place ? nullptr
+                            : block_as_float(key_src, num_keys, s, buf.keys.data(), key_stride);
     if (transposed) {
       at::vec::transpose_mxn<float>(keys, key_stride, buf.keys_t.data(), s.score_stride,
                                     static_cast<int>(num_keys), static_cast<int>(D));
@@ -367,6 +396,9 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
       if (transposed) {
         ops.transposed[s.score_stride / Vec::size() - 1][n - 1](
             buf.queries.data() + r0 * Dp, Dp, buf.keys_t.data(), D, scores, s.score_stride);
+      } else if (keys == nullptr) {
+        in_place_ops.scores[s.num_vecs - 1][n - 1](buf.queries.data() + r0 * Dp, Dp, key_src, D,
+                                                   lo, hi, scores, s.score_stride);
       } else {
         ops.scores[s.num_vecs - 1][n - 1](buf.queries.data() + r0 * Dp, Dp, keys, key_stride, lo,
                                           hi, scores, s.score_stride);
@@ -386,16 +418,24 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
       softmax_step(sc, lo, hi, s.score_stride, buf.row_max[r], buf.row_sum[r], buf.correction[r]);
     }
     if (!any_row) continue;
-    const float* values = block_as_float(value_head + block * BS * D, num_keys, s,
-                                         buf.values.data(), value_stride);
+    const scalar_t* value_src = value_head + block * BS * D;
+    const float* values =
+        in_place ? nullptr
+                 : block_as_float(value_src, num_keys, s, buf.values.data(), value_stride);
     for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
       const int64_t n = std::min(pass_rows, rows - r0);
       const int64_t lo = std::max(buf.key_lo[r0], t0) - t0;
       const int64_t hi = std::min(buf.key_hi[r0 + n - 1], t0 + num_keys) - t0;
       if (lo >= hi) continue;
-      ops.values[s.num_vecs - 1][n - 1](buf.scores.data() + r0 * s.score_stride, s.score_stride,
-                                        values, value_stride, lo, hi, buf.correction.data() + r0,
-                                        buf.acc.data() + r0 * Dp, Dp);
+      const float* probs = buf.scores.data() + r0 * s.score_stride;
+      float* acc = buf.acc.data() + r0 * Dp;
+      if (values == nullptr) {
+        in_place_ops.values[s.num_vecs - 1][n - 1](probs, s.score_stride, value_src, D, lo, hi,
+                                                   buf.correction.data() + r0, acc, Dp);
+      } else {
+        ops.values[s.num_vecs - 1][n - 1](probs, s.score_stride, values, value_stride, lo, hi,
+                                          buf.correction.data() + r0, acc, Dp);
+      }
     }
   }
 
