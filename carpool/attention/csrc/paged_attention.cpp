@@ -570,5 +570,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("query_starts"), py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("sliding_window"));
+        py::arg("sliding_window"),
+        py::call_guard<py::gil_scoped_release>());  // like torch's own ops: other threads run
 }
