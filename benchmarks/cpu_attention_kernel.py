@@ -1,0 +1,132 @@
+"""The C++ paged attention kernel vs today's PyTorch CPU attention path, alternated in one run.
+
+Both sides attend the same step (built through `build_input_batch` from a `SchedulerOutput`)
+over the 135M model's attention shape (9 query heads, 3 KV heads, head_dim 64, block size 16),
+with the same thread count. One timed sample is `--layers` consecutive layer calls, each on
+its own KV cache (so the caches do not all sit in the L3 cache, as in a real step); samples
+of the two sides alternate, and the table gives the medians and their ratio. Per-step work
+(the batch metadata and int32 tables) is built once, outside the timing, for both sides.
+
+    PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py
+    PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py --repeats 31 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from carpool.attention import cpu_kernels  # noqa: E402
+from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
+from carpool.runner import attention  # noqa: E402
+from carpool.runner.input_batch import build_input_batch  # noqa: E402
+from carpool.sampling_params import SamplingParams  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int):
+    """A SchedulerOutput of decodes with contexts of 16-512 tokens and (prefix, chunk) chunks,
+    with shuffled block ids; returns it and the number of cache blocks it needs."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(int(torch.randint(15, 512, (1,), generator=gen)), 1) for _ in range(num_decodes)]
+    shapes += chunks
+    blocks_needed = [-(-(prefix + new) // BLOCK_SIZE) for prefix, new in shapes]
+    num_blocks = sum(blocks_needed) + 1
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    scheduled = []
+    for i, ((prefix, new), needed) in enumerate(zip(shapes, blocks_needed)):
+        block_ids = [order.pop() for _ in range(needed)]
+        scheduled.append(ScheduledRequest(
+            request_id=str(i), token_ids=[1] * new, num_computed_tokens=prefix,
+            block_ids=block_ids, sample=True, sampling_params=SamplingParams()))
+    return SchedulerOutput(scheduled=scheduled), num_blocks
+
+
+def kernel_args(step: SchedulerOutput):
+    """The kernel's int32 block tables, query starts/lengths and seq lengths for the step."""
+    max_blocks = max(len(r.block_ids) for r in step.scheduled)
+    tables = torch.zeros(len(step.scheduled), max_blocks, dtype=torch.int32)
+    starts, q_lens, seq_lens, start = [], [], [], 0
+    for i, req in enumerate(step.scheduled):
+        tables[i, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
+        starts.append(start)
+        q_lens.append(req.num_new_tokens)
+        seq_lens.append(req.num_computed_tokens + req.num_new_tokens)
+        start += req.num_new_tokens
+    as_int = dict(dtype=torch.int32)
+    return (tables, torch.tensor(starts, **as_int), torch.tensor(q_lens, **as_int),
+            torch.tensor(seq_lens, **as_int))
+
+
+def bench_case(kernels, name: str, dtype: torch.dtype, num_decodes: int,
+               chunks: list[tuple[int, int]], num_layers: int, repeats: int) -> dict:
+    step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes)
+    batch = build_input_batch(step, block_size=BLOCK_SIZE, scratch_block=num_blocks - 1,
+                              device=torch.device("cpu"))
+    num_tokens = batch.meta.num_tokens
+    caches = [torch.randn(2, NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM).to(dtype)
+              for _ in range(num_layers)]
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    scale = HEAD_DIM ** -0.5
+    args = kernel_args(step)
+    out = torch.empty_like(q)
+
+    def torch_path():
+        for cache in caches:
+            attention.paged_attention(q, k, k, cache, batch.meta, scale)
+
+    def kernel_path():
+        for cache in caches:
+            kernels.paged_attention(out, q, cache, *args, scale, 0)
+
+    expected = attention.paged_attention(q, k, k, caches[0], batch.meta, scale)
+    kernels.paged_attention(out, q, caches[0], *args, scale, 0)
+    max_diff = (out.float() - expected.float()).abs().max().item()
+    times = {"torch": [], "kernel": []}
+    for _ in range(repeats):
+        for side, run in (("torch", torch_path), ("kernel", kernel_path)):
+            begin = time.perf_counter()
+            run()
+            times[side].append((time.perf_counter() - begin) / num_layers)
+    ratios = [t / c for t, c in zip(times["torch"], times["kernel"])]
+    return dict(name=name, dtype=str(dtype).removeprefix("torch."),
+                torch_ms=1e3 * statistics.median(times["torch"]),
+                kernel_ms=1e3 * statistics.median(times["kernel"]),
+                speedup=statistics.median(ratios), max_diff=max_diff)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=6, help="layer caches per timed sample")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--build-dir", default=None)
+    ns = parser.parse_args()
+    torch.set_num_threads(ns.threads)
+    started = time.perf_counter()
+    kernels = cpu_kernels.load(ns.build_dir)
+    if kernels is None:
+        raise SystemExit("the C++ kernels could not be built")
+    print(f"kernel load {time.perf_counter() - started:.1f} s, threads {ns.threads}, "
+          f"{ns.layers} layer caches per sample, {ns.repeats} alternated samples per side")
+    cases = [(f"{n} decodes", n, []) for n in (40, 200)]
+    cases.append(("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4))
+    print(f"{'case':34} {'dtype':9} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} {'max diff':>9}")
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, num_decodes, chunks in cases:
+            row = bench_case(kernels, name, dtype, num_decodes, chunks, ns.layers, ns.repeats)
+            print(f"{row['name']:34} {row['dtype']:9} {row['torch_ms']:9.3f} "
+                  f"{row['kernel_ms']:10.3f} {row['speedup']:7.2f}x {row['max_diff']:9.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The C++ CPU attention kernels, built on first use, and their PyTorch reference.
+
+`paged_attention` in `csrc/paged_attention.cpp` reads keys and values in place through the
+block table (the PyTorch decode path gathers the keys into a padded copy first). It is
+compiled with `torch.utils.cpp_extension.load` the first time `load()` is called and cached
+on disk across processes (torch's extension directory unless `build_dir` is given); the
+vector width matches the capability torch itself dispatches to on this CPU. When the build
+cannot run, `load()` logs one warning and returns None, and callers keep the PyTorch path.
+`paged_attention_reference` has the same signature: the test oracle and the fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+_lock = threading.Lock()
+_modules: dict[str | None, ModuleType | None] = {}  # per build_dir; None = the build failed
+
+
+def load(build_dir: str | os.PathLike | None = None) -> ModuleType | None:
+    """The compiled kernels module (built once per process and build dir), or None if the
+    build fails (no compiler, no ninja, a compile error), after one warning line."""
+    key = None if build_dir is None else str(build_dir)
+    with _lock:
+        if key not in _modules:
+            _modules[key] = _build(key)
+        return _modules[key]
+
+
+def _build(build_dir: str | None) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _CAPABILITY_FLAGS.get(capability, [])
+    name = f"carpool_cpu_kernels_{capability.lower() if flags else 'default'}"
+    try:
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja is not installed")
+        if build_dir is not None:
+            Path(build_dir).mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(name=name, sources=[str(_SOURCE)],
+                                  extra_cflags=["-O3", *flags], build_directory=build_dir,
+                                  verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        logger.warning("C++ CPU attention kernels unavailable, using the PyTorch path: %s",
+                       first_line)
+        return None
+
+
+def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                              block_tables: torch.Tensor, query_starts: torch.Tensor,
+                              query_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                              sliding_window: int) -> None:
+    """What the kernel computes, one request at a time: writes the covered rows of out.
+
+    Request i's queries q[query_starts[i] : + query_lens[i]] sit at the last query_lens[i]
+    of positions 0 .. seq_lens[i] - 1 and attend the keys at positions <= their own (and
+    less than sliding_window behind, if it is > 0), in a float32 softmax of scale * q.k.
+    """
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    group_size = q.shape[1] // num_kv_heads
+    for i in range(block_tables.shape[0]):
+        start, q_len, seq_len = int(query_starts[i]), int(query_lens[i]), int(seq_lens[i])
+        if q_len == 0:
+            continue
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        # (2, Hkv, num_blocks, block_size, D) -> (2, Hkv, seq_len, D)
+        kv = kv_cache[:, :, blocks].flatten(2, 3)[:, :, :seq_len].float()
+        keys = kv[0].repeat_interleave(group_size, dim=0)  # (H, seq_len, D)
+        values = kv[1].repeat_interleave(group_size, dim=0)
+        queries = q[start:start + q_len].float().transpose(0, 1)  # (H, q_len, D)
+        scores = scale * (queries @ keys.transpose(1, 2))  # (H, q_len, seq_len)
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window > 0:
+            allowed &= q_pos - k_pos < sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out[start:start + q_len] = (probs @ values).transpose(0, 1).to(out.dtype)

@@ -1,0 +1,202 @@
+"""The C++ paged attention kernel against its PyTorch reference, and the build's fallback."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from carpool.attention import cpu_kernels
+from carpool.attention.cpu_kernels import paged_attention_reference
+
+UNTOUCHED = 7.0  # what out holds before the call; rows no request covers must keep it
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the C++ kernels could not be built here")
+    return module
+
+
+def make_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16,
+              seed=0, spare_rows=3):
+    """Random q, a cache whose unused blocks and slots are NaN, shuffled non-sequential block
+    tables padded with invalid ids, and requests placed in q in a shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(s / block_size) for s in seq_lens]
+    num_cache_blocks = sum(blocks_needed) + 5  # some blocks belong to nobody (holes)
+    kv_cache = torch.full((2, num_kv_heads, num_cache_blocks, block_size, head_dim), float("nan"))
+    order = torch.randperm(num_cache_blocks, generator=gen).tolist()
+    table_width = max(blocks_needed) + 2
+    block_tables = torch.full((len(seq_lens), table_width), 10**6, dtype=torch.int32)  # pads
+    for i, (num_blocks, seq_len) in enumerate(zip(blocks_needed, seq_lens)):
+        ids = [order.pop() for _ in range(num_blocks)]
+        block_tables[i, :num_blocks] = torch.tensor(ids, dtype=torch.int32)
+        for b, block in enumerate(ids):  # fill only the slots at positions < seq_len
+            rows = min(block_size, seq_len - b * block_size)
+            kv_cache[:, :, block, :rows] = torch.randn(2, num_kv_heads, rows, head_dim,
+                                                       generator=gen)
+    num_tokens = sum(q_lens) + spare_rows
+    starts, row = [0] * len(q_lens), spare_rows // 2
+    for i in torch.randperm(len(q_lens), generator=gen).tolist():
+        starts[i], row = row, row + q_lens[i]
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    as_int = dict(dtype=torch.int32)
+    return dict(q=q.to(dtype), kv_cache=kv_cache.to(dtype), block_tables=block_tables,
+                query_starts=torch.tensor(starts, **as_int),
+                query_lens=torch.tensor(q_lens, **as_int),
+                seq_lens=torch.tensor(seq_lens, **as_int))
+
+
+def check_against_reference(kernels, case, sliding_window=0, scale=0.125):
+    q = case["q"]
+    expected = torch.full_like(q, UNTOUCHED)
+    actual = torch.full_like(q, UNTOUCHED)
+    args = (case["kv_cache"], case["block_tables"], case["query_starts"], case["query_lens"],
+            case["seq_lens"], scale, sliding_window)
+    paged_attention_reference(expected, q, *args)
+    kernels.paged_attention(actual, q, *args)
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+    covered = torch.zeros(q.shape[0], dtype=torch.bool)
+    for start, q_len in zip(case["query_starts"].tolist(), case["query_lens"].tolist()):
+        covered[start:start + q_len] = True
+    assert (actual[~covered] == UNTOUCHED).all()
+    assert not actual[covered].isnan().any()
+
+
+HEADS = [(4, 4), (9, 3), (16, 2), (4, 1)]  # (H, Hkv): group sizes 1, 3, 8, and MQA (G 4)
+
+
+def lengths(kind, num_seqs, gen_seed):
+    """(q_lens, seq_lens) for decodes, prompt chunks continuing a prefix, or both mixed."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    q_lens, seq_lens = [], []
+    for i in range(num_seqs):
+        chunk = kind == "chunk" or (kind == "mixed" and i % 2 == 0)
+        q_len = int(torch.randint(2, 40, (1,), generator=gen)) if chunk else 1
+        q_lens.append(q_len)
+        seq_lens.append(q_len + int(torch.randint(0, 70, (1,), generator=gen)))
+    return q_lens, seq_lens
+
+
+@pytest.mark.parametrize("kind", ["decode", "chunk", "mixed"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 128])
+def test_matches_reference_float32(kernels, kind, heads, head_dim):
+    q_lens, seq_lens = lengths(kind, 6, gen_seed=head_dim + heads[0])
+    case = make_case(q_lens, seq_lens, *heads, head_dim, torch.float32, seed=head_dim)
+    check_against_reference(kernels, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+def test_matches_reference_reduced_precision(kernels, dtype, kind, head_dim, heads):
+    """bfloat16/float16 rows are read in place or through a float32 copy, by head_dim and G."""
+    q_lens, seq_lens = lengths(kind, 8, gen_seed=1)
+    case = make_case(q_lens, seq_lens, *heads, head_dim, dtype, seed=2)
+    check_against_reference(kernels, case)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 17, 64])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_sliding_window(kernels, sliding_window, kind):
+    q_lens, seq_lens = lengths(kind, 6, gen_seed=sliding_window)
+    case = make_case(q_lens, seq_lens, 9, 3, 64, torch.float32, seed=3)
+    check_against_reference(kernels, case, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_lengths_at_block_edges(kernels, block_size):
+    """seq_len 1, exactly one and two blocks, one past a block, a whole prompt as one chunk."""
+    seq_lens = [1, block_size, 2 * block_size, block_size + 1, 2 * block_size, 3]
+    q_lens = [1, 1, 1, 1, 2 * block_size, 3]
+    case = make_case(q_lens, seq_lens, 6, 2, 64, torch.float32, block_size=block_size, seed=4)
+    check_against_reference(kernels, case)
+
+
+def test_long_contexts_bfloat16(kernels):
+    """Contexts up to 2048 keys, where a float32 online softmax matters."""
+    seq_lens = [16, 300, 1025, 2048]
+    case = make_case([1, 1, 1, 17], seq_lens, 9, 3, 64, torch.bfloat16, seed=5)
+    check_against_reference(kernels, case)
+
+
+def test_strided_q_and_out(kernels):
+    """q and out may be views into wider rows (e.g. a fused qkv projection)."""
+    case = make_case([1, 5, 1], [9, 20, 33], 4, 2, 16, torch.float32, seed=6)
+    q = case["q"]
+    num_tokens = q.shape[0]
+    wide = torch.randn(num_tokens, 3 * 4 * 16)
+    wide[:, :4 * 16] = q.reshape(num_tokens, -1)
+    strided_q = wide[:, :4 * 16].view(num_tokens, 4, 16)  # token stride 192
+    out_wide = torch.full((num_tokens, 2 * 4 * 16), UNTOUCHED)
+    strided_out = out_wide[:, 4 * 16:].view(num_tokens, 4, 16)
+    args = (case["kv_cache"], case["block_tables"], case["query_starts"], case["query_lens"],
+            case["seq_lens"], 0.25, 0)
+    expected = torch.full_like(q, UNTOUCHED)
+    paged_attention_reference(expected, q, *args)
+    kernels.paged_attention(strided_out, strided_q, *args)
+    torch.testing.assert_close(strided_out, expected, atol=1e-5, rtol=1e-5)
+    assert (out_wide[:, :4 * 16] == UNTOUCHED).all()
+
+
+def test_rejects_bad_inputs(kernels):
+    case = make_case([1], [20], 4, 2, 16, torch.float32)
+    out = torch.empty_like(case["q"])
+    args = [out, case["q"], case["kv_cache"], case["block_tables"], case["query_starts"],
+            case["query_lens"], case["seq_lens"], 1.0, 0]
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.paged_attention(*args[:3], case["block_tables"].long(), *args[4:])
+    with pytest.raises(RuntimeError, match="beyond its block table"):
+        kernels.paged_attention(*args[:6], torch.tensor([10**4], dtype=torch.int32), *args[7:])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.paged_attention(out.double(), case["q"].double(), *args[2:])
+
+
+def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # torch reads CXX
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load(tmp_path / "build") is None
+        assert cpu_kernels.load(tmp_path / "build") is None  # remembered, not retried
+    assert len(caplog.records) == 1
+    assert "unavailable" in caplog.records[0].getMessage()
+    assert "\n" not in caplog.records[0].getMessage()
+
+
+def test_missing_ninja_warns_and_returns_none(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.load(tmp_path / "build") is None
+    assert [r.getMessage().endswith("ninja is not installed") for r in caplog.records] == [True]
+
+
+def test_concurrent_loads_build_once(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def slow_build(**kwargs):
+        calls.append(kwargs["name"])
+        time.sleep(0.2)
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", slow_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cpu_kernels.load(tmp_path)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == ["module", "module"] and len(calls) == 1
