@@ -73,6 +73,10 @@ def add_engine_arguments(group) -> None:
                        default=True,
                        help="CPU: keep freed memory in the malloc heap (no page faults on each "
                             "step's large temporaries; the process keeps its peak heap).")
+    group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+                       help="CPU: the C++ kernels (paged attention reading the KV cache in "
+                            "place, fused RoPE), built on first use; off, or without a "
+                            "compiler: the PyTorch paths.")
     group.add_argument("--tensor-parallel-size", type=int, default=1, choices=(1,),
                        help="Devices to shard the model over (only 1 is supported).")
     group.add_argument("--trust-remote-code", action="store_true",

@@ -45,6 +45,7 @@ class EngineConfig:
     # CPU platform switches (see carpool.platform.cpu); ignored on CUDA.
     cpu_packed_linears: bool = True  # linear layers through oneDNN on weights packed once
     cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
+    cpu_kernels: bool = True  # the C++ kernels (paged attention, fused RoPE), built on first use
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -80,7 +81,7 @@ class EngineConfig:
                   preemption_policy: str = "newest", tensor_parallel_size: int = 1,
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
-                  cpu_malloc_tuning: bool = True) -> EngineConfig:
+                  cpu_malloc_tuning: bool = True, cpu_kernels: bool = True) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
@@ -112,7 +113,7 @@ class EngineConfig:
                    gpu_memory_utilization=gpu_memory_utilization,
                    scheduler=scheduler_config, max_model_len=max_model_len,
                    attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
-                   cpu_malloc_tuning=cpu_malloc_tuning)
+                   cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:

@@ -9,6 +9,7 @@ when it is chosen.
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 import torch
 
@@ -36,8 +37,10 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     return name
 
 
-def create_backend(name: str, shape: AttentionShape, device: torch.device) -> AttentionBackend:
-    """The backend `name` ("auto" resolved for `device`), built for layers of `shape`."""
+def create_backend(name: str, shape: AttentionShape, device: torch.device,
+                   kernels: ModuleType | None = None) -> AttentionBackend:
+    """The backend `name` ("auto" resolved for `device`), built for layers of `shape`, using
+    the compiled `kernels` where it has a use for them."""
     module_name, _, class_name = _REGISTRY[resolve_backend_name(name, device.type)].partition(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls(shape, device)
+    return backend_cls(shape, device, kernels)

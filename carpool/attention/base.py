@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar
 
 import numpy as np
@@ -67,13 +68,19 @@ class AttentionShape:
 
 
 class AttentionBackend(ABC):
-    """Writes new K/V into a layer's paged cache and attends; one instance per model."""
+    """Writes new K/V into a layer's paged cache and attends; one instance per model.
+
+    `kernels` is the compiled C++ kernels module (`carpool.attention.cpu_kernels.load()`)
+    when the platform provides one; a backend that has no use for it ignores it.
+    """
 
     name: ClassVar[str]
 
-    def __init__(self, shape: AttentionShape, device: torch.device) -> None:
+    def __init__(self, shape: AttentionShape, device: torch.device,
+                 kernels: ModuleType | None = None) -> None:
         self.shape = shape
         self.device = device
+        self.kernels = kernels
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The cache tensor one layer needs (both built-in backends share the head-major one)."""

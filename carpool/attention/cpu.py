@@ -2,10 +2,13 @@
 
 - Fresh prompts: query blocks of batched matmuls over the causal triangle
   (`causal_in_query_blocks`), 1.85x SDPA's CPU kernel on bfloat16 prompts.
-- Decodes: scores by batched matmul over (kv head x request) with the query heads
-  sharing a kv head as rows, then `F.embedding_bag` sums the value rows weighted
-  by the probabilities straight from the cache (no value gather, no second matmul).
-- Chunks that continue a cached prompt: SDPA over gathered blocks, as `sdpa`.
+- Decodes and chunks that continue a cached prompt, with the compiled kernels:
+  one call of the C++ `paged_attention` for all of them, reading keys and values
+  in place through the block tables (`csrc/paged_attention.cpp`).
+- The same without them (no compiler, or `cpu_kernels` off), in PyTorch: decodes
+  by batched matmul over (kv head x request) with the query heads sharing a kv
+  head as rows, then `F.embedding_bag` sums the value rows weighted by the
+  probabilities straight from the cache; chunks by SDPA over gathered blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,13 +37,24 @@ class ValueBags:
 
 
 @dataclass(frozen=True)
+class KernelRows:
+    """The requests the C++ kernel attends (decodes and continuing chunks), int32."""
+
+    block_tables: torch.Tensor  # [S, max_blocks], padded with block 0 (never read)
+    query_starts: torch.Tensor  # [S]
+    query_lens: torch.Tensor  # [S]
+    seq_lens: torch.Tensor  # [S]: tokens in the cache once this step's are written
+
+
+@dataclass(frozen=True)
 class CpuMetadata:
     slot_mapping: torch.Tensor  # [T] int64
-    decode_groups: tuple[paged.PagedGroup, ...]
-    decode_bags: tuple[ValueBags, ...]  # one per decode group
-    chunk_group: paged.PagedGroup | None
     fresh_spans: tuple[tuple[int, int], ...]
     num_tokens: int
+    kernel_rows: KernelRows | None = None  # with the compiled kernels; else the groups below
+    decode_groups: tuple[paged.PagedGroup, ...] = ()
+    decode_bags: tuple[ValueBags, ...] = ()  # one per decode group
+    chunk_group: paged.PagedGroup | None = None
 
 
 class CpuBackend(AttentionBackend):
@@ -47,20 +62,33 @@ class CpuBackend(AttentionBackend):
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         split = paged.split_step(layout, fresh_fast_path=self.shape.sliding_window is None)
+        slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
+        common = dict(slot_mapping=slots, fresh_spans=paged.fresh_spans(layout, split.fresh),
+                      num_tokens=layout.num_tokens)
+        if self.kernels is not None:
+            rows = np.sort(np.concatenate(split.decode_groups + (split.chunks,)))
+            kernel_rows = _kernel_rows(layout, rows) if len(rows) else None
+            return CpuMetadata(**common, kernel_rows=kernel_rows)
         decode_groups = tuple(paged.build_group(layout, rows, self.shape, self.device)
                               for rows in split.decode_groups)
         chunk_group = (paged.build_group(layout, split.chunks, self.shape, self.device)
                        if len(split.chunks) else None)
-        slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
         return CpuMetadata(
-            slot_mapping=slots, decode_groups=decode_groups,
+            **common, decode_groups=decode_groups,
             decode_bags=tuple(_value_bags(g, self.shape, layout) for g in decode_groups),
-            chunk_group=chunk_group, fresh_spans=paged.fresh_spans(layout, split.fresh),
-            num_tokens=layout.num_tokens)
+            chunk_group=chunk_group)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: CpuMetadata, scale: float) -> torch.Tensor:
-        out = torch.zeros_like(q)
+        if meta.kernel_rows is not None:
+            # Every row is written: by the kernel, or below as part of a fresh prompt.
+            out = torch.empty_like(q)
+            rows = meta.kernel_rows
+            self.kernels.paged_attention(out, q, kv_cache, rows.block_tables, rows.query_starts,
+                                         rows.query_lens, rows.seq_lens, scale,
+                                         self.shape.sliding_window or 0)
+        else:
+            out = torch.zeros_like(q)
         for group, bags in zip(meta.decode_groups, meta.decode_bags):
             out[group.valid_tokens] = attend_decodes(q, kv_cache, group, bags, scale)
         if meta.chunk_group is not None:
@@ -100,6 +128,19 @@ def attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, group: paged.PagedGr
                           per_sample_weights=probs.reshape(-1))  # (Hkv * S * G, D)
     out = out.view(num_kv_heads, num_seqs, group_size, head_dim)
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+
+def _kernel_rows(layout: StepLayout, rows: np.ndarray) -> KernelRows:
+    tables = [layout.block_tables[i] for i in rows]
+    padded = np.zeros((len(rows), max(len(t) for t in tables)), dtype=np.int32)
+    for i, table in enumerate(tables):
+        padded[i, :len(table)] = table
+    query_lens = layout.query_lens[rows]
+    return KernelRows(block_tables=torch.from_numpy(padded),
+                      query_starts=torch.from_numpy(layout.query_starts[rows].astype(np.int32)),
+                      query_lens=torch.from_numpy(query_lens.astype(np.int32)),
+                      seq_lens=torch.from_numpy(
+                          (layout.num_computed[rows] + query_lens).astype(np.int32)))
 
 
 def _value_bags(group: paged.PagedGroup, shape: AttentionShape, layout: StepLayout) -> ValueBags:

@@ -21,7 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_attention.cpp", "fused_ops.cpp")]
 # Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
 _CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
@@ -53,7 +54,7 @@ def _build(build_dir: str | None) -> ModuleType | None:
             raise RuntimeError("ninja is not installed")
         if build_dir is not None:
             Path(build_dir).mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(name=name, sources=[str(_SOURCE)],
+        return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES],
                                   extra_cflags=["-O3", *flags], build_directory=build_dir,
                                   verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"

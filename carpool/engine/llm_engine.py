@@ -94,7 +94,7 @@ class LLMEngine:
             max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
             attention_backend=config.attention_backend,
             cpu_packed_linears=config.cpu_packed_linears,
-            cpu_malloc_tuning=config.cpu_malloc_tuning)
+            cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels)
         scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
         scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
         return cls(config, str(path), runner, load_tokenizer(path), scheduler,

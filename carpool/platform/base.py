@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from torch import nn
 
 
@@ -15,6 +17,10 @@ class Platform:
 
     def prepare_model(self, model: nn.Module) -> None:
         """Rewrite the loaded model for this device (e.g. pack its linear layers)."""
+
+    def compiled_kernels(self) -> ModuleType | None:
+        """The compiled kernels module the attention backend and model may use, if any."""
+        return None
 
     def default_kv_cache_bytes(self) -> int:
         """KV cache bytes when nothing else sizes it (platforms that do not profile)."""

@@ -1,17 +1,22 @@
-"""The CPU platform: malloc tuning for the process, oneDNN-packed linears for the model,
-and a modest share of RAM for the KV cache. Both tunings are config switches
-(`cpu_malloc_tuning`, `cpu_packed_linears`), on by default because they help here."""
+"""The CPU platform: malloc tuning for the process, oneDNN-packed linears and the C++
+kernels for the model, and a modest share of RAM for the KV cache. Each is a config
+switch (`cpu_malloc_tuning`, `cpu_packed_linears`, `cpu_kernels`), on by default
+because each helps here. The C++ kernels (paged attention, fused RoPE) are built on
+first use; without a compiler the PyTorch paths run, after one warning line."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import ModuleType
 
 from torch import nn
 
+from carpool.models.rope import Rotary
 from carpool.platform.base import Platform
 from carpool.platform.cpu_linear import can_pack, pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
+from carpool.platform.cpu_rotary import FusedRotary
 
 CPU_DEFAULT_FRACTION = 0.10  # of available RAM
 CPU_DEFAULT_MAX_BYTES = 4 * 1024**3
@@ -21,6 +26,7 @@ CPU_DEFAULT_MAX_BYTES = 4 * 1024**3
 class CpuPlatform(Platform):
     packed_linears: bool = True
     malloc_tuning: bool = True
+    kernels: bool = True
 
     def prepare_process(self) -> None:
         if self.malloc_tuning:
@@ -29,14 +35,29 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> None:
         if self.packed_linears and can_pack(model):
             pack_linears(model)
+        kernels = self.compiled_kernels()
+        if kernels is not None:
+            for module in list(model.modules()):
+                for name, child in module.named_children():
+                    if type(child) is Rotary:
+                        setattr(module, name, FusedRotary(kernels))
+
+    def compiled_kernels(self) -> ModuleType | None:
+        if not self.kernels:
+            return None
+        from carpool.attention import cpu_kernels  # builds once per process, then cached
+        return cpu_kernels.load()
 
     def default_kv_cache_bytes(self) -> int:
         """min(10% of available RAM, 4 GiB)."""
         return min(int(available_ram_bytes() * CPU_DEFAULT_FRACTION), CPU_DEFAULT_MAX_BYTES)
 
     def describe(self) -> str:
-        return (f"cpu (oneDNN-packed linears {'on' if self.packed_linears else 'off'}, "
-                f"malloc tuning {'on' if self.malloc_tuning else 'off'})")
+        def state(on: bool) -> str:
+            return "on" if on else "off"
+        kernels = self.kernels and self.compiled_kernels() is not None
+        return (f"cpu (oneDNN-packed linears {state(self.packed_linears)}, malloc tuning "
+                f"{state(self.malloc_tuning)}, C++ kernels {state(kernels)})")
 
 
 def available_ram_bytes() -> int:

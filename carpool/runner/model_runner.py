@@ -49,7 +49,8 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                  seed: int = 0, attention_backend: str = "auto", cpu_packed_linears: bool = True,
-                 cpu_malloc_tuning: bool = True, platform: Platform | None = None) -> None:
+                 cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
+                 platform: Platform | None = None) -> None:
         path = resolve_model_path(model_path)
         self.model_config: ModelConfig = load_model_config(path)
         max_position_embeddings = self.model_config.max_position_embeddings
@@ -59,7 +60,7 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.platform = platform if platform is not None else platform_for(
             self.device, cpu_packed_linears=cpu_packed_linears,
-            cpu_malloc_tuning=cpu_malloc_tuning)
+            cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels)
         self.platform.prepare_process()
         self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
         self.block_size = block_size
@@ -70,7 +71,7 @@ class ModelRunner:
         self.attention = create_backend(
             attention_backend, AttentionShape(config.num_heads, config.num_kv_heads,
                                               config.head_dim, config.sliding_window),
-            self.device)
+            self.device, kernels=self.platform.compiled_kernels())
         self.model = load_model(path, config, self.dtype, self.device)
         self.platform.prepare_model(self.model)
         self.sampler = Sampler(self.device, config.eos_token_ids, seed)

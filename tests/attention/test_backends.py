@@ -16,14 +16,23 @@ import pytest
 import torch
 
 from carpool.attention import AttentionShape, create_backend, resolve_backend_name
-from carpool.attention import paged
+from carpool.attention import cpu_kernels, paged
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.runner.input_batch import build_input_batch
 from carpool.sampling_params import SamplingParams
 
 BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 4, 4, 2, 8
-BACKENDS = ("cpu", "sdpa")
+# cpu: with the compiled kernels (the C++ paged attention); cpu-pytorch: its PyTorch paths.
+BACKENDS = ("cpu", "cpu-pytorch", "sdpa")
 CPU = torch.device("cpu")
+
+
+def make_backend(name, shape):
+    if name == "cpu-pytorch":
+        return create_backend("cpu", shape, CPU)
+    kernels = cpu_kernels.load() if name == "cpu" else None
+    assert name != "cpu" or kernels is not None, "the C++ kernels did not build"
+    return create_backend(name, shape, CPU, kernels=kernels)
 
 
 def _reference(q, keys, values, num_computed, window):
@@ -71,7 +80,7 @@ class Step:
         self.shape = (heads, kv_heads, head_dim)
 
     def run(self, backend_name, window=None, dtype=torch.float32):
-        backend = create_backend(backend_name, AttentionShape(*self.shape, window), CPU)
+        backend = make_backend(backend_name, AttentionShape(*self.shape, window))
         meta = backend.build_metadata(self.batch.layout)
         cache = self.cache.to(dtype)
         out = backend.forward(self.q.to(dtype), self.k.to(dtype), self.v.to(dtype), cache, meta,
@@ -137,9 +146,10 @@ def test_backends_agree_over_random_steps(heads, kv_heads, head_dim):
         window = rng.choice([None, None, rng.randint(1, 20)])
         step = Step(shapes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                     num_padding=rng.choice([0, 2]), seed=seed)
-        cpu_out, _ = step.run("cpu", window)
         sdpa_out, _ = step.run("sdpa", window)
-        torch.testing.assert_close(cpu_out, sdpa_out, atol=1e-5, rtol=1e-5)
+        for name in ("cpu", "cpu-pytorch"):
+            out, _ = step.run(name, window)
+            torch.testing.assert_close(out, sdpa_out, atol=1e-5, rtol=1e-5)
 
 
 def test_decodes_are_grouped_by_context_length_and_each_appears_once():
@@ -166,7 +176,7 @@ def test_fresh_prompts_take_the_causal_path_unless_there_is_a_window():
 def test_metadata_is_frozen():
     step = Step([(9, 1), (0, 7)])
     for name in BACKENDS:
-        backend = create_backend(name, AttentionShape(HEADS, KV_HEADS, HEAD_DIM), CPU)
+        backend = make_backend(name, AttentionShape(HEADS, KV_HEADS, HEAD_DIM))
         meta = backend.build_metadata(step.batch.layout)
         with pytest.raises(AttributeError):
             meta.slot_mapping = None

@@ -51,18 +51,27 @@ def expected_finish_reason(tokens: list[int], max_tokens: int) -> str:
     return "stop" if tokens and tokens[-1] == EOS_TOKEN_ID else "length"
 
 
-@pytest.mark.parametrize("backend", ["cpu", "sdpa"])
+# cpu: with the C++ kernels; cpu-pytorch: the same backend's PyTorch paths; sdpa: portable.
+BACKENDS = {"cpu": dict(attention_backend="cpu"),
+            "cpu-pytorch": dict(attention_backend="cpu", cpu_kernels=False),
+            "sdpa": dict(attention_backend="sdpa")}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers(arch, setting, backend, separated_checkpoint, hf_greedy,
                                      carpool_device):
-    if backend == "cpu" and carpool_device != "cpu":
+    if backend.startswith("cpu") and carpool_device != "cpu":
         pytest.skip("the cpu backend runs on CPU only")
     prompts = workload()
     references = [hf_greedy(arch, ids, n) for ids, n in prompts]
     llm = LLM(str(separated_checkpoint(arch)), dtype="float32", device=carpool_device,
-              attention_backend=backend, **SETTINGS[setting])
-    assert llm.engine.runner.attention.name == backend
+              **BACKENDS[backend], **SETTINGS[setting])
+    runner = llm.engine.runner
+    assert runner.attention.name == BACKENDS[backend]["attention_backend"]
+    if backend.startswith("cpu"):
+        assert (runner.attention.kernels is not None) == (backend == "cpu")
     num_partial_chunks = 0
 
     def count_partial_chunks(sched_out):

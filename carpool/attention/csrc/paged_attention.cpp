@@ -565,7 +565,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   }
 }
 
+namespace carpool_fused {  // fused_ops.cpp
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rotary_", &carpool_fused::rotary_,
+        "q [T, H, D] and k [T, Hkv, D] rotated in place by cos/sin [T, D] (apply_rope's bits).",
+        py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
