@@ -7,7 +7,7 @@ ALLOWED = {
     "core": {"sampling_params"},
     "models": {"attention"},  # the backend and its metadata arrive as forward arguments
     "attention": set(),
-    "platform": {"models"},
+    "platform": {"attention", "models"},
     "runner": {"attention", "core", "models", "outputs", "platform", "sampling_params",
                "utils"},
     "utils": set(),
