@@ -103,6 +103,7 @@ class RequestTable:
                                  f"planned at {scheduled.num_computed_tokens} computed tokens, "
                                  f"the request has {request.num_computed_tokens}")
             request.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             if scheduled.sample:
                 if scheduled.request_id not in sampled_token_ids:
                     raise ValueError(f"no sampled token for {scheduled.request_id!r}")
