@@ -31,6 +31,7 @@ class StepOutput:
     new_text: str
     num_prompt_tokens: int
     num_output_tokens: int  # total so far, including new_token_ids
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     new_logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -66,3 +67,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (most of any completion)

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Mapping
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig
+from carpool.core.prefix_cache import PrefixCacheStats
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 
@@ -45,6 +46,7 @@ class RequestTable:
         self._clock = clock
         self._requests: dict[str, Request] = {}  # unfinished only
         self._finished_ids: list[str] = []  # since the last schedule()
+        self.prefix_cache_stats = PrefixCacheStats()  # stays 0 where the block manager has no cache
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -64,6 +66,10 @@ class RequestTable:
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash (see `BlockManager.reset_prefix_cache`)."""
+        return self.block_manager.reset_prefix_cache()
 
     # -- for subclasses ---------------------------------------------------------------------
 

@@ -29,7 +29,6 @@ from typing import Callable, Mapping
 from carpool.core.admission import PartialPrefillSlots, prefill_chunk
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig
-from carpool.core.prefix_cache import PrefixCacheStats
 from carpool.core.preemption import get_victim_policy
 from carpool.core.request import Request, RequestStatus
 from carpool.core.request_table import RequestTable
@@ -50,7 +49,6 @@ class Scheduler(RequestTable):
         self._num_skips: dict[str, int] = {}
         self._choose_victim = get_victim_policy(config.preemption_policy)
         self.num_preemptions_total = 0
-        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_waiting(self) -> int:
@@ -81,10 +79,6 @@ class Scheduler(RequestTable):
         Returns the requests that received a token, in schedule order.
         """
         return self._apply_step(scheduler_output, sampled_token_ids)
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached block hash (see `BlockManager.reset_prefix_cache`)."""
-        return self.block_manager.reset_prefix_cache()
 
     # -- pass 1 and 2: running requests ------------------------------------------------------
 
