@@ -33,7 +33,8 @@ class LLM:
                  long_prefill_token_threshold: int = 0, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, scheduler: str = "continuous",
-                 preemption_policy: str = "newest", device: str = "auto", seed: int = 0,
+                 preemption_policy: str = "newest", enable_prefix_caching: bool = True,
+                 device: str = "auto", seed: int = 0,
                  served_model_name: str | None = None, trust_remote_code: bool = False):
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
@@ -49,7 +50,8 @@ class LLM:
             max_num_partial_prefills=max_num_partial_prefills,
             max_long_partial_prefills=max_long_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
-            preemption_policy=preemption_policy, scheduler=scheduler)
+            preemption_policy=preemption_policy, scheduler=scheduler,
+            enable_prefix_caching=enable_prefix_caching)
         config = EngineConfig(
             model=model, dtype=dtype, device=device, seed=seed,
             served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
@@ -78,6 +80,11 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name); True once done."""
+        self.engine.reset_prefix_cache()
+        return True
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
