@@ -116,6 +116,10 @@ def add_scheduler_arguments(group) -> None:
     group.add_argument("--preemption-policy", default=defaults.preemption_policy,
                        choices=PREEMPTION_POLICIES,
                        help="Which running request gives up its blocks when the cache is full.")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_prefix_caching,
+                       help="Reuse the KV cache of prompt prefixes earlier requests computed "
+                            "(default on).")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -134,7 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         block_size=args.block_size, preemption_policy=args.preemption_policy,
-        scheduler=args.scheduler)
+        scheduler=args.scheduler, enable_prefix_caching=args.enable_prefix_caching)
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         served_model_name=args.served_model_name, num_kv_blocks=args.num_kv_blocks,

@@ -41,3 +41,12 @@ def test_flags_reach_the_settings():
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         ServerSettings(**{field: value})
+
+
+def test_prefix_caching_flag_is_on_by_default_and_can_be_turned_off():
+    from carpool.server.cli import engine_config_from_args
+    assert engine_config_from_args(_parse()).scheduler.enable_prefix_caching is True
+    assert engine_config_from_args(
+        _parse("--no-enable-prefix-caching")).scheduler.enable_prefix_caching is False
+    assert engine_config_from_args(
+        _parse("--enable-prefix-caching")).scheduler.enable_prefix_caching is True
