@@ -37,6 +37,14 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks freed).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (first admissions).")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Of those, tokens found cached (not re-lookups after preemption).")
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached",
+            "Prompt tokens of started requests served from the prefix cache.")
         self.request_success = Counter(
             "carpool:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry)
@@ -58,6 +66,8 @@ class ServerMetrics:
         self._num_preemptions_seen = 0
         self._num_steps_seen = 0
         self._totals = {"prompt": 0, "generation": 0}
+        self._prefix_cache_seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._prefix_cache_logged = (0, 0)  # (queries, hits) at the last log line
         self._last_log: tuple[float, int, int] | None = None
 
     def _make(self, kind):
@@ -86,12 +96,19 @@ class ServerMetrics:
         if num_preemptions > self._num_preemptions_seen:
             self.num_preemptions.inc(num_preemptions - self._num_preemptions_seen)
         self._num_preemptions_seen = num_preemptions
-        num_prompt_tokens = num_generation_tokens = 0
+        for key, metric in (("prefix_cache_queries", self.prefix_cache_queries),
+                            ("prefix_cache_hits", self.prefix_cache_hits)):
+            value = stats.get(key, 0)
+            if value > self._prefix_cache_seen[key]:
+                metric.inc(value - self._prefix_cache_seen[key])
+            self._prefix_cache_seen[key] = value
+        num_prompt_tokens = num_generation_tokens = num_cached_tokens = 0
         for out in outputs:
             if out.new_token_ids:
                 previous = self._last_token_time.get(out.request_id)
                 if previous is None:  # its first token: the prompt has been processed
                     num_prompt_tokens += out.num_prompt_tokens
+                    num_cached_tokens += out.num_cached_tokens
                 else:
                     self.itl.observe(now - previous)
                 self._last_token_time[out.request_id] = now
@@ -101,6 +118,7 @@ class ServerMetrics:
                 self._record_finished(out)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
+        self.prompt_tokens_cached.inc(num_cached_tokens)
         self._totals["prompt"] += num_prompt_tokens
         self._totals["generation"] += num_generation_tokens
         self._maybe_log(stats, now)
@@ -127,11 +145,18 @@ class ServerMetrics:
         elapsed = now - since
         if elapsed < self._log_interval_s:
             return
+        queries, hits = (self._prefix_cache_seen["prefix_cache_queries"],
+                         self._prefix_cache_seen["prefix_cache_hits"])
+        num_queries = queries - self._prefix_cache_logged[0]
+        hit_rate = (hits - self._prefix_cache_logged[1]) / num_queries if num_queries else 0.0
+        self._prefix_cache_logged = (queries, hits)
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d",
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
+            "Prefix cache hit rate: %.1f%%",
             (self._totals["prompt"] - prompt_seen) / elapsed,
             (self._totals["generation"] - generation_seen) / elapsed,
             stats.get("num_running", 0), stats.get("num_waiting", 0),
-            100.0 * stats.get("kv_cache_usage", 0.0), stats.get("num_preemptions", 0))
+            100.0 * stats.get("kv_cache_usage", 0.0), stats.get("num_preemptions", 0),
+            100.0 * hit_rate)
         self._last_log = (now, self._totals["prompt"], self._totals["generation"])

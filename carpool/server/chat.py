@@ -16,8 +16,8 @@ from fastapi import APIRouter, Request
 from carpool.engine.async_engine import OutputStream
 from carpool.engine.tokenizer import encode_chat
 from carpool.server.errors import bad_request
-from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
-                                       respond, usage)
+from carpool.server.generation import (Choice, check_model, fan_out, new_id, note_cached,
+                                       ready_engine, respond, usage)
 from carpool.server.logprobs import chat_logprobs
 from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
 from carpool.server.sse import sse_event
@@ -68,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)
         ctx = _Context(new_id("chatcmpl"), int(time.time()), info.served_model_name,
                        params.logprobs if body.logprobs else None, info.tokenizer)
-        requests = fan_out(ctx.id, [prompt_ids], params, info)
+        requests = fan_out(ctx.id, [prompt_ids], params, info, body.cache_salt)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
     return await respond(
@@ -83,7 +83,8 @@ def _response(ctx: _Context, choices: list[Choice]) -> dict:
          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         for c in choices])
     prompt_tokens = {0: choices[0].num_prompt_tokens} if choices else {}
-    body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
+    cached_tokens = {0: max(c.num_cached_tokens for c in choices)} if choices else {}
+    body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens)
     return body
 
 
@@ -96,11 +97,13 @@ def _chunk(ctx: _Context, index: int, delta: dict, logprobs: dict | None,
 async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
                   include_usage: bool) -> AsyncIterator[str]:
     num_prompt_tokens = 0
+    cached_tokens: dict[int, int] = {}
     num_completion_tokens = 0
     for index in range(num_choices):
         yield _chunk(ctx, index, {"role": "assistant", "content": ""}, None, None)
     async for index, out in stream:
         num_prompt_tokens = out.num_prompt_tokens
+        note_cached(cached_tokens, 0, out.num_cached_tokens)
         delta = {"content": out.new_text} if out.new_text else {}
         logprobs = ctx.logprobs(out.new_token_ids, out.new_logprobs or [])
         if out.finished:
@@ -109,5 +112,5 @@ async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
             yield _chunk(ctx, index, delta, logprobs, out.finish_reason)
     if include_usage:
         body = ctx.envelope("chat.completion.chunk", [])
-        body["usage"] = usage({0: num_prompt_tokens}, num_completion_tokens)
+        body["usage"] = usage({0: num_prompt_tokens}, num_completion_tokens, cached_tokens)
         yield sse_event(body)

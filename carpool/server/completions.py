@@ -16,8 +16,8 @@ from fastapi import APIRouter, Request
 from carpool.engine.async_engine import OutputStream
 from carpool.outputs import StepOutput
 from carpool.server.errors import bad_request
-from carpool.server.generation import (Choice, check_model, fan_out, new_id, ready_engine,
-                                       respond, usage)
+from carpool.server.generation import (Choice, check_model, fan_out, new_id, note_cached,
+                                       ready_engine, respond, usage)
 from carpool.server.logprobs import completion_logprobs
 from carpool.server.protocol import REQUEST_FIELDS, CompletionRequest
 from carpool.server.sse import sse_event
@@ -60,7 +60,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         params = body.to_sampling_params(info.sampling_defaults)
         ctx = _Context(new_id("cmpl"), int(time.time()), info.served_model_name, prompts,
                        params.n, body.echo, params.logprobs, info.tokenizer)
-        requests = fan_out(ctx.id, prompts, params, info)
+        requests = fan_out(ctx.id, prompts, params, info, body.cache_salt)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
     return await respond(
@@ -71,7 +71,10 @@ async def create_completion(body: CompletionRequest, request: Request):
 def _response(ctx: _Context, choices: list[Choice]) -> dict:
     body = ctx.envelope([_choice_body(ctx, c) for c in choices])
     prompt_tokens = {ctx.prompt_index(c.index): c.num_prompt_tokens for c in choices}
-    body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
+    cached_tokens: dict[int, int] = {}
+    for c in choices:
+        note_cached(cached_tokens, ctx.prompt_index(c.index), c.num_cached_tokens)
+    body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices), cached_tokens)
     return body
 
 
@@ -96,12 +99,14 @@ async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
                   include_usage: bool) -> AsyncIterator[str]:
     offsets = [0] * num_choices
     prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
     num_completion_tokens = 0
     if ctx.echo:
         for index in range(num_choices):
             yield _chunk(ctx, index, ctx.echo_text(index), None, None)
     async for index, out in stream:
         prompt_tokens[ctx.prompt_index(index)] = out.num_prompt_tokens
+        note_cached(cached_tokens, ctx.prompt_index(index), out.num_cached_tokens)
         logprobs = None
         if ctx.logprobs is not None and out.new_token_ids:
             logprobs, offsets[index] = completion_logprobs(
@@ -112,5 +117,5 @@ async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
             yield _chunk(ctx, index, out.new_text, logprobs, out)
     if include_usage:
         body = ctx.envelope([])
-        body["usage"] = usage(prompt_tokens, num_completion_tokens)
+        body["usage"] = usage(prompt_tokens, num_completion_tokens, cached_tokens)
         yield sse_event(body)

@@ -58,7 +58,7 @@ def check_model(name: str | None, info: EngineInfo) -> None:
 
 
 def fan_out(base_id: str, prompts: list, params: SamplingParams,
-            info: EngineInfo) -> list[GenerationRequest]:
+            info: EngineInfo, cache_salt: str | None = None) -> list[GenerationRequest]:
     n = params.n
     if n > info.max_num_seqs:
         raise ValueError(f"n must be <= max_num_seqs ({info.max_num_seqs}), got {n}")
@@ -69,7 +69,8 @@ def fan_out(base_id: str, prompts: list, params: SamplingParams,
     for p, prompt in enumerate(prompts):
         for i in range(n):
             child = child_params(params, i)  # the offline LLM's fan-out, seeds and all
-            requests.append(GenerationRequest(f"{base_id}-{p * n + i}", prompt, child))
+            requests.append(GenerationRequest(f"{base_id}-{p * n + i}", prompt, child,
+                                              cache_salt))
     return requests
 
 
@@ -197,8 +198,15 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def usage(num_prompt_tokens_by_prompt: dict[int, int], num_completion_tokens: int) -> dict:
-    """OpenAI's usage block; prompt tokens count once per prompt, not once per choice."""
+def usage(num_prompt_tokens_by_prompt: dict[int, int], num_completion_tokens: int,
+          num_cached_tokens_by_prompt: dict[int, int]) -> dict:
+    """OpenAI's usage block; prompt tokens count once per prompt, not once per choice, and so
+    do their tokens served from the prefix cache (the most any of its choices found)."""
     num_prompt_tokens = sum(num_prompt_tokens_by_prompt.values())
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(num_cached_tokens_by_prompt.values())}}
+
+
+def note_cached(num_cached_by_prompt: dict[int, int], prompt_index: int, num_cached: int) -> None:
+    num_cached_by_prompt[prompt_index] = max(num_cached_by_prompt.get(prompt_index, 0), num_cached)

@@ -201,3 +201,20 @@ def test_metrics_log_line_while_busy(caplog):
     assert "KV cache usage: 50.0%" in message
     assert "Avg prompt throughput: 4.0 tokens/s" in message  # b and c: 20 tokens in 5 s
     assert "Avg generation throughput: 0.8 tokens/s" in message
+
+
+def test_metrics_count_prefix_cache_tokens_and_log_the_hit_rate(caplog):
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+    out = lambda rid, cached: [StepOutput(rid, [1], "a", num_prompt_tokens=40,
+                                          num_output_tokens=1, num_cached_tokens=cached)]
+    with caplog.at_level("INFO", logger="carpool.metrics"):
+        metrics.record_step(out("a", 0), {"prefix_cache_queries": 40, "prefix_cache_hits": 0},
+                            now=100.0)
+        metrics.record_step(out("b", 32), {"prefix_cache_queries": 80, "prefix_cache_hits": 32},
+                            now=106.0)
+    s = _samples(metrics)
+    assert s[("carpool:prefix_cache_queries_total", ())] == 80
+    assert s[("carpool:prefix_cache_hits_total", ())] == 32
+    assert s[("carpool:prompt_tokens_cached_total", ())] == 32
+    (record,) = caplog.records
+    assert "Prefix cache hit rate: 40.0%" in record.getMessage()
