@@ -148,7 +148,7 @@ class BlockManager:
         if self.prefix_cache is None:
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request, num_blocks)
+        hashes = self.block_hashes(request, num_blocks)
         found = []
         for block_hash in hashes[:num_blocks]:
             block_id = self.prefix_cache.get(block_hash)
@@ -167,7 +167,7 @@ class BlockManager:
         start = self._num_hashed.get(request.request_id, 0)
         if num_full <= start:
             return
-        hashes = self._block_hashes(request, num_full)
+        hashes = self.block_hashes(request, num_full)
         for index in range(start, num_full):
             self.prefix_cache.register(table[index], hashes[index])
         self._num_hashed[request.request_id] = num_full
@@ -182,7 +182,9 @@ class BlockManager:
         self._free_block_ids.extend(freed)
         return len(freed)
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first `num_blocks` full blocks (at least; the
+        live `request.block_hashes`, extended as needed). Changes no block."""
         hashes = request.block_hashes
         size = self.block_size
         while len(hashes) < num_blocks:

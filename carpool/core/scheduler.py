@@ -11,7 +11,9 @@ under one token budget per step. `schedule()` plans a step in three passes:
      One that does not fit is skipped, at most `max_skips` times (aging).
      With prefix caching, a request's tokens already in cached blocks count
      as computed when it is admitted: only the rest is charged against the
-     budget and the partial-prefill limits.
+     budget and the partial-prefill limits. A request whose next uncached
+     block a running prefill is about to compute waits for it (it will hit)
+     rather than compute it a second time.
 
 A running request that needs a KV block when none is free preempts the
 victim named by `preemption_policy` (possibly itself): the victim's blocks
@@ -137,30 +139,35 @@ class Scheduler(RequestTable):
 
     def _admit_waiting(self, plan: StepPlan) -> None:
         slots = self._partial_slots_after_running(plan)
+        in_flight = self._in_flight_block_hashes()
         passed_over: list[Request] = []
         for request in list(self._waiting):
             if len(self._running) >= self.config.max_num_seqs or plan.token_budget == 0:
                 return
-            cached_block_ids, num_new = self._admission_chunk(request, plan, slots)
+            cached_block_ids, num_new = self._admission_chunk(request, plan, slots, in_flight)
             if num_new:
                 for skipped in passed_over:
                     self._num_skips[skipped.request_id] = self._num_skips.get(skipped.request_id, 0) + 1
                 passed_over.clear()
                 self._admit(request, cached_block_ids, num_new, plan, slots)
+                self._add_in_flight(in_flight, request)
             elif self._num_skips.get(request.request_id, 0) >= self.config.max_skips:
                 return  # aged: nothing behind it is admitted until it fits
             else:
                 passed_over.append(request)
 
-    def _admission_chunk(self, request: Request, plan: StepPlan,
-                         slots: PartialPrefillSlots) -> tuple[list[int], int]:
+    def _admission_chunk(self, request: Request, plan: StepPlan, slots: PartialPrefillSlots,
+                         in_flight: set[bytes]) -> tuple[list[int], int]:
         """The cached blocks the waiting request would start with, and the tokens it would
-        compute if admitted now (0 if it does not fit).
+        compute if admitted now (0 if it does not fit, or should wait for a block in flight).
 
             |<- cached blocks ->|<- num_new ->|<- later chunks ->|
             0              num_cached                      num_tokens
         """
         cached_block_ids = self.block_manager.find_cached_blocks(request)
+        next_block = len(cached_block_ids)
+        if next_block < len(request.block_hashes) and request.block_hashes[next_block] in in_flight:
+            return cached_block_ids, 0
         num_cached = len(cached_block_ids) * self.config.block_size
         # a recomputed request's "prompt" includes its outputs
         num_uncached = request.num_tokens - num_cached
@@ -191,6 +198,25 @@ class Scheduler(RequestTable):
         if num_new < len(prefill):
             slots.take(len(prefill))
         plan.add(request, num_new)
+
+    # -- prefix caching: blocks in flight ---------------------------------------------------
+
+    def _in_flight_block_hashes(self) -> set[bytes]:
+        """Hashes of the full blocks that running prefills have yet to compute (none with
+        caching off): a waiting request whose next uncached block is one of them waits."""
+        hashes: set[bytes] = set()
+        if self.block_manager.prefix_cache is not None and self._waiting:
+            for request in self._running:
+                self._add_in_flight(hashes, request)
+        return hashes
+
+    def _add_in_flight(self, hashes: set[bytes], request: Request) -> None:
+        if self.block_manager.prefix_cache is None:
+            return
+        first = request.num_computed_tokens // self.config.block_size
+        last = self._prefills[request.request_id].stop // self.config.block_size
+        if first < last:
+            hashes.update(self.block_manager.block_hashes(request, last)[first:last])
 
     # -- leaving ----------------------------------------------------------------------------
 

@@ -163,12 +163,26 @@ def test_a_request_hits_another_still_prefilling_in_chunks():
                                max_num_partial_prefills=2, max_long_partial_prefills=2)
     scheduler.add_request(request("a", range(20)))
     assert plan(step(scheduler)) == [("a", 8)]  # blocks 0, 1 computed and hashed
-    scheduler.add_request(request("b", range(20)))
+    scheduler.add_request(request("b", list(range(8)) + [77] * 12))  # diverges at block 2
     out = step(scheduler)
     assert plan(out) == [("a", 8), ("b", 4)]
     assert out.scheduled[1].num_computed_tokens == 8
     assert list(out.scheduled[1].block_ids[:2]) == list(out.scheduled[0].block_ids[:2])
     assert scheduler.get_request("b").num_cached_tokens == 8
+
+
+def test_a_request_waits_for_the_prefix_block_another_is_computing():
+    scheduler = make_scheduler(max_num_batched_tokens=12, long_prefill_token_threshold=8,
+                               max_num_partial_prefills=2, max_long_partial_prefills=2)
+    scheduler.add_request(request("a", range(20)))
+    assert plan(step(scheduler)) == [("a", 8)]
+    scheduler.add_request(request("b", range(21)))  # a computes its block 2 next: b waits
+    assert plan(step(scheduler)) == [("a", 8)]
+    assert plan(step(scheduler)) == [("a", 4)]  # and its block 4
+    assert plan(step(scheduler)) == [("a", 1), ("b", 1)]  # b hits all 5 of a's blocks
+    assert scheduler.get_request("b").num_cached_tokens == 20
+    stats = scheduler.prefix_cache_stats
+    assert (stats.num_queries, stats.num_hits) == (41, 20)
 
 
 def test_the_long_prefill_limit_counts_only_uncached_tokens():
