@@ -165,8 +165,9 @@ class Scheduler(RequestTable):
             0              num_cached                      num_tokens
         """
         cached_block_ids = self.block_manager.find_cached_blocks(request)
-        next_block = len(cached_block_ids)
-        if next_block < len(request.block_hashes) and request.block_hashes[next_block] in in_flight:
+        next_block = len(cached_block_ids)  # the first it could hit next, if any
+        if (in_flight and next_block < (request.num_tokens - 1) // self.config.block_size
+                and request.block_hashes[next_block] in in_flight):
             return cached_block_ids, 0
         num_cached = len(cached_block_ids) * self.config.block_size
         # a recomputed request's "prompt" includes its outputs
