@@ -117,9 +117,9 @@ class BlockManager:
         return table
 
     def free(self, request_id: str) -> int:
-        """Drop the request's table; blocks no other table holds become free: plain ones to the
-        back of the free queue in table order, cached ones to the prefix cache's LRU tail last
-        (so a request's tail blocks are evicted before its head blocks).
+        """Drop the request's table; blocks no other table holds become free: plain ones go to
+        the back of the free queue in table order; cached ones become the prefix cache's most
+        recently used, tail block first, so a request's tail is evicted before its head.
 
         Returns how many blocks became free (0 for a request holding none).
         """
@@ -127,15 +127,16 @@ class BlockManager:
         self._num_tokens.pop(request_id, None)
         self._num_hashed.pop(request_id, None)
         cached = []
+        cache = self.prefix_cache
         for block_id in table:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                if self.prefix_cache is not None and self.prefix_cache.hash_of(block_id):
+                if cache is not None and cache.hash_of(block_id) is not None:
                     cached.append(block_id)
                 else:
                     self._free_block_ids.append(block_id)
         for block_id in reversed(cached):
-            self.prefix_cache.release(block_id)
+            cache.release(block_id)
         return sum(1 for block_id in table if self._ref_counts[block_id] == 0)
 
     # -- prefix caching ----------------------------------------------------------------------
