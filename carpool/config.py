@@ -78,7 +78,8 @@ class EngineConfig:
                   enable_chunked_prefill: bool = True, max_num_partial_prefills: int = 1,
                   max_long_partial_prefills: int = 1, long_prefill_token_threshold: int = 0,
                   block_size: int = 16, scheduler: str = "continuous",
-                  preemption_policy: str = "newest", tensor_parallel_size: int = 1,
+                  preemption_policy: str = "newest", enable_prefix_caching: bool = True,
+                  tensor_parallel_size: int = 1,
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
                   cpu_malloc_tuning: bool = True, cpu_kernels: bool = True) -> EngineConfig:
@@ -106,7 +107,8 @@ class EngineConfig:
             max_num_partial_prefills=max_num_partial_prefills,
             max_long_partial_prefills=max_long_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
-            preemption_policy=preemption_policy, scheduler=scheduler)
+            preemption_policy=preemption_policy, scheduler=scheduler,
+            enable_prefix_caching=enable_prefix_caching)
         return cls(model=model, dtype=dtype, device=device, seed=seed,
                    served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
                    kv_cache_memory=kv_cache_memory,

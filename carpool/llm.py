@@ -28,8 +28,8 @@ class LLM:
         """`model`: a Hugging Face folder or hub id (None: the built-in model). Keyword
         arguments are `EngineConfig.from_args`'s, vLLM's names: dtype, device, seed,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-        num_kv_blocks, kv_cache_memory, gpu_memory_utilization, block_size, scheduler, ...
-        ValueError names a bad argument and the numbers."""
+        enable_prefix_caching, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
+        block_size, scheduler, ... ValueError names a bad argument and the numbers."""
         self._attach(LLMEngine.from_config(EngineConfig.from_args(model, **engine_args)))
 
     @classmethod
@@ -53,6 +53,11 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's name); True once done."""
+        self.engine.reset_prefix_cache()
+        return True
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -39,6 +39,14 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks freed).")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (first admissions).")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Of those, tokens found cached (not re-lookups after preemption).")
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached",
+            "Prompt tokens of started requests served from the prefix cache.")
         self.request_success = Counter(
             "carpool:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry)
@@ -60,6 +68,9 @@ class ServerMetrics:
         self._num_preemptions_seen = 0
         self._num_steps_seen = 0
         self._totals = {"prompt": 0, "generation": 0}
+        self._prefix_cache_queries_seen = 0
+        self._prefix_cache_hits_seen = 0
+        self._prefix_cache_logged = (0, 0)  # (queries, hits) at the last log line
         self._last_log: tuple[float, int, int] | None = None
 
     def _make(self, kind):
@@ -84,16 +95,19 @@ class ServerMetrics:
         if num_steps > self._num_steps_seen:  # the model ran (not only abort notices)
             self.iteration_tokens.observe(stats.last_step_num_tokens)
         self._num_steps_seen = num_steps
-        num_preemptions = stats.num_preemptions
-        if num_preemptions > self._num_preemptions_seen:
-            self.num_preemptions.inc(num_preemptions - self._num_preemptions_seen)
-        self._num_preemptions_seen = num_preemptions
-        num_prompt_tokens = num_generation_tokens = 0
+        self._num_preemptions_seen = _advance(self.num_preemptions, self._num_preemptions_seen,
+                                              stats.num_preemptions)
+        self._prefix_cache_queries_seen = _advance(
+            self.prefix_cache_queries, self._prefix_cache_queries_seen, stats.prefix_cache_queries)
+        self._prefix_cache_hits_seen = _advance(
+            self.prefix_cache_hits, self._prefix_cache_hits_seen, stats.prefix_cache_hits)
+        num_prompt_tokens = num_generation_tokens = num_cached_tokens = 0
         for out in outputs:
             if out.new_token_ids:
                 previous = self._last_token_time.get(out.request_id)
                 if previous is None:  # its first token: the prompt has been processed
                     num_prompt_tokens += out.num_prompt_tokens
+                    num_cached_tokens += out.num_cached_tokens
                 else:
                     self.itl.observe(now - previous)
                 self._last_token_time[out.request_id] = now
@@ -103,6 +117,7 @@ class ServerMetrics:
                 self._record_finished(out)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
+        self.prompt_tokens_cached.inc(num_cached_tokens)
         self._totals["prompt"] += num_prompt_tokens
         self._totals["generation"] += num_generation_tokens
         self._maybe_log(stats, now)
@@ -128,11 +143,23 @@ class ServerMetrics:
         elapsed = now - since
         if elapsed < self._log_interval_s:
             return
+        queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        num_queries = queries - self._prefix_cache_logged[0]
+        hit_rate = (hits - self._prefix_cache_logged[1]) / num_queries if num_queries else 0.0
+        self._prefix_cache_logged = (queries, hits)
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d",
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
+            "Prefix cache hit rate: %.1f%%",
             (self._totals["prompt"] - prompt_seen) / elapsed,
             (self._totals["generation"] - generation_seen) / elapsed,
             stats.num_running, stats.num_waiting, 100.0 * stats.kv_cache_usage,
-            stats.num_preemptions)
+            stats.num_preemptions, 100.0 * hit_rate)
         self._last_log = (now, self._totals["prompt"], self._totals["generation"])
+
+
+def _advance(counter, seen: int, total: int) -> int:
+    """Add to `counter` what the engine's running `total` gained since `seen`; the new seen."""
+    if total > seen:
+        counter.inc(total - seen)
+    return total

@@ -44,6 +44,10 @@ class EngineStats:
     last_step_num_prefill_tokens: int
     last_step_num_decode_tokens: int
     num_preemptions: int
+    # Prompt tokens looked up in / found in the prefix cache, at each request's first admission
+    # (0 with caching off).
+    prefix_cache_queries: int
+    prefix_cache_hits: int
     num_free_blocks: int
     num_total_blocks: int
     num_running: int
@@ -63,6 +67,7 @@ class StepOutput:
     new_text: str
     num_prompt_tokens: int
     num_output_tokens: int  # total so far, including new_token_ids
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     new_logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -97,3 +102,5 @@ class RequestOutput:
     finished: bool = False
     # One per completion (n of them), in index order; None for a completion not finished.
     metrics: list[RequestMetrics | None] = field(default_factory=list)
+    # Prompt tokens served from the prefix cache (the most any completion found).
+    num_cached_tokens: int = 0

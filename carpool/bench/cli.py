@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--no-chunked-prefill", action="store_true")
     offline.add_argument("--compare", nargs="?", const=",".join(DEFAULT_COMPARE),
                          help="Comma-separated variants run one after another on the same "
-                              "requests (static, continuous, chunked, chunked-partial; default: "
-                              "the first three).")
+                              "requests (static, continuous, chunked, chunked-partial, "
+                              "chunked-no-prefix-cache; default: the first three).")
     offline.add_argument("--repeat", type=int, default=1,
                          help="Rounds, for min/median/max of each ratio.")
     offline.add_argument("--plot",
@@ -73,6 +73,8 @@ _WORKLOAD_HELP = {
     "long_output_len": "Output tokens of the long half (mix) and of the decoders (mixed-load)",
     "num_long_prompts": "Long prompts arriving among the decoders (mixed-load)",
     "long_prompt_len": "Tokens of each long prompt (mixed-load)",
+    "num_prefixes": "Distinct shared prefixes (prefix-repetition)",
+    "prefix_len": "Tokens of each shared prefix (prefix-repetition)",
 }
 
 
@@ -98,7 +100,8 @@ def _workload_config(args: argparse.Namespace) -> WorkloadConfig:
         short_output_len=args.short_output_len, long_output_len=args.long_output_len,
         dataset_path=args.dataset_path, num_long_prompts=args.num_long_prompts,
         long_prompt_len=args.long_prompt_len, long_prompt_interval=args.long_prompt_interval,
-        max_model_len=getattr(args, "max_model_len", None))
+        max_model_len=getattr(args, "max_model_len", None), num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len)
 
 
 def _tokenizer(path: str | None):

@@ -11,6 +11,7 @@ Variants, compared one after another on identical requests:
   continuous       continuous batching, prompts prefilled whole
   chunked          continuous batching with chunked prefill (one partial prefill at a time)
   chunked-partial  chunked prefill with several partial prefills, at most one long
+  chunked-no-prefix-cache  `chunked` with prefix caching off (every variant but static has it on)
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ VARIANTS: dict[str, dict] = {
                     max_num_partial_prefills=1, max_long_partial_prefills=1),
     "chunked-partial": dict(scheduler="continuous", enable_chunked_prefill=True,
                             max_num_partial_prefills=4, max_long_partial_prefills=1),
+    "chunked-no-prefix-cache": dict(scheduler="continuous", enable_chunked_prefill=True,
+                                    max_num_partial_prefills=1, max_long_partial_prefills=1,
+                                    enable_prefix_caching=False),
 }
 DEFAULT_COMPARE = ("static", "continuous", "chunked")
 CLOCKS = ("wall", "cpu")

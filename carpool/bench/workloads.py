@@ -11,6 +11,10 @@
 - `mixed-load`: `num_prompts` short prompts with long outputs start at once and
   keep decoding while `num_long_prompts` long prompts arrive one by one every
   `long_prompt_interval` seconds: the load where chunked prefill matters.
+- `prefix-repetition`: `num_prefixes` shared "system prompts" of `prefix_len`
+  tokens, each followed by a per-request suffix of about `input_len` tokens
+  (`num_prompts` requests in all, shuffled), `output_len` tokens out: chat
+  traffic, where prefix caching matters (vLLM's prefix-repetition dataset).
 
 The same seed gives the same requests, so variants compared one after another
 see identical work.
@@ -23,7 +27,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("mix", "random", "sharegpt", "mixed-load")
+WORKLOADS = ("mix", "random", "sharegpt", "mixed-load", "prefix-repetition")
 _MAX_ROUNDTRIPS = 8
 
 
@@ -51,12 +55,14 @@ class WorkloadConfig:
     long_prompt_len: int = 1536  # mixed-load
     long_prompt_interval: float = 1.0  # mixed-load, seconds between long arrivals
     max_model_len: int | None = None  # drop sharegpt records longer than this
+    num_prefixes: int = 1  # prefix-repetition: distinct shared prefixes
+    prefix_len: int = 768  # prefix-repetition: tokens of each shared prefix
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.name!r}")
         for name in ("num_prompts", "input_len", "output_len", "short_output_len",
-                     "long_output_len", "long_prompt_len"):
+                     "long_output_len", "long_prompt_len", "num_prefixes", "prefix_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -86,6 +92,8 @@ def build_workload(config: WorkloadConfig, tokenizer, *,
     sampler = _PromptSampler(tokenizer, rng, with_text)
     if config.name == "mixed-load":
         return _mixed_load(config, sampler, rng)
+    if config.name == "prefix-repetition":
+        return _prefix_repetition(config, sampler, rng)
     if config.name == "mix":
         shorts = config.num_prompts // 2
         num_longs = config.num_prompts - shorts
@@ -107,6 +115,18 @@ def _mixed_load(config: WorkloadConfig, sampler: _PromptSampler,
                              config.short_output_len, arrival=config.long_prompt_interval * (i + 1))
              for i in range(config.num_long_prompts)]
     return decoders + longs
+
+
+def _prefix_repetition(config: WorkloadConfig, sampler: _PromptSampler,
+                       rng: random.Random) -> list[BenchRequest]:
+    prefixes = [sampler.request(config.prefix_len, 1) for _ in range(config.num_prefixes)]
+    requests = []
+    for i in range(config.num_prompts):
+        suffix = sampler.request(_around(rng, config.input_len, config.range_ratio),
+                                 config.output_len)
+        requests.append(sampler.join(prefixes[i % config.num_prefixes], suffix))
+    rng.shuffle(requests)
+    return requests
 
 
 def _around(rng: random.Random, length: int, ratio: float) -> int:
@@ -131,6 +151,16 @@ class _PromptSampler:
             return BenchRequest(tuple(ids), max_tokens, arrival)
         ids, text = self._roundtrip(ids, prompt_len)
         return BenchRequest(tuple(ids), max_tokens, arrival, text)
+
+    def join(self, prefix: BenchRequest, suffix: BenchRequest) -> BenchRequest:
+        """`prefix`'s prompt followed by `suffix`'s, with `suffix`'s max_tokens and arrival.
+        Text prompts are joined as text and re-encoded (the ids may differ at the seam)."""
+        if not self.with_text:
+            return BenchRequest(prefix.prompt_token_ids + suffix.prompt_token_ids,
+                                suffix.max_tokens, suffix.arrival_time)
+        text = prefix.prompt + suffix.prompt
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return BenchRequest(tuple(ids), suffix.max_tokens, suffix.arrival_time, text)
 
     def _roundtrip(self, ids: list[int], prompt_len: int) -> tuple[list[int], str]:
         """Adjust `ids` until encode(decode(ids)) == ids, keeping about `prompt_len` tokens."""

@@ -31,6 +31,9 @@ class SchedulerConfig:
     # A waiting request skipped this many times because it did not fit is not skipped again:
     # admission stops behind it until it fits (aging, so it is never starved).
     max_skips: int = 16
+    # Reuse the KV of computed full blocks whose token prefix a new request repeats
+    # (continuous scheduler; the static baseline never shares).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -56,6 +59,9 @@ class SchedulerConfig:
                              f"got {self.preemption_policy!r}")
         if self.scheduler not in SCHEDULER_KINDS:
             raise ValueError(f"scheduler must be one of {SCHEDULER_KINDS}, got {self.scheduler!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError("enable_prefix_caching must be a bool, "
+                             f"got {self.enable_prefix_caching!r}")
         if not isinstance(self.max_skips, int) or self.max_skips < 0:
             raise ValueError(f"max_skips must be an integer >= 0, got {self.max_skips!r}")
 

@@ -60,6 +60,12 @@ class Request:
     num_preemptions: int = 0
     # The token id that ended the request via stop_token_ids / a stop string, if any.
     stop_reason: int | str | None = None
+    # Prefix caching: blocks hash only with blocks of the same salt (tenants apart).
+    cache_salt: str | None = None
+    # Chained hashes of its full blocks so far, filled by the block manager (prefix caching).
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Prompt tokens found in the prefix cache when first admitted (None until admitted).
+    num_cached_tokens: int | None = None
 
     # Timestamps for metrics (same clock as arrival_time).
     queued_time: float | None = None
@@ -70,6 +76,9 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.queued_time is None:
             self.queued_time = self.arrival_time
 

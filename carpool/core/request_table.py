@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig
 from carpool.core.kv_fit import check_fits_pool
+from carpool.core.prefix_cache import PrefixCacheStats
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 
@@ -48,6 +49,7 @@ class RequestTable:
         self._requests: dict[str, Request] = {}  # unfinished only
         self._finished_ids: list[str] = []  # since the last schedule()
         self._waiting: deque[Request] = deque()
+        self.prefix_cache_stats = PrefixCacheStats()  # stays 0 where the block manager has no cache
 
     @property
     def num_waiting(self) -> int:
@@ -83,6 +85,10 @@ class RequestTable:
                 finished.append(request)
         return finished
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash (see `BlockManager.reset_prefix_cache`)."""
+        return self.block_manager.reset_prefix_cache()
+
     # -- for subclasses ---------------------------------------------------------------------
 
     def _register(self, request: Request) -> None:
@@ -115,6 +121,7 @@ class RequestTable:
                                  f"planned at {scheduled.num_computed_tokens} computed tokens, "
                                  f"the request has {request.num_computed_tokens}")
             request.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             if scheduled.sample:
                 if scheduled.request_id not in sampled_token_ids:
                     raise ValueError(f"no sampled token for {scheduled.request_id!r}")

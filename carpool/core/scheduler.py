@@ -9,6 +9,11 @@ under one token budget per step. `schedule()` plans a step in three passes:
   3. waiting requests, first come first served, while the budget,
      `max_num_seqs`, free KV blocks and the partial-prefill limits allow.
      One that does not fit is skipped, at most `max_skips` times (aging).
+     With prefix caching, a request's tokens already in cached blocks count
+     as computed when it is admitted: only the rest is charged against the
+     budget and the partial-prefill limits. A request whose next uncached
+     block a running prefill is about to compute waits for it (it will hit)
+     rather than compute it a second time.
 
 A running request that needs a KV block when none is free preempts the
 victim named by `preemption_policy` (possibly itself): the victim's blocks
@@ -35,9 +40,12 @@ from carpool.core.step_plan import StepPlan
 class Scheduler(RequestTable):
     def __init__(self, config: SchedulerConfig, num_blocks: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(config, BlockManager(num_blocks, config.block_size), clock)
+        block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        super().__init__(config, block_manager, clock)
         self._running: list[Request] = []  # admission order, oldest first
-        self._prefill_ends: dict[str, int] = {}  # num_tokens the current prefill must reach
+        # The positions the current prefill computes: from the end of its cached prefix to
+        # num_tokens at admission (prompt, plus outputs when recomputed after preemption).
+        self._prefills: dict[str, range] = {}
         self._num_skips: dict[str, int] = {}
         self._choose_victim = get_victim_policy(config.preemption_policy)
         self.num_preemptions_total = 0
@@ -58,7 +66,7 @@ class Scheduler(RequestTable):
     # -- pass 1 and 2: running requests ------------------------------------------------------
 
     def _is_prefilling(self, request: Request) -> bool:
-        return request.num_computed_tokens < self._prefill_ends[request.request_id]
+        return request.num_computed_tokens < self._prefills[request.request_id].stop
 
     def _schedule_running(self, plan: StepPlan) -> None:
         decoding = [r for r in self._running if not self._is_prefilling(r)]
@@ -93,7 +101,7 @@ class Scheduler(RequestTable):
         plan.preempted_ids.append(request.request_id)
         self.block_manager.free(request.request_id)
         self._running.remove(request)
-        del self._prefill_ends[request.request_id]
+        del self._prefills[request.request_id]
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -105,60 +113,100 @@ class Scheduler(RequestTable):
     def _partial_slots_after_running(self, plan: StepPlan) -> PartialPrefillSlots:
         slots = PartialPrefillSlots(self.config)
         for request in self._running:
-            end = self._prefill_ends[request.request_id]
-            if request.num_computed_tokens + plan.num_new_tokens(request.request_id) < end:
-                slots.take(end)
+            prefill = self._prefills[request.request_id]
+            if request.num_computed_tokens + plan.num_new_tokens(request.request_id) < prefill.stop:
+                slots.take(len(prefill))
         return slots
 
     def _admit_waiting(self, plan: StepPlan) -> None:
         slots = self._partial_slots_after_running(plan)
+        in_flight = self._in_flight_block_hashes()
         passed_over: list[Request] = []
         for request in list(self._waiting):
             if len(self._running) >= self.config.max_num_seqs or plan.token_budget == 0:
                 return
-            num_new = self._admission_chunk(request, plan, slots)
+            cached_block_ids, num_new = self._admission_chunk(request, plan, slots, in_flight)
             if num_new:
                 for skipped in passed_over:
                     self._num_skips[skipped.request_id] = self._num_skips.get(skipped.request_id,
                                                                               0) + 1
                 passed_over.clear()
-                self._admit(request, num_new, plan, slots)
+                self._admit(request, cached_block_ids, num_new, plan, slots)
+                self._add_in_flight(in_flight, request)
             elif self._num_skips.get(request.request_id, 0) >= self.config.max_skips:
                 return  # aged: nothing behind it is admitted until it fits
             else:
                 passed_over.append(request)
 
-    def _admission_chunk(self, request: Request, plan: StepPlan,
-                         slots: PartialPrefillSlots) -> int:
-        """Tokens the waiting request would take if admitted now; 0 if it does not fit."""
-        num_prompt = request.num_tokens  # a recomputed request's "prompt" includes its outputs
-        num_new = prefill_chunk(num_prompt, plan.token_budget, self.config)
-        if num_new < num_prompt and not slots.can_take(num_prompt):
-            return 0
-        if num_new and not self.block_manager.can_allocate(request.request_id, num_new):
-            return 0
-        return num_new
+    def _admission_chunk(self, request: Request, plan: StepPlan, slots: PartialPrefillSlots,
+                         in_flight: set[bytes]) -> tuple[list[int], int]:
+        """The cached blocks the waiting request would start with, and the tokens it would
+        compute if admitted now (0 if it does not fit, or should wait for a block in flight).
 
-    def _admit(self, request: Request, num_new: int, plan: StepPlan,
-               slots: PartialPrefillSlots) -> None:
-        self.block_manager.allocate(request.request_id, num_new)
+            |<- cached blocks ->|<- num_new ->|<- later chunks ->|
+            0              num_cached                      num_tokens
+        """
+        cached_block_ids = self.block_manager.find_cached_blocks(request)
+        next_block = len(cached_block_ids)  # the first it could hit next, if any
+        if (in_flight and next_block < (request.num_tokens - 1) // self.config.block_size
+                and request.block_hashes[next_block] in in_flight):
+            return cached_block_ids, 0
+        num_cached = len(cached_block_ids) * self.config.block_size
+        # a recomputed request's "prompt" includes its outputs
+        num_uncached = request.num_tokens - num_cached
+        num_new = prefill_chunk(num_uncached, plan.token_budget, self.config)
+        if num_new < num_uncached and not slots.can_take(num_uncached):
+            return cached_block_ids, 0
+        if num_new and not self.block_manager.can_allocate(
+                request.request_id, num_cached + num_new, cached_block_ids):
+            return cached_block_ids, 0
+        return cached_block_ids, num_new
+
+    def _admit(self, request: Request, cached_block_ids: list[int], num_new: int,
+               plan: StepPlan, slots: PartialPrefillSlots) -> None:
+        num_cached = len(cached_block_ids) * self.config.block_size
+        self.block_manager.allocate(request.request_id, num_cached + num_new, cached_block_ids)
         self._waiting.remove(request)
         self._running.append(request)
-        self._prefill_ends[request.request_id] = request.num_tokens
+        prefill = range(num_cached, request.num_tokens)
+        self._prefills[request.request_id] = prefill
         self._num_skips.pop(request.request_id, None)
         request.status = RequestStatus.RUNNING
-        if request.first_scheduled_time is None:
+        request.num_computed_tokens = num_cached
+        if request.first_scheduled_time is None:  # first admission, not a re-admission
             request.first_scheduled_time = self._clock()
-        if num_new < request.num_tokens:
-            slots.take(request.num_tokens)
+            request.num_cached_tokens = num_cached
+            if self.block_manager.prefix_cache is not None:
+                self.prefix_cache_stats.record(request.num_tokens, num_cached)
+        if num_new < len(prefill):
+            slots.take(len(prefill))
         plan.add(request, num_new)
+
+    # -- prefix caching: blocks in flight ---------------------------------------------------
+
+    def _in_flight_block_hashes(self) -> set[bytes]:
+        """Hashes of the full blocks that running prefills have yet to compute (none with
+        caching off): a waiting request whose next uncached block is one of them waits."""
+        hashes: set[bytes] = set()
+        if self.block_manager.prefix_cache is not None and self._waiting:
+            for request in self._running:
+                self._add_in_flight(hashes, request)
+        return hashes
+
+    def _add_in_flight(self, hashes: set[bytes], request: Request) -> None:
+        if self.block_manager.prefix_cache is None:
+            return
+        first = request.num_computed_tokens // self.config.block_size
+        last = self._prefills[request.request_id].stop // self.config.block_size
+        if first < last:
+            hashes.update(self.block_manager.block_hashes(request, last)[first:last])
 
     # -- leaving ----------------------------------------------------------------------------
 
     def _remove(self, request: Request) -> None:
         if request.status == RequestStatus.RUNNING:
             self._running.remove(request)
-            del self._prefill_ends[request.request_id]
+            del self._prefills[request.request_id]
         else:
             self._waiting.remove(request)
             self._num_skips.pop(request.request_id, None)

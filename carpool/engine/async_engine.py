@@ -201,7 +201,8 @@ class AsyncEngine:
         try:
             for r in command.requests:
                 engine.add_request(r.request_id, r.prompt, r.sampling_params,
-                                   arrival_time=command.arrival_time)
+                                   arrival_time=command.arrival_time,
+                                   cache_salt=r.cache_salt)
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             if added:

@@ -130,8 +130,11 @@ class LLMEngine:
                                    self.scheduler.block_manager.num_total_blocks)
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    sampling_params: SamplingParams, arrival_time: float | None = None) -> int:
-        """Queue one request; returns its number of prompt tokens. ValueError if it is invalid."""
+                    sampling_params: SamplingParams, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> int:
+        """Queue one request; returns its number of prompt tokens. ValueError if it is invalid.
+
+        Requests share cached prefix blocks only with requests of the same `cache_salt`."""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self.encode_prompt(prompt)
@@ -144,7 +147,8 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
             arrival_time=self._clock() if arrival_time is None else arrival_time,
-            eos_token_id=self._eos_token_id, max_model_len=self.max_model_len)
+            eos_token_id=self._eos_token_id, max_model_len=self.max_model_len,
+            cache_salt=cache_salt)
         self.scheduler.add_request(request)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
         self._states[request_id] = _RequestState(request, detokenizer)
@@ -210,7 +214,8 @@ class LLMEngine:
         output = StepOutput(
             request_id=request.request_id, new_token_ids=list(new_token_ids),
             new_text=delta.text, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens, new_logprobs=new_logprobs)
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0, new_logprobs=new_logprobs)
         if request.is_finished:
             self._states.pop(request.request_id, None)
             output.finish_reason = request.finish_reason
@@ -237,7 +242,8 @@ class LLMEngine:
         return StepOutput(
             request_id=request.request_id, new_token_ids=[], new_text="",
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=state.num_sent_tokens,
-            finish_reason=reason, error=error, request_metrics=self._metrics(request))
+            num_cached_tokens=request.num_cached_tokens or 0, finish_reason=reason, error=error,
+            request_metrics=self._metrics(request))
 
     def _metrics(self, request: Request) -> RequestMetrics:
         if request.finished_time is None:
@@ -253,8 +259,10 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """Counters since start and the last step's shape, for logs, metrics and tests."""
         blocks = self.scheduler.block_manager
+        prefix_cache = self.scheduler.prefix_cache_stats
         return EngineStats(
             **self._stats.as_dict(), num_preemptions=self.scheduler.num_preemptions_total,
+            prefix_cache_queries=prefix_cache.num_queries, prefix_cache_hits=prefix_cache.num_hits,
             num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=blocks.usage)
@@ -272,6 +280,11 @@ class LLMEngine:
     @property
     def kv_cache_info(self) -> dict:
         return dict(self.runner.kv_cache_info)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (running requests keep theirs, unshared).
+        Returns how many free blocks were dropped from the cache."""
+        return self.scheduler.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if block accounting is off, or blocks are held while idle."""

@@ -30,9 +30,11 @@ class CompletionBuilder:
     stop_reason: int | str | None = None
     error: str | None = None
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.new_text:
             self.text_chunks.append(out.new_text)
         if self.want_logprobs and out.new_logprobs:
@@ -77,4 +79,5 @@ class RequestOutputBuilder:
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids),
             outputs=[c.build() for c in self.completions], finished=self.finished,
-            metrics=[c.metrics for c in self.completions])
+            metrics=[c.metrics for c in self.completions],
+            num_cached_tokens=max(c.num_cached_tokens for c in self.completions))

@@ -30,6 +30,7 @@ class GenerationRequest:
     request_id: str
     prompt: str | list[int]
     sampling_params: SamplingParams
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

@@ -8,17 +8,17 @@ one last chunk has empty `choices` and the usage.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from carpool.engine.async_engine import OutputStream
 from carpool.engine.output_stream import EngineInfo
 from carpool.engine.tokenizer import encode_chat
+from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
-from carpool.server.generation import Choice, new_id, serve_generation, usage
+from carpool.server.generation import Choice, Usage, new_id, serve_generation
 from carpool.server.logprobs import chat_logprobs
 from carpool.server.protocol import ChatCompletionRequest, ChatMessage
 from carpool.server.sse import sse_event
@@ -75,8 +75,6 @@ def _response(ctx: _Context, choices: list[Choice]) -> dict:
          "logprobs": ctx.logprobs(c.token_ids, c.logprobs),
          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         for c in choices])
-    prompt_tokens = {0: choices[0].num_prompt_tokens} if choices else {}
-    body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
     return body
 
 
@@ -86,21 +84,16 @@ def _chunk(ctx: _Context, index: int, delta: dict, logprobs: dict | None,
     return sse_event(ctx.envelope("chat.completion.chunk", [choice]))
 
 
-async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
-                  include_usage: bool) -> AsyncIterator[str]:
-    num_prompt_tokens = 0
-    num_completion_tokens = 0
+async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: _Context,
+                  num_choices: int, usage: Usage | None) -> AsyncIterator[str]:
     for index in range(num_choices):
         yield _chunk(ctx, index, {"role": "assistant", "content": ""}, None, None)
     async for index, out in stream:
-        num_prompt_tokens = out.num_prompt_tokens
         delta = {"content": out.new_text} if out.new_text else {}
         logprobs = ctx.logprobs(out.new_token_ids, out.new_logprobs or [])
-        if out.finished:
-            num_completion_tokens += out.num_output_tokens
         if delta or logprobs or out.finished:
             yield _chunk(ctx, index, delta, logprobs, out.finish_reason)
-    if include_usage:
+    if usage is not None:
         body = ctx.envelope("chat.completion.chunk", [])
-        body["usage"] = usage({0: num_prompt_tokens}, num_completion_tokens)
+        body["usage"] = usage.as_dict()
         yield sse_event(body)

@@ -8,17 +8,16 @@ prompt in front of the text (in the first chunk when streaming).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from carpool.engine.async_engine import OutputStream
 from carpool.engine.output_stream import EngineInfo
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
-from carpool.server.generation import Choice, new_id, serve_generation, usage
+from carpool.server.generation import Choice, Usage, new_id, serve_generation
 from carpool.server.logprobs import completion_logprobs
 from carpool.server.protocol import CompletionRequest
 from carpool.server.sse import sse_event
@@ -62,10 +61,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     return await serve_generation(request, body, prepare, _events, _response)
 
 def _response(ctx: _Context, choices: list[Choice]) -> dict:
-    body = ctx.envelope([_choice_body(ctx, c) for c in choices])
-    prompt_tokens = {ctx.prompt_index(c.index): c.num_prompt_tokens for c in choices}
-    body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
-    return body
+    return ctx.envelope([_choice_body(ctx, c) for c in choices])
 
 
 def _choice_body(ctx: _Context, choice: Choice) -> dict:
@@ -85,25 +81,20 @@ def _chunk(ctx: _Context, index: int, text: str, logprobs: dict | None,
     return sse_event(ctx.envelope([choice]))
 
 
-async def _events(stream: OutputStream, ctx: _Context, num_choices: int,
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: _Context,
+                  num_choices: int, usage: Usage | None) -> AsyncIterator[str]:
     offsets = [0] * num_choices
-    prompt_tokens: dict[int, int] = {}
-    num_completion_tokens = 0
     if ctx.echo:
         for index in range(num_choices):
             yield _chunk(ctx, index, ctx.echo_text(index), None, None)
     async for index, out in stream:
-        prompt_tokens[ctx.prompt_index(index)] = out.num_prompt_tokens
         logprobs = None
         if ctx.logprobs is not None and out.new_token_ids:
             logprobs, offsets[index] = completion_logprobs(
                 ctx.tokenizer, out.new_token_ids, out.new_logprobs or [], offsets[index])
-        if out.finished:
-            num_completion_tokens += out.num_output_tokens
         if out.new_text or logprobs or out.finished:
             yield _chunk(ctx, index, out.new_text, logprobs, out)
-    if include_usage:
+    if usage is not None:
         body = ctx.envelope([])
-        body["usage"] = usage(prompt_tokens, num_completion_tokens)
+        body["usage"] = usage.as_dict()
         yield sse_event(body)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,7 @@ def check_request(body: SamplingRequest, info: EngineInfo) -> None:
 
 
 def fan_out(base_id: str, prompts: list, params: SamplingParams,
-            info: EngineInfo) -> list[GenerationRequest]:
+            info: EngineInfo, cache_salt: str | None = None) -> list[GenerationRequest]:
     n = params.n
     if n > info.max_num_seqs:
         raise ValueError(f"n must be <= max_num_seqs ({info.max_num_seqs}), got {n}")
@@ -82,7 +82,8 @@ def fan_out(base_id: str, prompts: list, params: SamplingParams,
     for p, prompt in enumerate(prompts):
         for i in range(n):
             child = child_params(params, i)  # the offline LLM's fan-out, seeds and all
-            requests.append(GenerationRequest(f"{base_id}-{p * n + i}", prompt, child))
+            requests.append(GenerationRequest(f"{base_id}-{p * n + i}", prompt, child,
+                                              cache_salt))
     return requests
 
 
@@ -116,14 +117,17 @@ def stream_error(exc: EngineDeadError | ServerClosingError) -> APIError:
 async def serve_generation(
         request: Request, body: SamplingRequest,
         prepare: Callable[[EngineInfo, SamplingParams], tuple[Any, list]],
-        events: Callable[[OutputStream, Any, int, bool], AsyncIterator[str]],
+        events: Callable[[AsyncIterable[tuple[int, StepOutput]], Any, int, Usage | None],
+                         AsyncIterator[str]],
         build: Callable[[Any, list[Choice]], dict]) -> Response:
     """The request -> generation -> response path both OpenAI routes take.
 
     `prepare(info, params)` returns the route's context (with its response `id`) and its
     prompts; a ValueError there, in the sampling fields or in the fan-out is a 400 naming
-    the field. Then `events(stream, context, num_choices, include_usage)` streams, or
-    `build(context, choices)` answers whole.
+    the field. The engine requests carry the body's `cache_salt`. Then
+    `events(stream, context, num_choices, usage)` streams (`usage`, counted from the stream
+    here, is None unless the client asked for it in a last chunk), or `build(context,
+    choices)` answers whole and the usage is added here.
     """
     engine = ready_engine(request)
     info = engine.info
@@ -131,13 +135,15 @@ async def serve_generation(
     try:
         params = body.to_sampling_params(info.sampling_defaults)
         context, prompts = prepare(info, params)
-        requests = fan_out(context.id, prompts, params, info)
+        requests = fan_out(context.id, prompts, params, info, body.cache_salt)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
+    usage = Usage(params.n)
     return await respond(
         request, engine, requests, body.stream,
-        lambda stream: events(stream, context, len(requests), body.include_usage),
-        lambda choices: build(context, choices))
+        lambda stream: events(usage.counting(stream), context, len(requests),
+                              usage if body.include_usage else None),
+        lambda choices: {**build(context, choices), "usage": usage.of_choices(choices)})
 
 
 async def respond(request: Request, engine: AsyncEngine, requests: list[GenerationRequest],
@@ -237,8 +243,58 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def usage(num_prompt_tokens_by_prompt: dict[int, int], num_completion_tokens: int) -> dict:
-    """OpenAI's usage block; prompt tokens count once per prompt, not once per choice."""
-    num_prompt_tokens = sum(num_prompt_tokens_by_prompt.values())
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+class Usage:
+    """OpenAI's usage block of one HTTP request, tallied here for both routes.
+
+    Prompt tokens, and those of them served from the prefix cache
+    (`prompt_tokens_details.cached_tokens`, the most any of the prompt's choices
+    found), count once per prompt however many choices share it; completion
+    tokens once per choice. Choice `index` belongs to prompt `index // n`.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}
+        self._completion_tokens = 0
+
+    def add(self, index: int, num_prompt_tokens: int, num_cached_tokens: int,
+            num_completion_tokens: int) -> None:
+        prompt = index // self._n
+        self._prompt_tokens[prompt] = num_prompt_tokens
+        self._cached_tokens[prompt] = max(self._cached_tokens.get(prompt, 0), num_cached_tokens)
+        self._completion_tokens += num_completion_tokens
+
+    def counting(self, stream: OutputStream) -> _CountedStream:
+        """`stream`'s deltas, each added as it passes (a streamed response's usage)."""
+        return _CountedStream(stream, self)
+
+    def of_choices(self, choices: list[Choice]) -> dict:
+        """The usage of a whole response's choices."""
+        for c in choices:
+            self.add(c.index, c.num_prompt_tokens, c.num_cached_tokens, len(c.token_ids))
+        return self.as_dict()
+
+    def as_dict(self) -> dict:
+        num_prompt_tokens = sum(self._prompt_tokens.values())
+        return {"prompt_tokens": num_prompt_tokens,
+                "completion_tokens": self._completion_tokens,
+                "total_tokens": num_prompt_tokens + self._completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens.values())}}
+
+
+class _CountedStream:
+    """An `OutputStream`'s (index, delta) pairs, added to a `Usage` on the way."""
+
+    def __init__(self, stream: OutputStream, usage: Usage) -> None:
+        self._stream = stream
+        self._usage = usage
+
+    def __aiter__(self) -> _CountedStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, StepOutput]:
+        index, out = await self._stream.__anext__()
+        self._usage.add(index, out.num_prompt_tokens, out.num_cached_tokens,
+                        out.num_output_tokens if out.finished else 0)
+        return index, out

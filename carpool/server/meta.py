@@ -50,6 +50,13 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> Response:
+    """Forget every cached prefix block (vLLM's route; running requests keep theirs)."""
+    await ready_engine(request).call(lambda llm_engine: llm_engine.reset_prefix_cache())
+    return Response(status_code=200)
+
+
 @router.get("/stats", include_in_schema=False)
 async def stats(request: Request, integrity: bool = False) -> JSONResponse:
     """The engine's latest published stats snapshot (block counts, queue lengths).

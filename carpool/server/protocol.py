@@ -65,6 +65,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Prefix caching: requests share cached prompt blocks only with the same salt.
+    cache_salt: Text | None = None
     # Accepted so that clients sending them get a clear 400 rather than silent neglect.
     logit_bias: dict | None = None
 

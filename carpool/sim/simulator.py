@@ -80,7 +80,9 @@ def build_scheduler(kind: str, scenario: Scenario, settings: SimSettings, clock:
     config = SchedulerConfig(
         max_num_seqs=scenario.num_slots, max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=max_len, block_size=settings.block_size,
-        preemption_policy=settings.preemption_policy, scheduler=kind)
+        preemption_policy=settings.preemption_policy, scheduler=kind,
+        # Every simulated prompt is the same placeholder token: caching would share them all.
+        enable_prefix_caching=False)
     return SCHEDULER_CLASSES[kind](config, num_blocks, clock=clock)
 
 

@@ -79,3 +79,18 @@ def test_bad_variant_is_an_error(checkpoint, capsys):
     rc = main(["bench", "offline", "--model", str(checkpoint), "--compare", "static,warp"])
     assert rc == 2
     assert "--compare" in capsys.readouterr().err
+
+
+def test_prefix_caching_on_and_off_on_the_shared_prefix_workload(checkpoint):
+    config = WorkloadConfig(name="prefix-repetition", num_prompts=6, num_prefixes=2,
+                            prefix_len=64, input_len=4, output_len=3, range_ratio=0.0)
+    requests = build_workload(config, load_tokenizer(checkpoint))
+    common = {"max_num_seqs": 8, "max_num_batched_tokens": 128}
+    on = run_variant(str(checkpoint), requests, "chunked", common, max_model_len=128)
+    off = run_variant(str(checkpoint), requests, "chunked-no-prefix-cache", common,
+                      max_model_len=128)
+    prefill = lambda run: sum(s.num_prefill_tokens for s in run.steps)
+    assert prefill(off) == sum(len(r.prompt_token_ids) for r in requests)
+    assert prefill(on) < prefill(off)
+    for run in (on, off):
+        assert [r.num_output_tokens for r in run.results] == [3] * 6

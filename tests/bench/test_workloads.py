@@ -108,3 +108,15 @@ def test_sse_lines():
     assert _parse_sse('data: {"a": 1}') == {"a": 1}
     assert _parse_sse("data: [DONE]") is None
     assert _parse_sse("") is None and _parse_sse(": keep-alive") is None
+
+
+def test_prefix_repetition_shares_each_prefix_among_its_users(tokenizer):
+    config = WorkloadConfig(name="prefix-repetition", num_prompts=12, num_prefixes=3,
+                            prefix_len=40, input_len=8, output_len=5, range_ratio=0.0)
+    requests = build_workload(config, tokenizer)
+    heads = [r.prompt_token_ids[:40] for r in requests]
+    assert len(set(heads)) == 3 and all(heads.count(h) == 4 for h in heads)
+    assert all(len(r.prompt_token_ids) == 48 and r.max_tokens == 5 for r in requests)
+    assert len({r.prompt_token_ids for r in requests}) == 12
+    for r in build_workload(config, tokenizer, with_text=True):
+        assert tokenizer.encode(r.prompt, add_special_tokens=False) == list(r.prompt_token_ids)

@@ -6,6 +6,12 @@ step, against its own bookkeeping rather than the scheduler's: the token
 budget, max_num_seqs, block integrity, the partial-prefill limits, progress
 (`num_computed_tokens` as reported), FCFS with bounded skipping, and at the
 end that every request finished and every block is free.
+
+Prompts share prefixes (a few families that diverge at random points, two
+cache salts), so prefix caching hits, shares blocks and evicts. The test keeps
+its own model of what each KV slot holds (which salt and token prefix was
+written there) and checks that every step reads, in every slot before its
+chunk, exactly its own prefix, and writes only blocks no one else holds.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ def configs(draw, tiny_pool: bool = False) -> tuple[SchedulerConfig, int]:
         block_size=draw(st.sampled_from([1, 2, 4, 8, 16])),
         preemption_policy=draw(st.sampled_from(["newest", "least_work"])),
         max_skips=draw(st.integers(0, 4)),
+        enable_prefix_caching=draw(st.booleans()),
     )
     min_blocks = -(-max_model_len // config.block_size)  # the longest request fits alone
     extra = draw(st.integers(0, 2 if tiny_pool else 4 * min_blocks))
@@ -57,6 +64,9 @@ class Spec:
     max_tokens: int
     min_tokens: int
     eos_every: int  # the fake sampler emits EOS every this many tokens (0: never)
+    family: int = 0  # prompts of one family agree up to `diverge_at`
+    diverge_at: int = 0
+    cache_salt: str | None = None
 
 
 @st.composite
@@ -72,7 +82,10 @@ def workloads(draw, max_model_len: int, uniform: bool = False) -> list[Spec]:
             arrival_step=0 if uniform else draw(st.integers(0, 12)),
             num_prompt_tokens=prompt, max_tokens=max_tokens,
             min_tokens=0 if uniform else draw(st.integers(0, max_tokens)),
-            eos_every=0 if uniform else draw(st.sampled_from([0, 0, 3, 5]))))
+            eos_every=0 if uniform else draw(st.sampled_from([0, 0, 3, 5])),
+            family=0 if uniform else draw(st.integers(0, 2)),
+            diverge_at=0 if uniform else draw(st.integers(0, max_model_len)),
+            cache_salt=None if uniform else draw(st.sampled_from([None, None, "tenant-b"]))))
     return specs
 
 
@@ -88,6 +101,10 @@ class Observer:
     first_scheduled: list[str] = field(default_factory=list)
     waiting: list[str] = field(default_factory=list)  # the queue as the test models it
     num_passed_over: dict[str, int] = field(default_factory=dict)  # since last admitted
+    admitted_now: set[str] = field(default_factory=set)
+    prefill_len: dict[str, int] = field(default_factory=dict)  # uncached tokens at admission
+    # What the test believes each KV slot holds: (cache salt, token ids of positions 0..p).
+    slots: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
     def check_step(self, scheduler, output) -> None:
         ids = [s.request_id for s in output.scheduled]
@@ -104,8 +121,12 @@ class Observer:
         for rid, count in self.num_passed_over.items():
             assert count <= self.max_passes, \
                 f"{rid} was passed over in {count} steps, at most {self.max_passes} allowed"
+        holders: dict[int, list[str]] = {}
+        for rid in scheduler._requests:
+            for block_id in scheduler.block_manager.get_block_table(rid):
+                holders.setdefault(block_id, []).append(rid)
         for scheduled in output.scheduled:
-            self._check_scheduled(scheduler, scheduled)
+            self._check_scheduled(scheduler, scheduled, holders)
 
     def check_continuous(self, output) -> None:
         assert output.num_scheduled_tokens <= self.config.max_num_batched_tokens
@@ -115,7 +136,7 @@ class Observer:
         num_long = sum(1 for n in self.partial.values() if threshold and n > threshold)
         assert num_long <= self.config.max_long_partial_prefills
         for s in output.scheduled:
-            if not self.config.enable_chunked_prefill and s.num_computed_tokens == 0:
+            if not self.config.enable_chunked_prefill and s.request_id in self.admitted_now:
                 assert s.sample, "without chunked prefill a prompt is scheduled whole"
             if self.config.enable_chunked_prefill and threshold and s.num_new_tokens > 1:
                 assert s.num_new_tokens <= threshold
@@ -126,31 +147,60 @@ class Observer:
 
     def forget(self, rid: str) -> None:
         self.partial.pop(rid, None)
+        self.prefill_len.pop(rid, None)
         self.num_passed_over.pop(rid, None)
         if rid in self.waiting:
             self.waiting.remove(rid)
 
-    def _check_scheduled(self, scheduler, scheduled) -> None:
+    def _check_scheduled(self, scheduler, scheduled, holders) -> None:
         rid = scheduled.request_id
         request = scheduler.get_request(rid)
         start = scheduled.num_computed_tokens
-        assert start == self.computed.get(rid, 0)
+        size = self.config.block_size
+        if rid in self.admitted_now:  # starts after its cached prefix, never at its last token
+            assert start % size == 0 and start <= (request.num_tokens - 1) // size * size
+            assert start == 0 or self.config.enable_prefix_caching
+            self.prefill_len[rid] = request.num_tokens - start
+        else:
+            assert start == self.computed.get(rid, 0)
         end = start + scheduled.num_new_tokens
-        assert list(scheduled.token_ids) == (request.prompt_token_ids
-                                             + request.output_token_ids)[start:end]
+        tokens = request.prompt_token_ids + request.output_token_ids
+        assert list(scheduled.token_ids) == tokens[start:end]
         assert scheduled.sample == (end == request.num_tokens)
-        assert len(scheduled.block_ids) * self.config.block_size >= end
+        assert len(scheduled.block_ids) * size >= end
         assert list(scheduled.block_ids) == scheduler.block_manager.get_block_table(rid)
+        self._check_kv(scheduler, request, scheduled, tokens, holders)
         self.computed[rid] = end
         if scheduled.sample:
             self.partial.pop(rid, None)
         else:
-            self.partial[rid] = request.num_tokens
+            self.partial[rid] = self.prefill_len[rid]
 
+    def _check_kv(self, scheduler, request, scheduled, tokens, holders) -> None:
+        """Reads see the request's own prefix; writes land only in blocks no other table
+        holds and that have no hash; then the model records what was written."""
+        size = self.config.block_size
+        table = scheduled.block_ids
+        start = scheduled.num_computed_tokens
+        end = start + scheduled.num_new_tokens
+        prefixes = [(request.cache_salt,)]  # prefixes[p + 1]: salt and tokens 0..p
+        for token_id in tokens[:end]:
+            prefixes.append(prefixes[-1] + (token_id,))
+        for p in range(start):
+            assert self.slots.get((table[p // size], p % size)) == prefixes[p + 1], \
+                f"{request.request_id} reads a slot at position {p} holding another prefix"
+        cache = scheduler.block_manager.prefix_cache
+        for index in range(start // size, -(-end // size)):
+            assert holders[table[index]] == [request.request_id], \
+                f"write into block {table[index]} held by {holders[table[index]]}"
+            assert cache is None or cache.hash_of(table[index]) is None, "write into a hashed block"
+        for p in range(start, end):
+            self.slots[(table[p // size], p % size)] = prefixes[p + 1]
     def _note_admissions(self, ids: list[str]) -> None:
         """Admissions must follow the queue (preempted requests at its front, then arrivals),
         and each request may be passed over by a later one in at most max_skips steps."""
         admitted = [rid for rid in ids if rid in self.waiting]
+        self.admitted_now = set(admitted)
         positions = [self.waiting.index(rid) for rid in admitted]
         assert positions == sorted(positions), f"admitted out of queue order: {admitted}"
         if admitted:
@@ -203,8 +253,9 @@ def drive(scheduler, config: SchedulerConfig, specs: list[Spec], abort_steps: li
 
 def _make(request_id: str, spec: Spec) -> Request:
     params = SamplingParams(max_tokens=spec.max_tokens, min_tokens=spec.min_tokens)
-    prompt = [1 + i % 50 for i in range(spec.num_prompt_tokens)]
-    return Request(request_id, prompt, params, eos_token_id=EOS)
+    prompt = [1 + i % 50 if i < spec.diverge_at else 60 + (7 * i + spec.family) % 40
+              for i in range(spec.num_prompt_tokens)]
+    return Request(request_id, prompt, params, eos_token_id=EOS, cache_salt=spec.cache_salt)
 
 
 def _fake_token(request: Request, eos_every: int) -> int:

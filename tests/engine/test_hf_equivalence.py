@@ -31,6 +31,10 @@ SETTINGS = {
     # 96 blocks of 4 tokens: the longest request alone needs 87, so the others' growth
     # preempts (4 preemptions on every arch).
     "preemption": dict(num_kv_blocks=96, block_size=4, max_num_batched_tokens=512),
+    # Prefix caching is on in every other setting (each prompt is sent three times, so
+    # later copies hit); the same preemption run without it.
+    "preemption_no_prefix_caching": dict(num_kv_blocks=96, block_size=4,
+                                         max_num_batched_tokens=512, enable_prefix_caching=False),
     # Beyond the four the issue names: several partial prefills at once (chunks capped at
     # 24 tokens), and continuous batching with prompts prefilled whole.
     "partial_prefills": dict(num_kv_blocks=256, max_num_batched_tokens=64,
@@ -103,7 +107,7 @@ def test_greedy_matches_transformers(arch, setting, backend, separated_checkpoin
         assert num_partial_chunks > 0
     if setting == "unchunked":
         assert num_partial_chunks == 0
-    if setting == "preemption":
+    if setting.startswith("preemption"):
         assert stats.num_preemptions > 0
     else:
         assert stats.num_preemptions == 0

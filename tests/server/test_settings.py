@@ -41,3 +41,14 @@ def test_flags_reach_the_settings():
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         ServerSettings(**{field: value})
+
+
+def test_prefix_caching_flag_is_on_by_default_and_can_be_turned_off():
+    from carpool.config import EngineConfig
+
+    def enabled(*argv: str) -> bool:
+        return EngineConfig.from_cli_args(_parse(*argv)).scheduler.enable_prefix_caching
+
+    assert enabled() is True
+    assert enabled("--no-enable-prefix-caching") is False
+    assert enabled("--enable-prefix-caching") is True

@@ -215,3 +215,23 @@ def test_unknown_request_fields_are_named_not_dropped_silently():
     assert CompletionRequest(prompt="a").ignored_fields == []
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools_x=True)
     assert chat.ignored_fields == ["tools_x"]
+
+
+def test_metrics_count_prefix_cache_tokens_and_log_the_hit_rate(caplog):
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+
+    def out(rid, cached):
+        return [StepOutput(rid, [1], "a", num_prompt_tokens=40, num_output_tokens=1,
+                           num_cached_tokens=cached)]
+
+    with caplog.at_level("INFO", logger="carpool.metrics"):
+        metrics.record_step(out("a", 0), engine_stats(prefix_cache_queries=40), now=100.0)
+        metrics.record_step(out("b", 32),
+                            engine_stats(prefix_cache_queries=80, prefix_cache_hits=32),
+                            now=106.0)
+    s = _samples(metrics)
+    assert s[("carpool:prefix_cache_queries_total", ())] == 80
+    assert s[("carpool:prefix_cache_hits_total", ())] == 32
+    assert s[("carpool:prompt_tokens_cached_total", ())] == 32
+    (record,) = caplog.records
+    assert "Prefix cache hit rate: 40.0%" in record.getMessage()
