@@ -3,9 +3,10 @@
 `paged_attention` in `csrc/paged_attention.cpp` reads keys and values in place through the
 block table (the PyTorch decode path gathers the keys into a padded copy first). It is
 compiled with `torch.utils.cpp_extension.load` the first time `load()` is called and cached
-on disk across processes (torch's extension directory unless `build_dir` is given); the
-vector width matches the capability torch itself dispatches to on this CPU. When the build
-cannot run, `load()` logs one warning and returns None, and callers keep the PyTorch path.
+on disk across processes (torch's extension directory unless `build_dir` is given), under a
+name that carries a hash of the sources; the vector width matches the capability torch
+itself dispatches to on this CPU. When the build cannot run, `load()` logs one warning and
+returns None, and callers keep the PyTorch path.
 `paged_attention_reference` has the same signature: the test oracle and the fallback.
 
     module.paged_attention(out, q, kv_cache, block_tables, query_starts, query_lens,
@@ -21,6 +22,7 @@ intra-op threads (`torch.set_num_threads`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -31,7 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCE = _CSRC / "paged_attention.cpp"
 # Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
 _CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
@@ -57,8 +60,8 @@ def _build(build_dir: str | None) -> ModuleType | None:
 
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
-    name = f"carpool_cpu_kernels_{capability.lower() if flags else 'default'}"
     try:
+        name = _extension_name(capability.lower() if flags else "default", flags)
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed")
         if build_dir is not None:
@@ -71,6 +74,17 @@ def _build(build_dir: str | None) -> ModuleType | None:
         logger.warning("C++ CPU attention kernels unavailable, using the PyTorch path: %s",
                        first_line)
         return None
+
+
+def _extension_name(capability: str, flags: list[str]) -> str:
+    """carpool_cpu_kernels_<capability>_<hash of csrc/ and flags>: each version of the sources
+    gets its own build in the shared extension cache, so two checkouts (or an upgrade) never
+    rebuild over, or load, each other's binary."""
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return f"carpool_cpu_kernels_{capability}_{digest.hexdigest()[:12]}"
 
 
 def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
