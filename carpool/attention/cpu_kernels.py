@@ -66,8 +66,11 @@ def _build(build_dir: str | None) -> ModuleType | None:
             raise RuntimeError("ninja is not installed")
         if build_dir is not None:
             Path(build_dir).mkdir(parents=True, exist_ok=True)
+        # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here); without
+        # it the loop runs on one thread. The libgomp.so.1 torch already loaded serves it.
         return cpp_extension.load(name=name, sources=[str(_SOURCE)],
-                                  extra_cflags=["-O3", *flags], build_directory=build_dir,
+                                  extra_cflags=["-O3", "-fopenmp", *flags],
+                                  extra_ldflags=["-fopenmp"], build_directory=build_dir,
                                   verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -80,7 +83,7 @@ def _extension_name(capability: str, flags: list[str]) -> str:
     """carpool_cpu_kernels_<capability>_<hash of csrc/ and flags>: each version of the sources
     gets its own build in the shared extension cache, so two checkouts (or an upgrade) never
     rebuild over, or load, each other's binary."""
-    digest = hashlib.sha256(" ".join(flags).encode())
+    digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
