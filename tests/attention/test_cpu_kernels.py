@@ -149,6 +149,16 @@ def test_strided_q_and_out(kernels):
     assert (out_wide[:, :4 * 16] == UNTOUCHED).all()
 
 
+def test_runs_on_torchs_threads(kernels):
+    """at::parallel_for is inline OpenMP: a build without -fopenmp would run on one thread."""
+    num_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernels.parallel_width() == 2
+    finally:
+        torch.set_num_threads(num_threads)
+
+
 def test_rejects_bad_inputs(kernels):
     case = make_case([1], [20], 4, 2, 16, torch.float32)
     out = torch.empty_like(case["q"])

@@ -378,7 +378,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   }
 }
 
+// How many threads one at::parallel_for spreads over (a build check: 1 without OpenMP).
+int64_t parallel_width() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() % 64));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_width", &parallel_width,
+        "Threads one at::parallel_for runs on (1 means the build lost OpenMP).");
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
