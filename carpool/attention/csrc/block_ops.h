@@ -57,8 +57,9 @@ inline void store_scaled(const float* src, float factor, scalar_t* dst, int64_t 
   for (; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i] * factor);
 }
 
-// Rows of queries, keys, values and accumulators are padded with zeros to kMaxVecs-bounded
-// multiples of the vector width, so the inner loops below use whole vectors only.
+// Float rows of queries, keys, values and accumulators are padded with zeros to whole vectors
+// (at most kMaxVecs per row), so the inner loops below use whole vectors only; cache rows
+// read in place (load_row on bfloat16/float16) fill whole vectors by construction.
 constexpr int kMaxVecs = 16;  // head_dim up to 16 vectors: 256 with AVX512, 128 with AVX2
 constexpr int kMaxRows = 4;   // query rows per register pass
 
