@@ -3,14 +3,26 @@
 `paged_attention` in `csrc/paged_attention.cpp` reads keys and values in place through the
 block table (the PyTorch decode path gathers the keys into a padded copy first). It is
 compiled with `torch.utils.cpp_extension.load` the first time `load()` is called and cached
-on disk across processes (torch's extension directory unless `build_dir` is given); the
-vector width matches the capability torch itself dispatches to on this CPU. When the build
-cannot run, `load()` logs one warning and returns None, and callers keep the PyTorch path.
+on disk across processes (torch's extension directory unless `build_dir` is given), under a
+name that carries a hash of the sources; the vector width matches the capability torch
+itself dispatches to on this CPU. When the build cannot run, `load()` logs one warning and
+returns None, and callers keep the PyTorch path.
 `paged_attention_reference` has the same signature: the test oracle and the fallback.
+
+    module.paged_attention(out, q, kv_cache, block_tables, query_starts, query_lens,
+                           seq_lens, scale, sliding_window) -> None
+
+out, q [T, H, D] (same dtype: float32, bfloat16 or float16; head_dim contiguous, token and
+head strides free); kv_cache [2, Hkv, num_blocks, block_size, D] contiguous, same dtype;
+block_tables [S, max_blocks], query_starts/query_lens/seq_lens [S]: contiguous int32 CPU
+tensors; sliding_window 0 = none. Writes only the rows some request covers; bad shapes,
+dtypes, lengths or block ids raise RuntimeError. It releases the GIL and runs on torch's
+intra-op threads (`torch.set_num_threads`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -21,8 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_attention.cpp", "fused_ops.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp"]
 # Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
 _CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
@@ -48,20 +60,34 @@ def _build(build_dir: str | None) -> ModuleType | None:
 
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
-    name = f"carpool_cpu_kernels_{capability.lower() if flags else 'default'}"
     try:
+        name = _extension_name(capability.lower() if flags else "default", flags)
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed")
         if build_dir is not None:
             Path(build_dir).mkdir(parents=True, exist_ok=True)
+        # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here); without
+        # it the loop runs on one thread. The libgomp.so.1 torch already loaded serves it.
         return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES],
-                                  extra_cflags=["-O3", *flags], build_directory=build_dir,
+                                  extra_cflags=["-O3", "-fopenmp", *flags],
+                                  extra_ldflags=["-fopenmp"], build_directory=build_dir,
                                   verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         logger.warning("C++ CPU attention kernels unavailable, using the PyTorch path: %s",
                        first_line)
         return None
+
+
+def _extension_name(capability: str, flags: list[str]) -> str:
+    """carpool_cpu_kernels_<capability>_<hash of csrc/ and flags>: each version of the sources
+    gets its own build in the shared extension cache, so two checkouts (or an upgrade) never
+    rebuild over, or load, each other's binary."""
+    digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return f"carpool_cpu_kernels_{capability}_{digest.hexdigest()[:12]}"
 
 
 def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
