@@ -1,11 +1,12 @@
-"""The C++ paged attention kernel vs today's PyTorch CPU attention path, alternated in one run.
+"""The cpu attention backend with its C++ kernel vs its PyTorch paths, alternated in one run.
 
-Both sides attend the same step (built through `build_input_batch` from a `SchedulerOutput`)
-over the 135M model's attention shape (9 query heads, 3 KV heads, head_dim 64, block size 16),
-with the same thread count. One timed sample is `--layers` consecutive layer calls, each on
-its own KV cache (so the caches do not all sit in the L3 cache, as in a real step); samples
-of the two sides alternate, and the table gives the medians and their ratio. Per-step work
-(the batch metadata and int32 tables) is built once, outside the timing, for both sides.
+Both sides attend the same step (built through `build_input_batch` from a `SchedulerOutput`,
+metadata by the backend) over the 135M model's attention shape (9 query heads, 3 KV heads,
+head_dim 64, block size 16), with the same thread count. One timed sample is `--layers`
+consecutive layer calls, each on its own KV cache (so the caches do not all sit in the L3
+cache, as in a real step); samples of the two sides alternate, and the table gives the
+medians and their ratio. Per-step work (the batch metadata and int32 tables) is built
+once, outside the timing, for both sides.
 
     PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py
     PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py --repeats 31 --threads 2
@@ -21,13 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from carpool.attention import cpu_kernels  # noqa: E402
-from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from carpool.runner import attention  # noqa: E402
-from carpool.runner.input_batch import build_input_batch  # noqa: E402
-from carpool.sampling_params import SamplingParams  # noqa: E402
+from carpool.attention import AttentionShape, cpu_kernels, create_backend
+from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from carpool.runner.input_batch import build_input_batch
+from carpool.sampling_params import SamplingParams
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -50,46 +50,33 @@ def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int):
     return SchedulerOutput(scheduled=scheduled), num_blocks
 
 
-def kernel_args(step: SchedulerOutput):
-    """The kernel's int32 block tables, query starts/lengths and seq lengths for the step."""
-    max_blocks = max(len(r.block_ids) for r in step.scheduled)
-    tables = torch.zeros(len(step.scheduled), max_blocks, dtype=torch.int32)
-    starts, q_lens, seq_lens, start = [], [], [], 0
-    for i, req in enumerate(step.scheduled):
-        tables[i, :len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
-        starts.append(start)
-        q_lens.append(req.num_new_tokens)
-        seq_lens.append(req.num_computed_tokens + req.num_new_tokens)
-        start += req.num_new_tokens
-    as_int = dict(dtype=torch.int32)
-    return (tables, torch.tensor(starts, **as_int), torch.tensor(q_lens, **as_int),
-            torch.tensor(seq_lens, **as_int))
-
-
 def bench_case(kernels, name: str, dtype: torch.dtype, num_decodes: int,
                chunks: list[tuple[int, int]], num_layers: int, repeats: int) -> dict:
     step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes)
     batch = build_input_batch(step, block_size=BLOCK_SIZE, scratch_block=num_blocks - 1,
                               device=torch.device("cpu"))
-    num_tokens = batch.meta.num_tokens
+    num_tokens = batch.layout.num_tokens
     caches = [torch.randn(2, NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM).to(dtype)
               for _ in range(num_layers)]
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
     scale = HEAD_DIM ** -0.5
-    args = kernel_args(step)
-    out = torch.empty_like(q)
+    shape, cpu = AttentionShape(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM), torch.device("cpu")
+    pytorch = create_backend("cpu", shape, cpu)
+    kernel = create_backend("cpu", shape, cpu, kernels=kernels)
+    torch_meta = pytorch.build_metadata(batch.layout)
+    kernel_meta = kernel.build_metadata(batch.layout)
 
     def torch_path():
         for cache in caches:
-            attention.paged_attention(q, k, k, cache, batch.meta, scale)
+            pytorch.attend(q, k, k, cache, torch_meta, scale)
 
     def kernel_path():
         for cache in caches:
-            kernels.paged_attention(out, q, cache, *args, scale, 0)
+            kernel.attend(q, k, k, cache, kernel_meta, scale)
 
-    expected = attention.paged_attention(q, k, k, caches[0], batch.meta, scale)
-    kernels.paged_attention(out, q, caches[0], *args, scale, 0)
+    expected = pytorch.attend(q, k, k, caches[0], torch_meta, scale)
+    out = kernel.attend(q, k, k, caches[0], kernel_meta, scale)
     max_diff = (out.float() - expected.float()).abs().max().item()
     times = {"torch": [], "kernel": []}
     for _ in range(repeats):
@@ -120,7 +107,8 @@ def main() -> None:
           f"{ns.layers} layer caches per sample, {ns.repeats} alternated samples per side")
     cases = [(f"{n} decodes", n, []) for n in (40, 200)]
     cases.append(("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4))
-    print(f"{'case':34} {'dtype':9} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} {'max diff':>9}")
+    print(f"{'case':34} {'dtype':9} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} "
+          f"{'max diff':>9}")
     for dtype in (torch.bfloat16, torch.float32):
         for name, num_decodes, chunks in cases:
             row = bench_case(kernels, name, dtype, num_decodes, chunks, ns.layers, ns.repeats)
