@@ -2,9 +2,8 @@
 
 A drop-in for `models.rope.Rotary` that `CpuPlatform.prepare_model` swaps in when the
 C++ kernels are built. It gives `apply_rope`'s results to the bit (float32 and reduced
-precision; see `csrc/fused_ops.cpp`), about 10x faster in float32 for a 40-token
-decode step of the 135M shape, where the eager path's slices, cat and products are
-mostly per-op overhead.
+precision; see `csrc/fused_ops.cpp`) in one pass, where the eager path's slices, cat
+and products are mostly per-op overhead at decode sizes.
 """
 
 from __future__ import annotations
