@@ -33,6 +33,7 @@ class Job:
     workloads: dict[str, list[tuple[list[int], int]]]  # name -> [(prompt ids, output len)]
     keep_token_ids: bool = True
     kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE; carpool gets the same bytes
+    enable_prefix_caching: bool = False  # both engines alike (on for prefix-repetition)
 
     @classmethod
     def load(cls, path: str) -> Job:
