@@ -127,6 +127,8 @@ def summarize_run(result: dict) -> dict:
     """One engine's run of one workload -> tok/s, TTFT and E2E p50/p99 (ms)."""
     requests = result["requests"]
     num_output_tokens = sum(r["num_output_tokens"] for r in requests)
+    num_prompt_tokens = sum(r["num_prompt_tokens"] for r in requests)
+    num_cached_tokens = sum(r.get("num_cached_tokens", 0) for r in requests)
     ttft = Distribution.of([r["first_token_s"] for r in requests if r["first_token_s"] is not None])
     e2e = Distribution.of([r["end_s"] for r in requests if r["end_s"] is not None])
     # Where the time went: until every prompt is prefilled, then steps that only decode.
@@ -141,7 +143,8 @@ def summarize_run(result: dict) -> dict:
             "ttft_p50_ms": ttft.median_ms, "ttft_p99_ms": ttft.p99_ms,
             "e2e_p50_ms": e2e.median_ms, "e2e_p99_ms": e2e.p99_ms,
             "all_prefilled_s": all_prefilled_s,
-            "decode_step_p50_ms": Distribution.of(decode_steps).median_ms}
+            "decode_step_p50_ms": Distribution.of(decode_steps).median_ms,
+            "cached_prompt_fraction": num_cached_tokens / max(num_prompt_tokens, 1)}
 
 
 def run_worker(engine: str, job: Job, python: str, workdir: Path, tag: str, timeout_s: float,
@@ -215,7 +218,9 @@ def compare_case(name: str, model_dir: Path, dtype: str, workloads: dict, engine
                       f"{summary['output_tok_s']:8.1f} tok/s  TTFT p50 {summary['ttft_p50_ms']:8.0f} ms  "
                       f"E2E p50 {summary['e2e_p50_ms']:8.0f} ms  (all prefilled at "
                       f"{summary['all_prefilled_s']:.1f} s, then steps of "
-                      f"{summary['decode_step_p50_ms']:.0f} ms p50)", flush=True)
+                      f"{summary['decode_step_p50_ms']:.0f} ms p50; "
+                      f"{100 * summary['cached_prompt_fraction']:.0f}% of prompt tokens cached)",
+                      flush=True)
             print(f"  ({engine} process took {time.time() - started:.0f} s, startup "
                   f"{result['startup_s']:.0f} s)", flush=True)
     case = {"model": name, "dtype": dtype, "checkpoint": str(model_dir), "workloads": {},

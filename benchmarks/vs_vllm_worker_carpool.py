@@ -50,7 +50,7 @@ def build(job: Job):
             index = live[out.request_id]
             if out.finished:
                 del live[out.request_id]
-            yield Delta(index, list(out.new_token_ids), out.finished)
+            yield Delta(index, list(out.new_token_ids), out.finished, out.num_cached_tokens)
 
     return add, step
 

@@ -50,7 +50,8 @@ def build(job: Job):
             index = live[out.request_id]
             if out.finished:
                 del live[out.request_id]
-            yield Delta(index, list(out.outputs[0].token_ids), out.finished)
+            yield Delta(index, list(out.outputs[0].token_ids), out.finished,
+                        out.num_cached_tokens or 0)
 
     return add, step
 

@@ -87,6 +87,7 @@ def test_prefix_repetition_workload_shares_prefixes_and_turns_caching_on(make_ch
     assert job["enable_prefix_caching"] is True
     (run,) = case["workloads"]["4 (1x48 prefix)"]["runs"]["carpool"]
     assert run["num_output_tokens"] == 4 * 2
+    assert run["cached_prompt_fraction"] > 0  # 3 of 4 requests find the 48-token prefix
 
 
 def test_ratio_and_agreement_are_carpool_over_vllm():
