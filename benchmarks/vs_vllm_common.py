@@ -33,6 +33,7 @@ class Job:
     workloads: dict[str, list[tuple[list[int], int]]]  # name -> [(prompt ids, output len)]
     keep_token_ids: bool = True
     kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE; carpool gets the same bytes
+    enable_prefix_caching: bool = False  # both engines alike (on for prefix-repetition)
 
     @classmethod
     def load(cls, path: str) -> Job:
@@ -56,6 +57,7 @@ class RequestTiming:
     end_s: float | None = None
     num_output_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the engine said came from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Delta:
     request_index: int
     new_token_ids: list[int]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, as reported
 
 
 def run_workload(requests: list[tuple[list[int], int]], add: Callable[[int, list[int], int], None],
@@ -83,6 +86,7 @@ def run_workload(requests: list[tuple[list[int], int]], add: Callable[[int, list
         steps.append((now - (step_start - start), len(deltas)))
         for delta in deltas:
             timing = timings[delta.request_index]
+            timing.num_cached_tokens = max(timing.num_cached_tokens, delta.num_cached_tokens)
             if delta.new_token_ids:
                 if timing.first_token_s is None:
                     timing.first_token_s = now

