@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -59,6 +60,14 @@ class CpuMetadata:
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+
+    def __init__(self, shape: AttentionShape, device: torch.device,
+                 kernels: ModuleType | None = None) -> None:
+        # The kernel keeps a query row in registers: it takes head_dim up to 256 (AVX-512
+        # builds) or 128; above that this backend keeps its PyTorch paths.
+        if kernels is not None and shape.head_dim > kernels.max_head_dim():
+            kernels = None
+        super().__init__(shape, device, kernels)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         split = paged.split_step(layout, fresh_fast_path=self.shape.sliding_window is None)

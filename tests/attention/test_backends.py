@@ -199,3 +199,12 @@ def test_config_names_the_registered_backends():
     assert ATTENTION_BACKENDS == BACKEND_NAMES
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="flash")
+
+
+def test_cpu_backend_keeps_its_pytorch_paths_above_the_kernels_head_dim():
+    kernels = cpu_kernels.load()
+    assert kernels.max_head_dim() >= 128
+    wide = AttentionShape(2, 1, kernels.max_head_dim() + 16)
+    assert create_backend("cpu", wide, CPU, kernels=kernels).kernels is None
+    fits = AttentionShape(2, 1, kernels.max_head_dim())
+    assert create_backend("cpu", fits, CPU, kernels=kernels).kernels is kernels

@@ -392,6 +392,8 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("max_head_dim", [] { return static_cast<int64_t>(kMaxVecs * Vec::size()); },
+        "The largest head_dim paged_attention takes in this build (callers fall back above).");
   m.def("parallel_width", &parallel_width,
         "Threads one at::parallel_for runs on (1 means the build lost OpenMP).");
   m.def("rotary_", &carpool_fused::rotary_,
