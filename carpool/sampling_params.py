@@ -21,6 +21,11 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # min_p or penalty below it becomes 0 or a denormal (top_p 1e-50 would mask every token,
 # repetition_penalty 1e-300 divide by zero): such values are rejected, not clamped.
 FLOAT32_TINY = 1.1754943508222875e-38
+# Stop strings are matched against every step's new text on the engine thread, so their
+# number and size are capped (OpenAI's API takes 4; vLLM sets no limit).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000  # each
+MAX_STOP_TOTAL_CHARS = 8192  # all of a request's stop strings together
 
 
 _SEED_MODULUS = 2**64  # seed is at most 2**64 - 1; child seeds wrap
@@ -83,9 +88,7 @@ class SamplingParams:
             _require_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id, minimum=0)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        _check_stop_strings(self.stop)
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
 
@@ -123,6 +126,22 @@ def _require_float(name: str, value: object, low: float, high: float) -> None:
         raise ValueError(f"{name} must be a finite number, got {value}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_stop_strings(stop: tuple) -> None:
+    """Non-empty strings, within MAX_STOP_STRINGS / MAX_STOP_STRING_CHARS / MAX_STOP_TOTAL_CHARS."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters "
+                             f"each, got one of {len(s)}")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise ValueError(f"stop strings must total at most {MAX_STOP_TOTAL_CHARS} characters, "
+                         f"got {total}")
 
 
 def _require_float32_normal(name: str, value: float) -> None:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from carpool import SamplingParams
+from carpool.sampling_params import MAX_STOP_STRINGS
 from tests.reliability.live import MODEL, assert_openai_error, greedy_texts, wait_idle_and_intact
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
@@ -51,4 +54,38 @@ def test_underflowing_float_over_http_is_a_400_naming_it(edge_server, field, val
             "model": MODEL, "prompt": PROMPT, "max_tokens": 4, field: value})
     error = assert_openai_error(response, 400, "float32")
     assert error["param"] == field
+    wait_idle_and_intact(edge_server)
+
+
+TOO_MANY_STOPS = [
+    (["s%d" % i for i in range(MAX_STOP_STRINGS + 1)], "at most 64 strings"),
+    (["x" * 1001], "at most 1000 characters each"),
+    (["%d" % i + "x" * 990 for i in range(9)], "total at most 8192 characters"),
+]
+
+
+@pytest.mark.parametrize("stop,words", TOO_MANY_STOPS, ids=["count", "length", "total"])
+def test_stop_strings_over_the_caps_are_a_value_error(stop, words):
+    with pytest.raises(ValueError, match=rf"^stop .*{words}"):
+        SamplingParams(stop=stop)
+
+
+def test_stop_strings_at_the_caps_are_served(edge_server):
+    stop = ["%02d" % i + "z" * 126 for i in range(MAX_STOP_STRINGS)]  # 8192 characters
+    with edge_server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stop": stop})
+    assert response.status_code == 200, response.text
+
+
+def test_a_hundred_thousand_stop_strings_get_a_quick_400(edge_server):
+    with edge_server.http() as http:
+        start = time.monotonic()
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 4,
+            "stop": ["s%d" % i for i in range(100_000)]})
+        elapsed = time.monotonic() - start
+    error = assert_openai_error(response, 400, "at most 64 strings", "100000")
+    assert error["param"] == "stop"
+    assert elapsed < 5, elapsed
     wait_idle_and_intact(edge_server)

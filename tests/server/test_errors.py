@@ -46,6 +46,8 @@ INVALID_COMPLETION_FIELDS = [
     ({"repetition_penalty": 0}, "repetition_penalty", ()),
     ({"min_tokens": 9}, "min_tokens", ()),
     ({"stop": [""]}, "stop", ()),
+    ({"stop": ["x"] * 65}, "stop", ("64",)),
+    ({"stop": "x" * 1001}, "stop", ("1000",)),
     ({"stop_token_ids": [-1]}, "stop_token_ids", ()),
     ({"seed": "abc"}, "seed", ()),
     ({"stream": "sometimes"}, "stream", ()),
