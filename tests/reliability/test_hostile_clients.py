@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 
 from carpool import SamplingParams
 from carpool.sampling_params import MAX_STOP_STRINGS
-from tests.reliability.live import MODEL, assert_openai_error, greedy_texts, wait_idle_and_intact
+from tests.reliability.live import API_KEY, MODEL, assert_openai_error, greedy_texts, wait_idle_and_intact
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
@@ -88,4 +89,70 @@ def test_a_hundred_thousand_stop_strings_get_a_quick_400(edge_server):
     error = assert_openai_error(response, 400, "at most 64 strings", "100000")
     assert error["param"] == "stop"
     assert elapsed < 5, elapsed
+    wait_idle_and_intact(edge_server)
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(edge_server, scheme):
+    with httpx.Client(base_url=edge_server.base_url, timeout=60) as http:
+        response = http.get("/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("values", [
+    [f"Bearer {API_KEY}", f"Bearer {API_KEY}"],
+    ["Bearer wrong", f"Bearer {API_KEY}"],
+    [f"Bearer {API_KEY}", "Bearer wrong"],
+], ids=["both-right", "right-last", "right-first"])
+def test_two_authorization_headers_are_refused(edge_server, values):
+    with httpx.Client(base_url=edge_server.base_url, timeout=60) as http:
+        response = http.get("/v1/models", headers=[("Authorization", v) for v in values])
+    assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("scheme", ["Basic", "Token", "Bearer:"])
+def test_other_schemes_are_refused(edge_server, scheme):
+    with httpx.Client(base_url=edge_server.base_url, timeout=60) as http:
+        response = http.get("/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"})
+    assert_openai_error(response, 401)
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", True), ("n", True), ("seed", False),
+                                         ("temperature", True), ("max_tokens", 4.0),
+                                         ("max_tokens", "4")])
+def test_booleans_and_lookalikes_are_not_numbers(edge_server, field, value):
+    with edge_server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 4, field: value})
+    assert assert_openai_error(response, 400)["param"] == field
+
+
+def test_token_id_prompt_of_booleans_is_a_400(edge_server):
+    with edge_server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": [True, False], "max_tokens": 4})
+    assert_openai_error(response, 400)
+
+
+VOCAB_SIZE = 512  # the test checkpoints' vocabulary
+
+
+def test_settings_masking_every_token_are_a_value_error_offline(reference_llm):
+    params = SamplingParams(min_tokens=2, max_tokens=4, stop_token_ids=range(VOCAB_SIZE))
+    with pytest.raises(ValueError, match=r"^stop_token_ids: .* mask all 512 tokens"):
+        reference_llm.generate([PROMPT], params, use_tqdm=False)
+    # One token left unmasked: it is generated until min_tokens.
+    eos = reference_llm.get_tokenizer().eos_token_id
+    params = SamplingParams(min_tokens=3, max_tokens=3, temperature=0,
+                            stop_token_ids=[t for t in range(VOCAB_SIZE) if t not in (eos, 42)])
+    out = reference_llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [42, 42, 42]
+
+
+def test_settings_masking_every_token_are_a_400(edge_server):
+    with edge_server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 4, "min_tokens": 2,
+            "stop_token_ids": list(range(VOCAB_SIZE))})
+    assert assert_openai_error(response, 400, "mask all")["param"] == "stop_token_ids"
     wait_idle_and_intact(edge_server)
