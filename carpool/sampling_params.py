@@ -13,6 +13,19 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+# A temperature below this is greedy: float32 logits divided by it would overflow to inf.
+# The value is vLLM's `_SAMPLING_EPS`; vLLM itself raises 0 < temperature < 0.01 to 0.01
+# (with a warning) and then samples, where carpool takes the limit, greedy, for t < 1e-5.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# float32's smallest normal number. The sampler works in float32, where a nonzero top_p,
+# min_p or penalty below it becomes 0 or a denormal (top_p 1e-50 would mask every token,
+# repetition_penalty 1e-300 divide by zero): such values are rejected, not clamped.
+FLOAT32_TINY = 1.1754943508222875e-38
+# Stop strings are matched against every step's new text on the engine thread, so their
+# number and size are capped (OpenAI's API takes 4; vLLM sets no limit).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000  # each
+MAX_STOP_TOTAL_CHARS = 8192  # all of a request's stop strings together
 
 
 _SEED_MODULUS = 2**64  # seed is at most 2**64 - 1; child seeds wrap
@@ -23,7 +36,7 @@ class SamplingParams:
     n: int = 1  # completions per prompt; fanned out above the engine
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0  # EOS and stop tokens are ignored before this many outputs
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE_EPS) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables
     min_p: float = 0.0
@@ -68,19 +81,21 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0, got 0")
         _require_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _require_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _require_float32_normal(name, getattr(self, name))
         if self.seed is not None:
             _require_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
         for token_id in self.stop_token_ids:
             _require_int("stop_token_ids", token_id, minimum=0)
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        _check_stop_strings(self.stop)
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it (< GREEDY_TEMPERATURE_EPS) that it is the same."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -111,3 +126,27 @@ def _require_float(name: str, value: object, low: float, high: float) -> None:
         raise ValueError(f"{name} must be a finite number, got {value}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_stop_strings(stop: tuple) -> None:
+    """Non-empty strings, within MAX_STOP_STRINGS / MAX_STOP_STRING_CHARS / MAX_STOP_TOTAL_CHARS."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters "
+                             f"each, got one of {len(s)}")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise ValueError(f"stop strings must total at most {MAX_STOP_TOTAL_CHARS} characters, "
+                         f"got {total}")
+
+
+def _require_float32_normal(name: str, value: float) -> None:
+    """A nonzero value must survive float32 (the sampler's dtype) as a normal number."""
+    if value != 0 and abs(value) < FLOAT32_TINY:
+        raise ValueError(f"{name} must be 0 or at least {FLOAT32_TINY:.6g} in magnitude "
+                         f"(float32's smallest normal number, the sampler's precision), "
+                         f"got {value}")

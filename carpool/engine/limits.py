@@ -1,4 +1,5 @@
-"""What the engine checks before a request is queued: the context length and prompt tokens.
+"""What the engine checks before a request is queued: the context length, prompt tokens, and
+that a request's own settings leave some token to generate.
 
 Resolved once from the model and the user's settings, so every front end (the
 offline `LLM`, the HTTP server) rejects the same requests with the same words.
@@ -53,3 +54,19 @@ def check_fits_kv_cache(num_prompt_tokens: int, params: SamplingParams, max_mode
     if params.max_tokens is not None:
         num_output_tokens = min(num_output_tokens, params.max_tokens)
     check_fits_pool(num_prompt_tokens, num_output_tokens, block_size, num_total_blocks)
+
+
+def check_some_token_allowed(params: SamplingParams, vocab_size: int,
+                             eos_token_ids: Sequence[int]) -> None:
+    """ValueError when, before `min_tokens` outputs, the stop tokens (and EOS unless
+    `ignore_eos`) would mask every token of the vocabulary: nothing could be sampled."""
+    if params.min_tokens == 0:
+        return
+    masked = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        masked.update(eos_token_ids)
+    if sum(1 for token_id in masked if token_id < vocab_size) >= vocab_size:
+        raise ValueError(
+            f"stop_token_ids: with min_tokens={params.min_tokens} these stop tokens"
+            f"{'' if params.ignore_eos else ' and EOS'} mask all {vocab_size} tokens of the "
+            "vocabulary, so no token could be generated")

@@ -70,6 +70,7 @@ class LLMEngine:
             (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
         self._eos_token_id = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = tuple(eos_ids[1:])
+        self._eos_token_ids = tuple(eos_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -125,6 +126,8 @@ class LLMEngine:
             raise ValueError(f"the engine takes n=1 requests only (got n={sampling_params.n}); "
                              "fan out n > 1 into separate requests above it")
         limits.check_context_length(len(prompt_token_ids), sampling_params, self.max_model_len)
+        limits.check_some_token_allowed(sampling_params, self.model_config.vocab_size,
+                                        self._eos_token_ids)
         limits.check_fits_kv_cache(len(prompt_token_ids), sampling_params, self.max_model_len,
                                    self.scheduler_config.block_size,
                                    self.scheduler.block_manager.num_total_blocks)

@@ -2,7 +2,7 @@
 
 Vectorised across the batch; per-request knobs become per-row tensors. Order:
 min_tokens mask -> repetition / presence / frequency penalties -> greedy rows
-take the argmax; the others: temperature -> min_p -> top_k -> top_p -> draw.
+take the argmax; the others: temperature (below 1e-5: greedy) -> min_p -> top_k -> top_p -> draw.
 The draw is an exponential race (argmax of probs / Exp(1) noise), which picks
 token i with probability probs[i]; a seeded request draws its noise from its
 own `torch.Generator`, so the same seed gives the same tokens whatever else is
@@ -66,14 +66,15 @@ class Sampler:
                           requests: list[ScheduledRequest]) -> torch.Tensor:
         apply_min_tokens(logits, requests, self.eos_token_ids)
         apply_penalties(logits, requests)
+        logits = _finite(logits)
         greedy = torch.tensor([r.sampling_params.is_greedy for r in requests], device=self.device)
         greedy_tokens = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return greedy_tokens
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
                                    device=self.device, dtype=logits.dtype)
-        logits = logits / temperature[:, None]
+        logits = _finite(logits / temperature[:, None])
         logits = _apply_min_p(logits, params)
         logits = _apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
@@ -94,6 +95,13 @@ class Sampler:
                 self._request_generators[req.request_id] = generator
             noise[row].exponential_(generator=generator)
         return noise
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """Overflowed logits (a huge repetition penalty, a small temperature) made safe for softmax:
+    +inf becomes the dtype's largest value, NaN (0 * inf) -inf; -inf (masked) stays."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                           neginf=float("-inf"))
 
 
 def _apply_min_p(logits: torch.Tensor, params) -> torch.Tensor:

@@ -57,24 +57,37 @@ class ServerSettings:
 
 
 class APIKeyMiddleware:
-    """Rejects, with a 401 OpenAI error body, any request without `Authorization: Bearer <key>`."""
+    """Rejects, with a 401 OpenAI error body, any request without exactly one
+    `Authorization: Bearer <key>` header (the scheme in any case, as RFC 7235 allows)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = _digest(f"Bearer {api_key}".encode())
+        self._expected = _digest(api_key.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        given = _bearer_token(scope["headers"])
         # Digests first, so the comparison takes the same time whatever the length sent.
-        if hmac.compare_digest(_digest(given), self._expected):
+        if given is not None and hmac.compare_digest(_digest(given), self._expected):
             await self.app(scope, receive, send)
             return
-        error = APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                         code="invalid_api_key")
+        error = APIError(401, "Missing or invalid API key: send one 'Authorization: Bearer <key>' "
+                         "header.", code="invalid_api_key")
         await error.response()(scope, receive, send)
+
+
+def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of the request's one `Authorization: Bearer` header; None if there is no such
+    header, or more than one (which one a proxy or framework would read is anyone's guess)."""
+    values = [value for name, value in headers if name == b"authorization"]
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.lstrip(b" ")
 
 
 def _digest(value: bytes) -> bytes:

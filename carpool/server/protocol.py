@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extras), and their SamplingParams.
 
-Pydantic checks types; ranges are checked once, by `SamplingParams`, whose
-`ValueError` names the field and becomes a 400. Unknown fields are ignored,
-as vLLM does, so newer clients keep working; the routes log one warning per
-request naming them (`ignored_fields`).
+Pydantic checks types, strictly for numbers: an integer field takes only a JSON
+integer (not `true`, `1.0` or `"1"`) and a number field a JSON number (not
+`true` or `"1"`); OpenAI's API refuses booleans there too. Ranges are checked
+once, by `SamplingParams`, whose `ValueError` names the field and becomes a 400.
+Unknown fields are ignored, as vLLM does, so newer clients keep working; the
+routes log one warning per request naming them (`ignored_fields`).
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from carpool.sampling_params import MAX_LOGPROBS, SamplingParams
 
 EMPTY_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
-TokenIds = list[int]
+TokenIds = list[StrictInt]
 
 
 def _valid_unicode(text: str) -> str:
@@ -45,24 +47,24 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept aside (model_extra), never used
 
     model: Text | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    n: StrictInt = 1
     stop: Text | list[Text] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: StrictInt | None = None
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_tokens: StrictInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Prefix caching: requests share cached prompt blocks only with the same salt.
@@ -102,8 +104,8 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
-    max_tokens: int | None = 16  # OpenAI's default for legacy completions
-    logprobs: int | None = None
+    max_tokens: StrictInt | None = 16  # OpenAI's default for legacy completions
+    logprobs: StrictInt | None = None
     echo: bool = False
     suffix: Text | None = None
 
@@ -155,9 +157,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
     tools: list | None = None
     response_format: dict | None = None
@@ -196,7 +198,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: list[StrictInt] = Field(default_factory=list)
 
 
 # Field names a 400's `param` may name (a ValueError message starting with one of them).

@@ -168,3 +168,32 @@ def test_chat_template_renders_generation_prompt(tokenizer):
     assert tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError, match="messages"):
         encode_chat(tokenizer, [])
+
+
+def test_longest_stop_prefix_suffix_matches_brute_force():
+    import random
+
+    def brute(text, stops):
+        return max((n for n in range(1, len(text) + 1) for s in stops
+                    if n < len(s) and s.startswith(text[len(text) - n:])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 8)))
+                 for _ in range(rng.randint(1, 4))]
+        assert longest_stop_prefix_suffix(text, stops) == brute(text, stops), (text, stops)
+
+
+def test_stop_scan_at_the_caps_stays_cheap():
+    """The caps bound a step's scan: 64 stop strings of 128 characters (8192 in all) against
+    the worst text for the held-back scan, where every first-character occurrence is a
+    candidate that fails on its second character (~8k C-level comparisons, ~2 ms here)."""
+    import time
+    stops = ["ab" * 63 + "a" + chr(0x100 + i) for i in range(64)]
+    text = "a" * 1200
+    start = time.perf_counter()
+    for _ in range(10):
+        assert longest_stop_prefix_suffix(text, stops) == 1
+        assert find_stop_string(text, stops) is None
+    assert (time.perf_counter() - start) / 10 < 0.02

@@ -144,3 +144,23 @@ def test_logprobs_zero_returns_only_the_chosen_token():
                                                        min_tokens=1, stop_token_ids=(1,))])
     assert out.token_ids == [2]
     assert list(out.logprobs[0]) == [2] and out.logprobs[0][2].rank == 2
+
+
+def test_temperature_below_the_epsilon_is_greedy():
+    """1e-40 survives float64 validation but overflows float32 logits: it is greedy instead."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    reqs = [_req(f"r{i}", temperature=t, seed=i)
+            for i, t in enumerate((1e-40, 1e-6, 5e-324, 0.0))]
+    assert all(r.sampling_params.is_greedy for r in reqs)
+    assert _draw(logits, reqs) == logits.argmax(dim=-1).tolist()
+    mixed = reqs[:1] + [_req("sampled", temperature=1.0)]
+    assert _draw(logits[:2], mixed)[0] == int(logits[0].argmax())
+
+
+def test_overflowing_penalty_still_samples_the_boosted_token():
+    """repetition_penalty 1e-37 turns a seen positive logit into +inf in float32: the draw
+    takes that token, not token 0 through NaN probabilities."""
+    logits = torch.full((1, 50), -1.0)
+    logits[0, 7] = 100.0
+    reqs = [_req(prompt=(7,), temperature=1.0, repetition_penalty=1e-37)]
+    assert _draw(logits.clone(), reqs) == [7]
