@@ -44,10 +44,6 @@ class StepLayout:
     block_size: int
 
     @property
-    def num_requests(self) -> int:
-        return len(self.query_lens)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.slot_mapping)
 

@@ -70,14 +70,17 @@ class CpuBackend(AttentionBackend):
         super().__init__(shape, device, kernels)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
-        split = paged.split_step(layout, fresh_fast_path=self.shape.sliding_window is None)
+        fast_path = self.shape.sliding_window is None
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
-        common = dict(slot_mapping=slots, fresh_spans=paged.fresh_spans(layout, split.fresh),
-                      num_tokens=layout.num_tokens)
-        if self.kernels is not None:
-            rows = np.sort(np.concatenate(split.decode_groups + (split.chunks,)))
-            kernel_rows = _kernel_rows(layout, rows) if len(rows) else None
-            return CpuMetadata(**common, kernel_rows=kernel_rows)
+        common = dict(slot_mapping=slots, num_tokens=layout.num_tokens)
+        if self.kernels is not None:  # the kernel takes every request that is not fresh
+            is_fresh = paged.fresh_mask(layout, fast_path)
+            rows = np.flatnonzero(~is_fresh)
+            return CpuMetadata(
+                **common, fresh_spans=paged.fresh_spans(layout, np.flatnonzero(is_fresh)),
+                kernel_rows=_kernel_rows(layout, rows) if len(rows) else None)
+        split = paged.split_step(layout, fast_path)
+        common["fresh_spans"] = paged.fresh_spans(layout, split.fresh)
         decode_groups = tuple(paged.build_group(layout, rows, self.shape, self.device)
                               for rows in split.decode_groups)
         chunk_group = (paged.build_group(layout, split.chunks, self.shape, self.device)
@@ -140,12 +143,9 @@ def attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, group: paged.PagedGr
 
 
 def _kernel_rows(layout: StepLayout, rows: np.ndarray) -> KernelRows:
-    tables = [layout.block_tables[i] for i in rows]
-    padded = np.zeros((len(rows), max(len(t) for t in tables)), dtype=np.int32)
-    for i, table in enumerate(tables):
-        padded[i, :len(table)] = table
     query_lens = layout.query_lens[rows]
-    return KernelRows(block_tables=torch.from_numpy(padded),
+    return KernelRows(block_tables=torch.from_numpy(paged.padded_block_tables(layout, rows,
+                                                                              np.int32)),
                       query_starts=torch.from_numpy(layout.query_starts[rows].astype(np.int32)),
                       query_lens=torch.from_numpy(query_lens.astype(np.int32)),
                       seq_lens=torch.from_numpy(

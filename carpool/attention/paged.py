@@ -44,10 +44,6 @@ class PagedGroup:
     # group's blocks: keys of kv head 0, 1, ..., then values, each in block-table order.
     gather_index: torch.Tensor
 
-    @property
-    def is_decode(self) -> bool:
-        return self.query_index.shape[1] == 1
-
 
 @dataclass(frozen=True)
 class StepSplit:
@@ -58,9 +54,14 @@ class StepSplit:
     chunks: np.ndarray  # several queries after cached history
 
 
+def fresh_mask(layout: StepLayout, fresh_fast_path: bool) -> np.ndarray:
+    """[S] bool: prompts prefilled from position 0 this step (none without the fast path)."""
+    return (layout.num_computed == 0) & (layout.query_lens > 1) & fresh_fast_path
+
+
 def split_step(layout: StepLayout, fresh_fast_path: bool) -> StepSplit:
     """Fresh prompts (if `fresh_fast_path`), decode groups, and the remaining chunks."""
-    is_fresh = (layout.num_computed == 0) & (layout.query_lens > 1) & fresh_fast_path
+    is_fresh = fresh_mask(layout, fresh_fast_path)
     is_decode = layout.query_lens == 1
     decodes = np.flatnonzero(is_decode)
     return StepSplit(fresh=np.flatnonzero(is_fresh),
@@ -85,11 +86,8 @@ def _length_buckets(decodes: np.ndarray, layout: StepLayout) -> tuple[np.ndarray
 def build_group(layout: StepLayout, rows: np.ndarray, shape: AttentionShape,
                 device: torch.device) -> PagedGroup:
     """Index tensors and mask for the requests `rows` of `layout`."""
-    tables = [layout.block_tables[i] for i in rows]
-    max_blocks = max(len(t) for t in tables)
-    padded = np.zeros((len(rows), max_blocks), dtype=np.int64)  # pads -> block 0, masked
-    for i, table in enumerate(tables):
-        padded[i, :len(table)] = table
+    padded = padded_block_tables(layout, rows, np.int64)  # pads -> block 0, masked
+    max_blocks = padded.shape[1]
     to = dict(device=device, dtype=torch.int64)
     q_starts = torch.as_tensor(layout.query_starts[rows], **to)
     q_lens = torch.as_tensor(layout.query_lens[rows], **to)
@@ -111,6 +109,15 @@ def build_group(layout: StepLayout, rows: np.ndarray, shape: AttentionShape,
     return PagedGroup(query_index=query_index, block_tables=block_tables, mask=mask[:, None],
                       valid_rows=valid_rows, valid_tokens=query_index.reshape(-1)[valid_rows],
                       gather_index=(heads + block_tables.reshape(1, -1)).reshape(-1))
+
+
+def padded_block_tables(layout: StepLayout, rows: np.ndarray, dtype) -> np.ndarray:
+    """[len(rows), longest table] block ids of the requests `rows`, padded with block 0."""
+    tables = [layout.block_tables[i] for i in rows]
+    padded = np.zeros((len(rows), max(len(t) for t in tables)), dtype=dtype)
+    for i, table in enumerate(tables):
+        padded[i, :len(table)] = table
+    return padded
 
 
 def gather(kv_cache: torch.Tensor, group: PagedGroup,
