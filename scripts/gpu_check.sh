@@ -16,6 +16,8 @@ python3 -m pytest -q -p no:cacheprovider tests/runner/test_cuda.py tests/runner/
 python3 -m pytest -q -p no:cacheprovider tests/engine/test_hf_equivalence.py \
     --carpool-device cuda -k sdpa 2>&1 | tee "$OUT/hf-equivalence-cuda.log"
 python3 benchmarks/make_vs_vllm_checkpoints.py /tmp/vs-vllm --models 135M --dtypes bfloat16 >/dev/null
-python3 benchmarks/decode_step.py /tmp/vs-vllm/135m-bfloat16 --dtype bfloat16 --device cuda \
-    --attention-backend sdpa --requests 64 256 --result-file "$OUT/decode-step-cuda.json" \
-    2>&1 | tee "$OUT/decode-step-cuda.log"
+for n in 64 256; do
+    python3 benchmarks/step_times.py /tmp/vs-vllm/135m-bfloat16 --dtype bfloat16 --clock wall \
+        --requests $n --engine-arg device=cuda --engine-arg attention_backend=sdpa \
+        --engine-arg gpu_memory_utilization=0.5 --engine-arg kv_cache_memory=None
+done 2>&1 | tee "$OUT/step-times-cuda.log"

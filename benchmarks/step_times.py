@@ -1,21 +1,25 @@
-"""CPU time of the prefill and of a decode step: commits or settings compared on a busy machine.
+"""Time of the prefill and of a decode step, for A/B runs across commits, settings and devices.
 
 Adds N requests (random prompts of 16-512 tokens, 32 output tokens each, greedy,
 ignore_eos) to one engine, steps until every request has its first token (the
-prefill phase), then runs the decodes to the end. Prints the process CPU time of the
-prefill phase and the median CPU time of a decode step: on a shared machine CPU
-time moves far less with other load than the wall clock does. Use one thread
-(`--threads 1`, the default) and OMP_WAIT_POLICY=PASSIVE, and alternate the sides.
+prefill phase), then runs the decodes to the end. Prints the time of the prefill
+phase and the median time of a decode step. `--clock cpu` (the default) takes the
+process's CPU time: on a shared machine it moves far less with other load than the
+wall clock does; use one thread (`--threads 1`, the default) and
+OMP_WAIT_POLICY=PASSIVE, and alternate the sides. `--clock wall` is for a GPU (each
+`LLMEngine.step()` returns Python ints, so a CUDA step is synchronised).
 
 To compare commits, check the older one out in a worktree and put it first on
 sys.path with `--tree` (the script only passes engine arguments that are given,
 so older commits that lack a newer argument still run):
 
     git worktree add /tmp/base <commit>
-    OMP_WAIT_POLICY=PASSIVE python3 benchmarks/step_cpu_time.py /tmp/vs-vllm/135m-bfloat16 \\
+    OMP_WAIT_POLICY=PASSIVE python3 benchmarks/step_times.py /tmp/vs-vllm/135m-bfloat16 \\
         --dtype bfloat16 --requests 40 --tree /tmp/base
-    OMP_WAIT_POLICY=PASSIVE python3 benchmarks/step_cpu_time.py /tmp/vs-vllm/135m-bfloat16 \\
+    OMP_WAIT_POLICY=PASSIVE python3 benchmarks/step_times.py /tmp/vs-vllm/135m-bfloat16 \\
         --dtype bfloat16 --requests 40 --engine-arg cpu_kernels=False
+    python3 benchmarks/step_times.py /tmp/vs-vllm/135m-bfloat16 --dtype bfloat16 --clock wall \\
+        --requests 256 --engine-arg device=cuda --engine-arg attention_backend=sdpa
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--tree", default=str(Path(__file__).resolve().parent.parent),
                         help="carpool checkout to import (default: this one)")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
-                        help="an extra LLM(...) argument, e.g. cpu_kernels=False (repeatable)")
+                        help="an LLM(...) argument, e.g. cpu_kernels=False or device=cuda "
+                             "(a Python literal, else a string; repeatable)")
     parser.add_argument("--label", default="")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.tree)
@@ -49,34 +55,44 @@ def main(argv: list[str] | None = None) -> int:
     from carpool import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    extra = {}
+    engine_args = dict(dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
+                       kv_cache_memory=2 << 30, device="cpu")
     for item in args.engine_arg:
         name, _, value = item.partition("=")
-        extra[name] = ast.literal_eval(value)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=256, max_num_batched_tokens=2048,
-              kv_cache_memory=2 << 30, device="cpu", **extra)
+        engine_args[name] = _literal(value)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    llm = LLM(args.model, **engine_args)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len,
                             ignore_eos=True, temperature=0.0)
-    begin = time.process_time()
+    begin = clock()
     for i in range(args.requests):
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(16, 512))]
         engine.add_request(f"r{i}", prompt, params)
     started: set[str] = set()
     while len(started) < args.requests:
         started.update(out.request_id for out in engine.step() if out.new_token_ids)
-    prefill = time.process_time() - begin
+    prefill = clock() - begin
     steps = []
     while engine.has_unfinished_requests():
-        begin = time.process_time()
+        begin = clock()
         engine.step()
-        steps.append(time.process_time() - begin)
+        steps.append(clock() - begin)
     print(f"{args.label or Path(args.tree).name} {Path(args.model).name} "
-          f"{args.requests} requests: prefill CPU {prefill:.2f} s, decode step CPU p50 "
+          f"{args.requests} requests: prefill {args.clock} {prefill:.2f} s, decode step "
+          f"{args.clock} p50 "
           f"{1000 * statistics.median(steps):.1f} ms")
     return 0
+
+
+def _literal(text: str):
+    """A Python literal (False, 2, 1e9), else the text itself (cuda, sdpa)."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 if __name__ == "__main__":
