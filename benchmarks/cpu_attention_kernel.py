@@ -32,11 +32,14 @@ from carpool.sampling_params import SamplingParams
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int):
-    """A SchedulerOutput of decodes with contexts of 16-512 tokens and (prefix, chunk) chunks,
-    with shuffled block ids; returns it and the number of cache blocks it needs."""
+def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int,
+              context: int | None = None):
+    """A SchedulerOutput of decodes with contexts of 16-512 tokens (all `context` if given)
+    and (prefix, chunk) chunks, with shuffled block ids; returns it and the number of cache
+    blocks it needs."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(int(torch.randint(15, 512, (1,), generator=gen)), 1) for _ in range(num_decodes)]
+    shapes = [(context - 1 if context else int(torch.randint(15, 512, (1,), generator=gen)), 1)
+              for _ in range(num_decodes)]
     shapes += chunks
     blocks_needed = [-(-(prefix + new) // BLOCK_SIZE) for prefix, new in shapes]
     num_blocks = sum(blocks_needed) + 1
@@ -51,8 +54,9 @@ def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int):
 
 
 def bench_case(kernels, name: str, dtype: torch.dtype, num_decodes: int,
-               chunks: list[tuple[int, int]], num_layers: int, repeats: int) -> dict:
-    step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes)
+               chunks: list[tuple[int, int]], num_layers: int, repeats: int,
+               context: int | None = None) -> dict:
+    step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes, context=context)
     batch = build_input_batch(step, block_size=BLOCK_SIZE, scratch_block=num_blocks - 1,
                               device=torch.device("cpu"))
     num_tokens = batch.layout.num_tokens
@@ -105,13 +109,16 @@ def main() -> None:
         raise SystemExit("the C++ kernels could not be built")
     print(f"kernel load {time.perf_counter() - started:.1f} s, threads {ns.threads}, "
           f"{ns.layers} layer caches per sample, {ns.repeats} alternated samples per side")
-    cases = [(f"{n} decodes", n, []) for n in (40, 200)]
-    cases.append(("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4))
+    cases = [(f"{n} decodes", n, [], None) for n in (40, 200)]
+    cases.append(("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4, None))
+    # The shared-prefix workload's decodes (section 8): long, equal contexts.
+    cases.append(("16 decodes at 830 tokens", 16, [], 830))
     print(f"{'case':34} {'dtype':9} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} "
           f"{'max diff':>9}")
     for dtype in (torch.bfloat16, torch.float32):
-        for name, num_decodes, chunks in cases:
-            row = bench_case(kernels, name, dtype, num_decodes, chunks, ns.layers, ns.repeats)
+        for name, num_decodes, chunks, context in cases:
+            row = bench_case(kernels, name, dtype, num_decodes, chunks, ns.layers, ns.repeats,
+                             context)
             print(f"{row['name']:34} {row['dtype']:9} {row['torch_ms']:9.3f} "
                   f"{row['kernel_ms']:10.3f} {row['speedup']:7.2f}x {row['max_diff']:9.2e}")
 
