@@ -108,8 +108,14 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            prompt_token_ids = encode_prompt(self.tokenizer, prompt)
+            prompt_token_ids = encode_prompt(self.tokenizer, prompt,
+                                             max_tokens=self.max_model_len)
         elif isinstance(prompt, (list, tuple)):
+            if len(prompt) > self.max_model_len:  # before walking a huge list in Python
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, the prompt has {len(prompt)} tokens. Please reduce the length "
+                    "of the prompt.")
             prompt_token_ids = prompt
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, "

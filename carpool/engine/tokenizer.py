@@ -38,11 +38,46 @@ def load_tokenizer(model_path: str | os.PathLike):
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:
-    """Token ids of a plain-text prompt, with the special tokens (BOS) the tokenizer adds."""
+def encode_prompt(tokenizer, prompt: str, *, max_tokens: int | None = None) -> list[int]:
+    """Token ids of a plain-text prompt, with the special tokens (BOS) the tokenizer adds;
+    with `max_tokens`, a prompt surely longer than that is refused early (`encode_bounded`)."""
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    return list(tokenizer.encode(prompt, add_special_tokens=True))
+    return encode_bounded(tokenizer, prompt, add_special_tokens=True, max_tokens=max_tokens)
+
+
+# A first prefix this many characters per allowed token; each next one 4x longer.
+_PREFIX_CHARS_PER_TOKEN = 8
+# Tokens a prefix may have beyond the text's own at the cut (a word split in two).
+_CUT_SLACK_TOKENS = 64
+
+
+def encode_bounded(tokenizer, text: str, *, add_special_tokens: bool,
+                   max_tokens: int | None) -> list[int]:
+    """`tokenizer.encode(text)`, except that a text surely longer than `max_tokens` tokens is
+    refused (ValueError) after tokenizing only a prefix of it.
+
+    A 4 MB prompt takes seconds of CPU to tokenize, only to be refused by the length
+    check. Prefixes of growing length (8 characters per allowed token, then 4x longer
+    each time) are tokenized first; once one has more than `max_tokens` tokens plus a
+    slack for the word cut at its end, the whole text has too. A text that fits is
+    tokenized whole, at most ~1.3x the work of tokenizing it once, and only when it is
+    longer than 8 characters per allowed token.
+    """
+    if max_tokens is not None:
+        bound = max_tokens + _CUT_SLACK_TOKENS
+        prefix_chars = _PREFIX_CHARS_PER_TOKEN * bound
+        while prefix_chars < len(text):
+            num_tokens = len(tokenizer.encode(text[:prefix_chars],
+                                              add_special_tokens=add_special_tokens))
+            if num_tokens > bound:
+                raise ValueError(
+                    f"This model's maximum context length is {max_tokens} tokens. However, "
+                    f"the prompt has more than {num_tokens - _CUT_SLACK_TOKENS} tokens (its "
+                    f"first {prefix_chars} of {len(text)} characters alone). Please reduce "
+                    "the length of the prompt.")
+            prefix_chars *= 4
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def render_chat(tokenizer, messages: Sequence[Message], *, add_generation_prompt: bool = True,
@@ -58,10 +93,12 @@ def render_chat(tokenizer, messages: Sequence[Message], *, add_generation_prompt
         add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
-def encode_chat(tokenizer, messages: Sequence[Message], **kwargs) -> list[int]:
-    """Token ids of the rendered conversation; the template already holds any BOS it wants."""
+def encode_chat(tokenizer, messages: Sequence[Message], *, max_tokens: int | None = None,
+                **kwargs) -> list[int]:
+    """Token ids of the rendered conversation; the template already holds any BOS it wants.
+    With `max_tokens`, a conversation surely longer than that is refused early."""
     text = render_chat(tokenizer, messages, **kwargs)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_bounded(tokenizer, text, add_special_tokens=False, max_tokens=max_tokens)
 
 
 def _validate_messages(messages: Sequence[Message]) -> None:

@@ -21,6 +21,7 @@ from carpool.server import chat, completions, meta, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
+from carpool.server.http_protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 
 # The modules whose `router` build_app includes.
 ROUTE_MODULES = (completions, chat, tokenize, meta)
@@ -30,6 +31,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class ServerSettings:
     max_num_waiting_requests: int | None = None  # None: 4 x max_num_seqs
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_prompts: bool = False
+    http_read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -54,6 +59,12 @@ class ServerSettings:
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, "
                              f"got {self.shutdown_timeout!r}")
+        for name in ("http_read_timeout", "timeout_keep_alive"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if isinstance(self.max_connections, bool) or self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
 
 
 class APIKeyMiddleware:

@@ -45,13 +45,16 @@ class _Context:
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage],
-                       add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template; ValueError if it can't."""
+                       add_generation_prompt: bool = True, *,
+                       max_tokens: int | None = None) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template; ValueError if it can't,
+    or (with `max_tokens`) if they are surely longer than that."""
     if not messages:
         raise ValueError("messages must hold at least one message")
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        return encode_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+        return encode_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                           max_tokens=max_tokens)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
@@ -62,7 +65,8 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage],
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     def prepare(info: EngineInfo, params: SamplingParams) -> tuple[_Context, list]:
-        prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)
+        prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt,
+                                        max_tokens=info.max_model_len)
         ctx = _Context(new_id("chatcmpl"), int(time.time()), info.served_model_name,
                        params.logprobs if body.logprobs else None, info.tokenizer)
         return ctx, [prompt_ids]

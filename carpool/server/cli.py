@@ -42,7 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_robustness_arguments(group) -> None:
-    from carpool.server.app import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S
+    from carpool.server.app import (
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        DEFAULT_SHUTDOWN_TIMEOUT_S,
+        DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    )
+    from carpool.server.http_protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
     group.add_argument("--max-request-body-bytes", type=parse_bytes,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
                        help="Larger request bodies get a 413 before they are parsed "
@@ -55,6 +60,19 @@ def _add_robustness_arguments(group) -> None:
                        help="On SIGTERM, how long in-flight requests may take to finish before "
                             "they are aborted with an error "
                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}).")
+    group.add_argument("--http-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="A connection must send a whole request (headers and body) within "
+                            "this long of connecting or of its previous response, else it is "
+                            f"closed (default {DEFAULT_READ_TIMEOUT_S:g}).")
+    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help="Most open client connections (lowered to fit the open-files "
+                            "limit); a new one over it evicts the oldest connection that has "
+                            f"not yet sent a whole request (default {DEFAULT_MAX_CONNECTIONS}).")
+    group.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                       metavar="SECONDS",
+                       help="Close an idle keep-alive connection after this long "
+                            f"(default {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g}, as uvicorn).")
     group.add_argument("--log-prompts", action="store_true",
                        help="Include prompts in the per-request log lines (off: never logged).")
 
@@ -65,7 +83,9 @@ def server_settings_from_args(args: argparse.Namespace):
     return ServerSettings(
         api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
-        shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts)
+        shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts,
+        http_read_timeout=args.http_read_timeout, max_connections=args.max_connections,
+        timeout_keep_alive=args.timeout_keep_alive)
 
 
 def run(args: argparse.Namespace) -> int:

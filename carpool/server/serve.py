@@ -13,6 +13,7 @@ import uvicorn
 
 from carpool.config import EngineConfig
 from carpool.engine.async_engine import AsyncEngine, EngineInfo
+from carpool.server.http_protocol import connection_cap, guarded_protocol, raise_open_files_limit
 
 if TYPE_CHECKING:
     from carpool.server.admission import Admission
@@ -58,8 +59,11 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
                          metrics_factory=lambda info: ServerMetrics(info.served_model_name),
                          on_ready=on_ready, on_fatal=on_fatal)
     app = build_app(engine, settings)
+    max_connections = connection_cap(settings.max_connections, raise_open_files_limit())
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                       http=guarded_protocol(settings.http_read_timeout, max_connections),
+                       timeout_keep_alive=settings.timeout_keep_alive,
                        timeout_graceful_shutdown=settings.shutdown_timeout + _CANCEL_GRACE_S),
         app.state.admission, settings.shutdown_timeout)
     engine.start()

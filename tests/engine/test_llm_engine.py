@@ -59,6 +59,11 @@ def prompts(seed: int, num: int, low: int = 1, high: int = 60) -> list[list[int]
      r"you requested 260 tokens \(250 in the prompt, 10 for the completion\)"),
     ([1] * 256, SamplingParams(max_tokens=None), "maximum context length is 256"),
     ([1, 2], SamplingParams(n=2), "n=1"),
+    # too long, refused before its ids are walked (or a huge text tokenized whole)
+    ([1] * 2_000_000, SamplingParams(), "maximum context length is 256 tokens. However, the "
+     "prompt has 2000000 tokens"),
+    ("hello world " * 100_000, SamplingParams(), "maximum context length is 256 tokens. "
+     "However, the prompt has more than"),
 ])
 def test_add_request_rejects_bad_input(model_dir, prompt, params, message):
     engine = make_engine(model_dir)

@@ -1,0 +1,155 @@
+"""How much one hostile client slows everyone else (issue 21): a victim's stream under attack.
+
+Starts `carpool serve` (the built-in model unless --model) on loopback, then for
+each attack runs it from background threads while a victim streams one greedy
+300-token completion, and prints the victim's total time, its largest gap
+between events and the slowest /health answer seen meanwhile. Every attack is
+bounded: it stops when the victim is done.
+
+    python3 benchmarks/hostile_clients.py [--attacks half-open,big-prompt,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from carpool.bench.local_server import LocalServer
+
+VICTIM = {"prompt": "def f(x):", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+          "stream": True}
+
+
+def victim(base_url: str, model: str) -> tuple[float, float]:
+    start = last = time.monotonic()
+    largest = 0.0
+    with httpx.Client(base_url=base_url, timeout=300) as http, http.stream(
+            "POST", "/v1/completions", json={"model": model, **VICTIM}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line:
+                now = time.monotonic()
+                largest, last = max(largest, now - last), now
+    return last - start, largest
+
+
+def health_prober(base_url: str, stop: threading.Event, worst: list[float]) -> None:
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                http.get("/health")
+            except httpx.HTTPError:
+                pass
+            worst[0] = max(worst[0], time.monotonic() - start)
+            stop.wait(0.1)
+
+
+def half_open(base_url: str, model: str, stop: threading.Event) -> None:
+    """2,000 connections that never finish a request: partial headers, partial body, nothing."""
+    url = urlsplit(base_url)
+    payloads = [b"GET /v1/models HTTP/1.1\r\nHost: x\r\n",
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4000000\r\n\r\n"
+                + b"x" * 20, b""]
+    socks = []
+    try:
+        for i in range(2000):
+            if stop.is_set():
+                break
+            try:
+                s = socket.create_connection((url.hostname, url.port), timeout=2)
+                s.sendall(payloads[i % 3])
+                socks.append(s)
+            except OSError:
+                pass
+        stop.wait()
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _poster(path: str, body: Callable[[str], dict]) -> Callable:
+    def attack(base_url: str, model: str, stop: threading.Event) -> None:
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    http.post(path, json=body(model))
+                except httpx.HTTPError:
+                    pass
+    return attack
+
+
+def _getter(path: str) -> Callable:
+    def attack(base_url: str, model: str, stop: threading.Event) -> None:
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    http.get(path)
+                except httpx.HTTPError:
+                    pass
+    return attack
+
+
+BIG = "a " * 1_900_000  # ~3.8 MB, under the default 4 MiB body limit
+ATTACKS: dict[str, tuple[int, Callable]] = {
+    "half-open": (1, half_open),
+    "big-prompt": (1, _poster("/v1/completions",
+                              lambda m: {"model": m, "prompt": BIG, "max_tokens": 1})),
+    "big-chat": (1, _poster("/v1/chat/completions", lambda m: {
+        "model": m, "messages": [{"role": "user", "content": BIG}], "max_tokens": 1})),
+    "metrics-pollers": (4, _getter("/metrics")),
+    "many-stops": (1, _poster("/v1/completions", lambda m: {
+        "model": m, "prompt": "x", "max_tokens": 16, "stop": [f"s{i}" for i in range(100_000)]})),
+}
+
+
+def run_attack(base_url: str, model: str, name: str | None) -> tuple[float, float, float]:
+    stop = threading.Event()
+    worst_health = [0.0]
+    threads = [threading.Thread(target=health_prober, args=(base_url, stop, worst_health))]
+    if name is not None:
+        count, attack = ATTACKS[name]
+        threads += [threading.Thread(target=attack, args=(base_url, model, stop))
+                    for _ in range(count)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0 if name else 0.0)  # let the attack get going
+    try:
+        total, gap = victim(base_url, model)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    return total, gap, worst_health[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--flags", default="", help="extra `carpool serve` flags")
+    args = parser.parse_args()
+    from carpool.default_model_path import default_model_path
+    model_path = args.model or str(default_model_path())
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    with LocalServer(model_path, ["--served-model-name", "m", *args.flags.split()],
+                     log) as base_url:
+        victim(base_url, "m")  # warm-up
+        print("| attack | victim total s | largest gap s | slowest /health s |")
+        print("| --- | --- | --- | --- |")
+        for name in [None, *args.attacks.split(",")]:
+            total, gap, health = run_attack(base_url, "m", name)
+            print(f"| {name or 'none'} | {total:.2f} | {gap:.2f} | {health:.2f} |", flush=True)
+            time.sleep(2.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Half-open connections (issue 21, item 1): a client that connects and never finishes its
+request is closed after --http-read-timeout, and a flood of them beyond --max-connections
+neither locks out /health nor stalls a stream in progress."""
+
+from __future__ import annotations
+
+import socket
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.reliability.live import API_KEY, MODEL, live_server, wait_idle_and_intact
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
+
+READ_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 40
+FLAGS = ["--http-read-timeout", str(READ_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
+         "--max-model-len", "256", "--num-kv-blocks", "64"]
+
+PARTIAL_HEADERS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+PARTIAL_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                + API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 4000000\r\n\r\n" + b'{"prompt": "aaaaaaaa')
+NOTHING = b""
+
+
+@pytest.fixture(scope="module")
+def guarded_server(llama_checkpoint, tmp_path_factory):
+    with live_server(llama_checkpoint, FLAGS,
+                     tmp_path_factory.mktemp("slow") / "server.log") as live:
+        yield live
+
+
+def _address(live) -> tuple[str, int]:
+    url = urlsplit(live.base_url)
+    return url.hostname, url.port
+
+
+def _open(address, payload: bytes) -> socket.socket:
+    sock = socket.create_connection(address, timeout=5)
+    if payload:
+        sock.sendall(payload)
+    return sock
+
+
+def _seconds_until_closed(sock: socket.socket, limit: float) -> float:
+    """How long until the server closes `sock` (EOF or reset); `limit` + 1 if it never does."""
+    start = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - start < limit:
+        try:
+            if sock.recv(4096) == b"":
+                break
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            break
+    else:
+        return limit + 1
+    return time.monotonic() - start
+
+
+def _victim(live) -> tuple[float, float]:
+    """One greedy streamed completion: (total seconds, largest gap between events)."""
+    start = last = time.monotonic()
+    largest = 0.0
+    with live.http() as http, http.stream("POST", "/v1/completions", json={
+            "model": MODEL, "prompt": "def f(x):", "max_tokens": 48, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line:
+                now = time.monotonic()
+                largest, last = max(largest, now - last), now
+    return last - start, largest
+
+
+@pytest.mark.parametrize("payload", [PARTIAL_HEADERS, PARTIAL_BODY, NOTHING],
+                         ids=["partial-headers", "partial-body", "nothing"])
+def test_a_connection_that_never_finishes_its_request_is_closed(guarded_server, payload):
+    socks = [_open(_address(guarded_server), payload) for _ in range(5)]
+    try:
+        waited = [_seconds_until_closed(s, READ_TIMEOUT_S + 5) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    assert max(waited) <= READ_TIMEOUT_S + 3, waited
+    wait_idle_and_intact(guarded_server)
+
+
+def test_a_slow_but_timely_request_is_served(guarded_server):
+    body = b'{"model": "%s", "prompt": "x", "max_tokens": 2}' % MODEL.encode()
+    with _open(_address(guarded_server), (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + API_KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n")) as sock:
+        time.sleep(READ_TIMEOUT_S / 2)
+        sock.sendall(body)
+        sock.settimeout(30)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+def test_a_flood_beyond_the_cap_locks_out_neither_health_nor_streams(guarded_server):
+    address = _address(guarded_server)
+    flood = [_open(address, PARTIAL_HEADERS) for _ in range(3 * MAX_CONNECTIONS)]
+    try:
+        with guarded_server.http() as http:
+            start = time.monotonic()
+            assert http.get("/health").status_code == 200
+            assert time.monotonic() - start < 1.0
+        flood += [_open(address, PARTIAL_HEADERS) for _ in range(MAX_CONNECTIONS)]
+        total, largest_gap = _victim(guarded_server)
+        assert largest_gap < 1.0, largest_gap
+        # The oldest half-open sockets were evicted to make room.
+        assert _seconds_until_closed(flood[0], 1.0) <= 1.0
+    finally:
+        for s in flood:
+            s.close()
+    assert "evicted" in guarded_server.log()
+    wait_idle_and_intact(guarded_server)
