@@ -2,9 +2,13 @@
 
 - Fresh prompts: query blocks of batched matmuls over the causal triangle
   (`causal_in_query_blocks`), 1.85x SDPA's CPU kernel on bfloat16 prompts.
-- Decodes and chunks that continue a cached prompt, with the compiled kernels:
-  one call of the C++ `paged_attention` for all of them, reading keys and values
-  in place through the block tables (`csrc/paged_attention.cpp`).
+- With the compiled kernels, one call of the C++ `paged_attention` for every
+  other request (decodes, chunks that continue a cached prompt) and for fresh
+  prompts up to `KERNEL_FRESH_MAX_TOKENS`, reading keys and values in place
+  through the block tables (`csrc/paged_attention.cpp`). On those prompts it
+  takes 0.4-0.8x the CPU time of the query blocks (135M shape, 64-512 tokens,
+  bfloat16 and float32); from ~1024 tokens the matmuls' better arithmetic
+  intensity wins, so longer fresh prompts keep them.
 - The same without them (no compiler, or `cpu_kernels` off), in PyTorch: decodes
   by batched matmul over (kv head x request) with the query heads sharing a kv
   head as rows, then `F.embedding_bag` sums the value rows weighted by the
@@ -25,6 +29,7 @@ from carpool.attention import paged
 from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
 
 PREFILL_QUERY_BLOCK = 128  # query rows per matmul in `causal_in_query_blocks`
+KERNEL_FRESH_MAX_TOKENS = 768  # longer fresh prompts take `causal_in_query_blocks`
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,7 @@ class ValueBags:
 
 @dataclass(frozen=True)
 class KernelRows:
-    """The requests the C++ kernel attends (decodes and continuing chunks), int32."""
+    """The requests the C++ kernel attends (all but long fresh prompts), int32."""
 
     block_tables: torch.Tensor  # [S, max_blocks], padded with block 0 (never read)
     query_starts: torch.Tensor  # [S]
@@ -73,8 +78,9 @@ class CpuBackend(AttentionBackend):
         fast_path = self.shape.sliding_window is None
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
         common = dict(slot_mapping=slots, num_tokens=layout.num_tokens)
-        if self.kernels is not None:  # the kernel takes every request that is not fresh
-            is_fresh = paged.fresh_mask(layout, fast_path)
+        if self.kernels is not None:  # the kernel takes all but long fresh prompts
+            is_fresh = paged.fresh_mask(layout, fast_path) & (
+                layout.query_lens > KERNEL_FRESH_MAX_TOKENS)
             rows = np.flatnonzero(~is_fresh)
             return CpuMetadata(
                 **common, fresh_spans=paged.fresh_spans(layout, np.flatnonzero(is_fresh)),
