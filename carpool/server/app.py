@@ -24,8 +24,9 @@ from carpool.server.errors import APIError, install_error_handlers
 
 # The modules whose `router` build_app includes.
 ROUTE_MODULES = (completions, chat, tokenize, meta)
-# Routes anyone may call without the API key (load balancers probe them).
-PUBLIC_PATHS = frozenset({"/health"})
+# The API key guards the OpenAI routes only, as in vLLM: /metrics, probes, /version,
+# /tokenize and the operator routes stay open (bind 127.0.0.1 or firewall them).
+PROTECTED_PREFIX = "/v1/"
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
@@ -41,6 +42,8 @@ class ServerSettings:
     max_num_waiting_requests: int | None = None  # None: 4 x max_num_seqs
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_prompts: bool = False
+    log_requests: bool = False  # one log line per request (vLLM's --enable-log-requests)
+    log_stats: bool = True  # the periodic throughput line (off: vLLM's --disable-log-stats)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -65,7 +68,7 @@ class APIKeyMiddleware:
         self._expected = _digest(api_key.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or not is_protected(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = _bearer_token(scope["headers"])
@@ -76,6 +79,11 @@ class APIKeyMiddleware:
         error = APIError(401, "Missing or invalid API key: send one 'Authorization: Bearer <key>' "
                          "header.", code="invalid_api_key")
         await error.response()(scope, receive, send)
+
+
+def is_protected(path: str) -> bool:
+    """Whether `path` needs the API key: everything under /v1/ (and /v1 itself)."""
+    return path == PROTECTED_PREFIX.rstrip("/") or path.startswith(PROTECTED_PREFIX)
 
 
 def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
