@@ -196,6 +196,14 @@ def check_generation_config(value: str) -> None:
                          f"generation_config.json, got {value!r}")
 
 
+def generation_config_folder(value: str, model_path) -> str | None:
+    """Where the sampling defaults of a `generation_config` setting live: the model's folder
+    (auto), nowhere (vllm: None), or the folder given."""
+    if value == GENERATION_CONFIG_AUTO:
+        return str(model_path)
+    return None if value == GENERATION_CONFIG_NONE else value
+
+
 def load_max_position_embeddings(model: str | None) -> int:
     """The model's context limit, from its config.json (None: the built-in model)."""
     from carpool.models.config import load_model_config

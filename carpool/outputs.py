@@ -50,6 +50,14 @@ class PromptLogprobs:
                               self.top_token_ids + later.top_token_ids,
                               self.top_logprobs + later.top_logprobs)
 
+    def starting_at(self, position: int) -> PromptLogprobs:
+        """The part from `position` on (which must lie within start .. end)."""
+        if not self.start <= position <= self.end:
+            raise ValueError(f"position {position} is outside {self.start} .. {self.end}")
+        i = position - self.start
+        return PromptLogprobs(position, self.token_ids[i:], self.logprobs[i:], self.ranks[i:],
+                              self.top_token_ids[i:], self.top_logprobs[i:])
+
     def positions(self) -> list[PositionLogprobs | None]:
         """vLLM's `RequestOutput.prompt_logprobs`: None for each position before `start`, then
         {token id: Logprob} holding the prompt's token and the top-N."""

@@ -18,12 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from carpool.config import (
-    GENERATION_CONFIG_AUTO,
-    GENERATION_CONFIG_NONE,
-    EngineConfig,
-    model_or_default,
-)
+from carpool.config import EngineConfig, generation_config_folder, model_or_default
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
@@ -50,14 +45,14 @@ class _RequestState:
     prompt_logprobs: PromptLogprobs | None = None
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
-        """Join one prefill chunk's share; a chunk computed again after a preemption (it
-        starts before what is held) is dropped, so nothing is counted twice."""
+        """Join one prefill chunk's share. After a preemption the prompt is computed again,
+        in chunks that may straddle what is held: only positions not held yet are kept."""
         held = self.prompt_logprobs
-        if held is None:
-            if chunk.start == 1:
-                self.prompt_logprobs = chunk
-        elif chunk.start == held.end:
-            self.prompt_logprobs = held.join(chunk)
+        needed = 1 if held is None else held.end
+        if not chunk.start <= needed < chunk.end:
+            return
+        tail = chunk.starting_at(needed)
+        self.prompt_logprobs = tail if held is None else held.join(tail)
 
 
 class LLMEngine:
@@ -116,15 +111,11 @@ class LLMEngine:
         scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
         scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
         tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
-                                   else path)
-        if config.chat_template is not None:
-            tokenizer.chat_template = config.chat_template
-        defaults_path = path if config.generation_config == GENERATION_CONFIG_AUTO else (
-            None if config.generation_config == GENERATION_CONFIG_NONE
-            else config.generation_config)
+                                   else path, chat_template=config.chat_template)
+        defaults_folder = generation_config_folder(config.generation_config, path)
         return cls(config, str(path), runner, tokenizer, scheduler,
-                   sampling_defaults=load_sampling_defaults(defaults_path) if defaults_path
-                   else {})
+                   sampling_defaults=load_sampling_defaults(defaults_folder)
+                   if defaults_folder is not None else {})
 
     # ---- requests in -------------------------------------------------------------------
 

@@ -63,3 +63,26 @@ def test_prompt_logprobs_over_max_logprobs_are_refused(llama_checkpoint):
                                                                  prompt_logprobs=0),
                        use_tqdm=False)[0]
     assert one.prompt_logprobs == [None]
+
+
+def test_chunks_recomputed_after_a_preemption_are_joined_once():
+    """Held: positions 1..20. A preemption recomputes the prompt in other chunks: the ones
+    before 21 add nothing, the one straddling it adds only 21.., the rest follow on."""
+    from carpool.engine.llm_engine import _RequestState
+    from carpool.outputs import PromptLogprobs
+
+    def chunk(start: int, end: int) -> PromptLogprobs:
+        n = end - start
+        return PromptLogprobs(start, tuple(range(start, end)), tuple(-float(i) for i in
+                              range(start, end)), (1,) * n, ((0,),) * n, ((-0.5,),) * n)
+
+    state = _RequestState(request=None, detokenizer=None)
+    for start, end in ((1, 9), (9, 21), (1, 13), (13, 25), (25, 30), (5, 12)):
+        state.add_prompt_logprobs(chunk(start, end))
+    held = state.prompt_logprobs
+    assert (held.start, held.end) == (1, 30)
+    assert held.token_ids == tuple(range(1, 30))
+    assert held.logprobs == tuple(-float(i) for i in range(1, 30))
+    positions = held.positions()
+    assert positions[0] is None and positions[29][29].logprob == -29.0
+    assert positions[29][0].rank == 1
