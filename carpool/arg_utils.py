@@ -11,7 +11,7 @@ import argparse
 import logging
 import re
 
-from carpool.config import ATTENTION_BACKENDS, DTYPES
+from carpool.config import ATTENTION_BACKENDS, DEFAULT_MAX_LOGPROBS, DTYPE_ALIASES, DTYPES
 from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -43,14 +43,71 @@ def configure_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def human_readable_int(text: str) -> int:
+    """vLLM's integer flags: '32k' = 32,000 and '25.6k' = 25,600 (k m g t: powers of 1000),
+    '32K' = 32,768 (K M G T: powers of 1024, whole numbers only), or a plain integer."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
+    try:
+        if match is None:
+            return int(text)
+        number, suffix = match.groups()
+        if suffix.islower():
+            return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+        return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an integer: {text!r} (try 4096, 32k = 32000 or 32K = 32768; "
+            "decimals only with the lowercase, powers-of-1000 suffixes)") from None
+
+
+def human_readable_int_or_auto(text: str) -> int | None:
+    """`human_readable_int`, or None (the default) for 'auto' or -1, as vLLM's --max-model-len."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(text)
+
+
+class _ModelAction(argparse.Action):
+    """The positional MODEL and `--model` (vLLM takes both) fill one `model`; two different
+    models are an error."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:  # the positional, absent: keep what --model set, if anything
+            return
+        given = getattr(namespace, self.dest, None)
+        if given is not None and given != values:
+            parser.error(f"two models given: {values!r} and --model {given!r}")
+        setattr(namespace, self.dest, values)
+
+
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
+    parser.add_argument("model", nargs="?", default=None, action=_ModelAction,
+                        metavar="MODEL",
                         help="Hugging Face model folder or hub id (default: the built-in model).")
+    parser.add_argument("--model", dest="model", default=None, metavar="MODEL", action=_ModelAction,
+                        help="The model, as a flag (vLLM's form; same as the positional MODEL).")
 
 
 def add_engine_arguments(group) -> None:
-    group.add_argument("--dtype", default="auto", choices=DTYPES,
-                       help="Weights and activations dtype (auto: the checkpoint's).")
+    group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
+                       help="Weights and activations dtype (auto: the checkpoint's; half = "
+                            "float16, float = float32).")
+    group.add_argument("--tokenizer", default=None,
+                       help="Tokenizer folder or hub id (default: the model's).")
+    group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="Jinja chat template, a file or the template itself (default: the "
+                            "tokenizer's).")
+    group.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="Where unset sampling fields take their defaults: auto (the model's "
+                            "generation_config.json), vllm (none: SamplingParams' defaults), or "
+                            "a folder holding a generation_config.json.")
+    group.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                       help="Most logprobs a request may ask per token, sampled or prompt "
+                            f"(default {DEFAULT_MAX_LOGPROBS}; -1: the vocabulary).")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="Accepted for vLLM launch lines; carpool always runs eagerly (no "
+                            "CUDA graphs or compilation to disable).")
     group.add_argument("--device", default="auto",
                        help="Device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     group.add_argument("--seed", type=int, default=0, help="Seed of the sampler's generators.")
@@ -59,6 +116,10 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                        help="KV cache size in bytes, e.g. 2GiB (overrides the GPU fraction; "
                             "CPU default: 10%% of free RAM, at most 4GiB).")
+    group.add_argument("--kv-cache-memory-bytes", dest="kv_cache_memory",
+                       type=human_readable_int, default=argparse.SUPPRESS, metavar="BYTES",
+                       help="vLLM's name for --kv-cache-memory, with vLLM's suffixes "
+                            "(4G = 4 x 2**30, 4g = 4 x 10**9).")
     group.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks",
                        type=int, default=None,
                        help="Exact number of KV cache blocks (tests, tuning).")
@@ -87,12 +148,13 @@ def add_scheduler_arguments(group) -> None:
     defaults = SchedulerConfig()
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                        help=f"Most requests running at once (default {defaults.max_num_seqs}).")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+    group.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
                        help="Most tokens per step, the step's budget (default "
                             f"{defaults.max_num_batched_tokens}, or max-model-len if larger "
                             "without chunked prefill).")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="Longest prompt + output (default: the model's, capped at 8192).")
+    group.add_argument("--max-model-len", type=human_readable_int_or_auto, default=None,
+                       help="Longest prompt + output, e.g. 4096, 32k (32000) or 32K (32768) "
+                            "(default, or auto or -1: the model's, capped at 8192).")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_chunked_prefill,
                        help="Split long prompts into chunks that share steps with decodes.")

@@ -12,12 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 from dataclasses import dataclass, field
 
 from carpool.core.config import SchedulerConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
+# Generation-config sources (vLLM's `--generation-config`), besides a folder.
+GENERATION_CONFIG_AUTO = "auto"  # the model's generation_config.json
+GENERATION_CONFIG_NONE = "vllm"  # none: SamplingParams' own defaults
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's; -1 lifts the cap to the vocabulary
 # auto: cpu on CPU, sdpa elsewhere (carpool.attention holds the backends under these names).
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa")
 
@@ -46,8 +52,14 @@ class EngineConfig:
     cpu_packed_linears: bool = True  # linear layers through oneDNN on weights packed once
     cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
     cpu_kernels: bool = True  # the C++ kernels (paged attention, fused RoPE), built on first use
+    tokenizer: str | None = None  # folder or hub id; None: the model's
+    chat_template: str | None = None  # the Jinja text itself; None: the tokenizer's
+    # GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE, or a folder with generation_config.json
+    generation_config: str = GENERATION_CONFIG_AUTO
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # per token, sampled or prompt; -1: no cap
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
@@ -64,6 +76,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
+                self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
 
     @property
     def is_resolved(self) -> bool:
@@ -82,12 +97,18 @@ class EngineConfig:
                   tensor_parallel_size: int = 1,
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
-                  cpu_malloc_tuning: bool = True, cpu_kernels: bool = True) -> EngineConfig:
+                  cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
+                  tokenizer: str | None = None, chat_template: str | None = None,
+                  generation_config: str = GENERATION_CONFIG_AUTO,
+                  max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                  enforce_eager: bool = False) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
         DEFAULT_MAX_MODEL_LEN_CAP. max_num_batched_tokens: None takes the scheduler's
-        default, raised to max_model_len without chunked prefill.
+        default, raised to max_model_len without chunked prefill. chat_template: a file,
+        or the template itself. enforce_eager is accepted for vLLM's sake and changes
+        nothing: carpool has no CUDA graphs or compilation to turn off.
         """
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
@@ -97,6 +118,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be 1 (no sharding), "
                              f"got {tensor_parallel_size!r}")
         max_position_embeddings = load_max_position_embeddings(model)
+        check_generation_config(generation_config)
         max_model_len = resolve_max_model_len(max_model_len, max_position_embeddings)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = SchedulerConfig.default_max_num_batched_tokens(
@@ -115,7 +137,9 @@ class EngineConfig:
                    gpu_memory_utilization=gpu_memory_utilization,
                    scheduler=scheduler_config, max_model_len=max_model_len,
                    attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
-                   cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels)
+                   cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
+                   tokenizer=tokenizer, chat_template=read_chat_template(chat_template),
+                   generation_config=generation_config, max_logprobs=max_logprobs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -147,6 +171,37 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -
         raise ValueError(f"max_model_len ({requested}) is larger than the model's "
                          f"max_position_embeddings ({max_position_embeddings})")
     return requested
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """The template a `chat_template` argument names: a file's text, or the argument itself when
+    it reads as a template (it holds `{` or a line break), as vLLM decides."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+
+
+def check_generation_config(value: str) -> None:
+    """ValueError unless `value` is auto, vllm, or a folder holding generation_config.json."""
+    if value in (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE):
+        return
+    if not os.path.isfile(os.path.join(value, "generation_config.json")):
+        raise ValueError(f"generation_config must be {GENERATION_CONFIG_AUTO!r}, "
+                         f"{GENERATION_CONFIG_NONE!r} or a folder holding a "
+                         f"generation_config.json, got {value!r}")
+
+
+def generation_config_folder(value: str, model_path) -> str | None:
+    """Where the sampling defaults of a `generation_config` setting live: the model's folder
+    (auto), nowhere (vllm: None), or the folder given."""
+    if value == GENERATION_CONFIG_AUTO:
+        return str(model_path)
+    return None if value == GENERATION_CONFIG_NONE else value
 
 
 def load_max_position_embeddings(model: str | None) -> int:

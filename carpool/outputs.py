@@ -23,14 +23,67 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The model's logprob of prompt tokens `start, start + 1, ...`, each given the tokens
+    before it (float32 log-softmax of the raw logits), its rank (1 = most likely), and the
+    top-N alternatives. The runner makes one per prefill chunk; joined, they cover positions
+    1 .. P-1 (the first prompt token follows nothing, so has none, as in vLLM)."""
+
+    start: int  # position of token_ids[0] in the prompt
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
+    top_token_ids: tuple[tuple[int, ...], ...]  # per token, most likely first
+    top_logprobs: tuple[tuple[float, ...], ...]
+
+    @property
+    def end(self) -> int:
+        """The position after the last token covered."""
+        return self.start + len(self.token_ids)
+
+    def join(self, later: PromptLogprobs) -> PromptLogprobs:
+        """These and the contiguous `later` (which must start at `self.end`) as one."""
+        if later.start != self.end:
+            raise ValueError(f"prompt logprobs at {later.start} do not follow {self.end}")
+        return PromptLogprobs(self.start, self.token_ids + later.token_ids,
+                              self.logprobs + later.logprobs, self.ranks + later.ranks,
+                              self.top_token_ids + later.top_token_ids,
+                              self.top_logprobs + later.top_logprobs)
+
+    def starting_at(self, position: int) -> PromptLogprobs:
+        """The part from `position` on (which must lie within start .. end)."""
+        if not self.start <= position <= self.end:
+            raise ValueError(f"position {position} is outside {self.start} .. {self.end}")
+        i = position - self.start
+        return PromptLogprobs(position, self.token_ids[i:], self.logprobs[i:], self.ranks[i:],
+                              self.top_token_ids[i:], self.top_logprobs[i:])
+
+    def positions(self) -> list[PositionLogprobs | None]:
+        """vLLM's `RequestOutput.prompt_logprobs`: None for each position before `start`, then
+        {token id: Logprob} holding the prompt's token and the top-N."""
+        result: list[PositionLogprobs | None] = [None] * self.start
+        for i, token_id in enumerate(self.token_ids):
+            entry: PositionLogprobs = {token_id: Logprob(self.logprobs[i], rank=self.ranks[i])}
+            for rank, (top_id, value) in enumerate(zip(self.top_token_ids[i],
+                                                       self.top_logprobs[i]), 1):
+                entry.setdefault(top_id, Logprob(value, rank=rank))
+            result.append(entry)
+        return result
+
+
+@dataclass(frozen=True)
 class RequestMetrics:
-    """One finished request's timeline (engine clock, time.monotonic) and preemptions."""
+    """One finished request's timeline (engine clock, time.monotonic), preemptions, and the
+    output cap it ran under; what the request histograms of `carpool.metrics` are made of."""
 
     arrival_time: float
     first_scheduled_time: float | None  # None: finished (aborted) before it was scheduled
     first_token_time: float | None
     finished_time: float
     num_preemptions: int
+    last_token_time: float | None = None
+    # max_tokens, or what max_model_len leaves after the prompt when unset (vLLM's param)
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +122,8 @@ class StepOutput:
     num_output_tokens: int  # total so far, including new_token_ids
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     new_logprobs: list[PositionLogprobs] | None = None  # one per new token, when asked
+    # The whole prompt's, on the request's first output only, when asked (prompt_logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why, when finish_reason == "error"
@@ -104,3 +159,6 @@ class RequestOutput:
     metrics: list[RequestMetrics | None] = field(default_factory=list)
     # Prompt tokens served from the prefix cache (the most any completion found).
     num_cached_tokens: int = 0
+    # vLLM's: None for the first prompt token, then {token id: Logprob} per prompt token;
+    # None unless SamplingParams.prompt_logprobs was set.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

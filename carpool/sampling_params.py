@@ -12,7 +12,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-MAX_LOGPROBS = 20
 # A temperature below this is greedy: float32 logits divided by it would overflow to inf.
 # The value is vLLM's `_SAMPLING_EPS`; vLLM itself raises 0 < temperature < 0.01 to 0.01
 # (with a warning) and then samples, where carpool takes the limit, greedy, for t < 1e-5.
@@ -49,6 +48,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per output token (plus the chosen one)
+    # top-N logprobs per prompt token (plus the prompt's own); the request skips the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -90,7 +91,9 @@ class SamplingParams:
             _require_int("stop_token_ids", token_id, minimum=0)
         _check_stop_strings(self.stop)
         if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+            _require_int("logprobs", self.logprobs, minimum=0)
+        if self.prompt_logprobs is not None:
+            _require_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
 
     @property
     def is_greedy(self) -> bool:

@@ -14,33 +14,49 @@ import math
 import sys
 
 from carpool.bench.offline import DEFAULT_COMPARE, VARIANTS
+from carpool.bench.serve_client import BACKENDS
 from carpool.bench.workloads import WORKLOADS, WorkloadConfig
+
+# `vllm bench serve`'s defaults, so a run without flags sends the same load.
+SERVE_WORKLOAD = WorkloadConfig(name="random", num_prompts=1000, input_len=1024, output_len=128,
+                                range_ratio=0.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    serve = sub.add_parser("serve",
-                           help="Streaming load generator for an OpenAI-compatible server.")
-    _add_workload_arguments(serve)
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    serve = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           help="Streaming load generator for an OpenAI-compatible server "
+                                "(vllm bench serve's defaults).")
+    _add_workload_arguments(serve, SERVE_WORKLOAD)
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server to load.")
+    serve.add_argument("--backend", choices=tuple(BACKENDS), default="openai",
+                       help="openai: streamed /v1/completions; openai-chat: streamed "
+                            "/v1/chat/completions, the prompt as one user message.")
+    serve.add_argument("--endpoint", default=None,
+                       help="Path to post to; None: the backend's.")
     serve.add_argument("--model",
-                       help="Model name to ask for (default: the first /v1/models lists).")
-    serve.add_argument("--tokenizer", help="Tokenizer folder for building prompts "
-                       "(default: the built-in model's).")
+                       help="Model name to ask for; None: the first /v1/models lists.")
+    serve.add_argument("--tokenizer", help="Tokenizer folder for building prompts; None: "
+                       "the built-in model's.")
     serve.add_argument("--request-rate", type=float, default=math.inf,
                        help="Requests per second, Poisson arrivals; inf sends all at once.")
-    serve.add_argument("--max-concurrency", type=int, help="At most this many requests in flight.")
+    serve.add_argument("--max-concurrency", type=int, default=None,
+                       help="At most this many requests in flight; None: no limit.")
+    serve.add_argument("--temperature", type=float, default=None,
+                       help="Sampling temperature sent with every request; None: none "
+                            "sent, the server's default (0 is greedy).")
     serve.add_argument("--ignore-eos", action="store_true",
                        help="Ask for exactly max_tokens (vLLM's ignore_eos extension).")
-    serve.add_argument("--slo",
+    serve.add_argument("--slo", default=None,
                        help="Goodput SLOs in ms, e.g. ttft=500,tpot=50 (keys: ttft, tpot, e2el).")
-    serve.add_argument("--api-key")
-    serve.add_argument("--no-progress", action="store_true")
-    serve.add_argument("--result-file", help="Write the figures as JSON here.")
+    serve.add_argument("--api-key", default=None, help="Bearer token sent with every request.")
+    serve.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    serve.add_argument("--result-file", default=None, help="Write the figures as JSON here.")
 
-    offline = sub.add_parser("offline", help="In-process benchmark through the engine.")
-    _add_workload_arguments(offline)
-    offline.add_argument("--model", help="Checkpoint folder (default: the built-in model).")
+    offline = sub.add_parser("offline", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                             help="In-process benchmark through the engine.")
+    _add_workload_arguments(offline, WorkloadConfig())
+    offline.add_argument("--model", help="Checkpoint folder; None: the built-in model.")
     offline.add_argument("--scheduler", choices=("continuous", "static"), default="continuous")
     offline.add_argument("--no-chunked-prefill", action="store_true")
     offline.add_argument("--compare", nargs="?", const=",".join(DEFAULT_COMPARE),
@@ -78,16 +94,23 @@ _WORKLOAD_HELP = {
 }
 
 
-def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_workload_arguments(parser: argparse.ArgumentParser, defaults: WorkloadConfig) -> None:
+    """The workload flags, with `defaults`; vLLM's names (--dataset-name, --random-input-len,
+    --random-output-len, --random-range-ratio) are aliases."""
     group = parser.add_argument_group("workload")
-    defaults = WorkloadConfig()
-    group.add_argument("--workload", choices=WORKLOADS, default=defaults.name)
+    group.add_argument("--workload", "--dataset-name", dest="workload", choices=WORKLOADS,
+                       default=defaults.name, help="Which requests to send.")
     group.add_argument("--dataset-path", help="ShareGPT-style JSON / JSONL (sharegpt workload).")
-    group.add_argument("--seed", type=int, default=defaults.seed)
+    group.add_argument("--seed", type=int, default=defaults.seed,
+                       help="Seed of the workload and of Poisson arrivals.")
     for name, help_text in _WORKLOAD_HELP.items():
-        group.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
-                           help=f"{help_text} (default {getattr(defaults, name)}).")
-    group.add_argument("--range-ratio", type=float, default=defaults.range_ratio,
+        flags = ["--" + name.replace("_", "-")]
+        if name in ("input_len", "output_len"):
+            flags.append("--random-" + name.replace("_", "-"))
+        group.add_argument(*flags, dest=name, type=int, default=getattr(defaults, name),
+                           help=help_text + ".")
+    group.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float,
+                       default=defaults.range_ratio,
                        help="Lengths are drawn from [len * (1 - r), len * (1 + r)].")
     group.add_argument("--long-prompt-interval", type=float, default=defaults.long_prompt_interval,
                        help="Seconds between long-prompt arrivals (mixed-load).")
@@ -129,7 +152,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     slos = parse_slo(args.slo) if args.slo else None
     config = ServeConfig(base_url=args.base_url.rstrip("/"), model=args.model,
                          request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                         seed=args.seed, ignore_eos=args.ignore_eos, api_key=args.api_key)
+                         seed=args.seed, ignore_eos=args.ignore_eos, api_key=args.api_key,
+                         temperature=args.temperature, backend=args.backend,
+                         endpoint=args.endpoint)
     requests = build_workload(_workload_config(args), _tokenizer(args.tokenizer), with_text=True)
     results, duration = asyncio.run(run_load(requests, config, show_progress=not args.no_progress))
     summary = summarize(results, duration, slos)

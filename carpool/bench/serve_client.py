@@ -2,10 +2,12 @@
 
 Requests are sent on a schedule (Poisson arrivals at `request_rate`, all at
 once for `inf`, or the workload's own arrival times), at most
-`max_concurrency` in flight, each as a streamed `/v1/completions` call. Every
-SSE chunk that carries text is timestamped on arrival, which is what TTFT and
-ITL are made of; the token count comes from the final usage chunk when the
-server sends one (`stream_options.include_usage`), else from the chunks.
+`max_concurrency` in flight, each as a streamed `/v1/completions` call
+(backend `openai`) or `/v1/chat/completions` call with the prompt as one user
+message (backend `openai-chat`). Every SSE chunk that carries text is
+timestamped on arrival, which is what TTFT and ITL are made of (a chat stream's
+role-only chunk is no token); the token count comes from the final usage chunk
+when the server sends one (`stream_options.include_usage`), else from the chunks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from tqdm import tqdm
 from carpool.bench.stats import RequestResult
 from carpool.bench.workloads import BenchRequest
 
+# vLLM's backend names -> the endpoint each streams from by default.
+BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -32,9 +37,15 @@ class ServeConfig:
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = False  # a vLLM extension: generate exactly max_tokens
-    temperature: float = 0.0
+    temperature: float | None = None  # None: not sent, the server's default (as vLLM's)
     api_key: str | None = None
     timeout_s: float = 600.0
+    backend: str = "openai"  # one of BACKENDS
+    endpoint: str | None = None  # None: the backend's
+
+    @property
+    def url(self) -> str:
+        return self.base_url + (self.endpoint or BACKENDS[self.backend])
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -43,6 +54,8 @@ class ServeConfig:
             raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate!r}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {self.backend!r}")
 
 
 def arrival_offsets(requests: list[BenchRequest], request_rate: float, seed: int) -> list[float]:
@@ -112,9 +125,14 @@ async def run_load(requests: list[BenchRequest], config: ServeConfig,
 async def send_completion(client: httpx.AsyncClient, config: ServeConfig, model: str,
                           request: BenchRequest) -> RequestResult:
     """One streamed completion, timestamped chunk by chunk; errors become a failed result."""
-    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-            "temperature": config.temperature, "stream": True,
+    body = {"model": model, "max_tokens": request.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
+    if config.backend == "openai-chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    if config.temperature is not None:
+        body["temperature"] = config.temperature
     if config.ignore_eos:
         body["ignore_eos"] = True
     result = RequestResult(start_time=time.perf_counter(),
@@ -122,8 +140,7 @@ async def send_completion(client: httpx.AsyncClient, config: ServeConfig, model:
     num_chunk_tokens = 0
     usage = None
     try:
-        async with client.stream("POST", f"{config.base_url}/v1/completions",
-                                 json=body) as response:
+        async with client.stream("POST", config.url, json=body) as response:
             if response.status_code != 200:
                 result.success = False
                 body_text = (await response.aread()).decode()[:500]
@@ -140,7 +157,7 @@ async def send_completion(client: httpx.AsyncClient, config: ServeConfig, model:
                     break
                 usage = chunk.get("usage") or usage
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
+                if choices and _chunk_text(choices[0]):
                     result.chunk_times.append(now)
                     num_chunk_tokens += 1
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -154,6 +171,11 @@ async def send_completion(client: httpx.AsyncClient, config: ServeConfig, model:
         if not result.chunk_times:
             result.success, result.error = False, "the stream carried no text"
     return result
+
+
+def _chunk_text(choice: dict) -> str | None:
+    """The text a streamed choice carries: a completion's `text`, a chat delta's `content`."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content")
 
 
 def _parse_sse(line: str) -> dict | None:

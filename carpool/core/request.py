@@ -71,6 +71,7 @@ class Request:
     queued_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
@@ -81,6 +82,12 @@ class Request:
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.queued_time is None:
             self.queued_time = self.arrival_time
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether every prompt position must run through the model (prompt logprobs), so no
+        prompt block may come from the prefix cache."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

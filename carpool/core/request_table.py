@@ -131,8 +131,9 @@ class RequestTable:
 
     def _append_token(self, request: Request, token_id: int) -> None:
         request.output_token_ids.append(token_id)
+        request.last_token_time = self._clock()
         if request.first_token_time is None:
-            request.first_token_time = self._clock()
+            request.first_token_time = request.last_token_time
         status = stop_status(request, token_id)
         if status is not None:
             self._finish(request, status)

@@ -146,9 +146,12 @@ class Scheduler(RequestTable):
             |<- cached blocks ->|<- num_new ->|<- later chunks ->|
             0              num_cached                      num_tokens
         """
-        cached_block_ids = self.block_manager.find_cached_blocks(request)
+        # Prompt logprobs need the logits of every prompt position: no cache hits (vLLM's rule).
+        cached_block_ids = [] if request.needs_prompt_logits else \
+            self.block_manager.find_cached_blocks(request)
         next_block = len(cached_block_ids)  # the first it could hit next, if any
-        if (in_flight and next_block < (request.num_tokens - 1) // self.config.block_size
+        if (in_flight and not request.needs_prompt_logits
+                and next_block < (request.num_tokens - 1) // self.config.block_size
                 and request.block_hashes[next_block] in in_flight):
             return cached_block_ids, 0
         num_cached = len(cached_block_ids) * self.config.block_size

@@ -33,6 +33,17 @@ def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> 
     return token_ids
 
 
+def check_num_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """ValueError when a request asks more logprobs per token than `--max-logprobs` allows
+    (-1: the vocabulary), for its sampled tokens or its prompt."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        wanted = getattr(params, name, None)
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"{name} must be <= {limit} (the server's --max-logprobs), "
+                             f"got {wanted}")
+
+
 def check_context_length(num_prompt_tokens: int, params: SamplingParams,
                          max_model_len: int) -> None:
     """ValueError in OpenAI's words when prompt + completion cannot fit max_model_len."""

@@ -18,14 +18,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from carpool.config import EngineConfig, model_or_default
+from carpool.config import EngineConfig, generation_config_folder, model_or_default
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_tokenizer
-from carpool.outputs import EngineStats, RequestMetrics, StepOutput
+from carpool.outputs import EngineStats, PromptLogprobs, RequestMetrics, StepOutput
 from carpool.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,18 @@ class _RequestState:
     request: Request
     detokenizer: IncrementalDetokenizer
     num_sent_tokens: int = 0  # output tokens already returned in a StepOutput
+    # Prompt logprobs gathered chunk by chunk (prompt_logprobs requests), until first sent.
+    prompt_logprobs: PromptLogprobs | None = None
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Join one prefill chunk's share. After a preemption the prompt is computed again,
+        in chunks that may straddle what is held: only positions not held yet are kept."""
+        held = self.prompt_logprobs
+        needed = 1 if held is None else held.end
+        if not chunk.start <= needed < chunk.end:
+            return
+        tail = chunk.starting_at(needed)
+        self.prompt_logprobs = tail if held is None else held.join(tail)
 
 
 class LLMEngine:
@@ -98,8 +110,12 @@ class LLMEngine:
             cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels)
         scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
         scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
-        return cls(config, str(path), runner, load_tokenizer(path), scheduler,
-                   sampling_defaults=load_sampling_defaults(path))
+        tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
+                                   else path, chat_template=config.chat_template)
+        defaults_folder = generation_config_folder(config.generation_config, path)
+        return cls(config, str(path), runner, tokenizer, scheduler,
+                   sampling_defaults=load_sampling_defaults(defaults_folder)
+                   if defaults_folder is not None else {})
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -131,6 +147,8 @@ class LLMEngine:
         if sampling_params.n != 1:
             raise ValueError(f"the engine takes n=1 requests only (got n={sampling_params.n}); "
                              "fan out n > 1 into separate requests above it")
+        limits.check_num_logprobs(sampling_params, self.config.max_logprobs,
+                                  self.model_config.vocab_size)
         limits.check_context_length(len(prompt_token_ids), sampling_params, self.max_model_len)
         limits.check_some_token_allowed(sampling_params, self.model_config.vocab_size,
                                         self._eos_token_ids)
@@ -199,6 +217,10 @@ class LLMEngine:
         except Exception as exc:  # a failed step must not take the engine down
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
             return outputs + self._fail_step(sched_out, exc)
+        for request_id, chunk in runner_out.prompt_logprobs.items():
+            state = self._states.get(request_id)
+            if state is not None:
+                state.add_prompt_logprobs(chunk)
         advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
         for request in advanced:
             state = self._states.get(request.request_id)
@@ -224,13 +246,23 @@ class LLMEngine:
             request_id=request.request_id, new_token_ids=list(new_token_ids),
             new_text=delta.text, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0, new_logprobs=new_logprobs)
+            num_cached_tokens=request.num_cached_tokens or 0, new_logprobs=new_logprobs,
+            prompt_logprobs=self._prompt_logprobs(state, first=request.num_output_tokens == len(
+                new_token_ids)))
         if request.is_finished:
             self._states.pop(request.request_id, None)
             output.finish_reason = request.finish_reason
             output.stop_reason = request.stop_reason
             output.request_metrics = self._metrics(request)
         return output
+
+    @staticmethod
+    def _prompt_logprobs(state: _RequestState, first: bool) -> PromptLogprobs | None:
+        """The prompt logprobs a request's first output carries (when it asked for them)."""
+        if not first or state.request.sampling_params.prompt_logprobs is None:
+            return None
+        # a one-token prompt scores nothing: vLLM's [None]
+        return state.prompt_logprobs or PromptLogprobs(1, (), (), (), (), ())
 
     def _finish_on_stop_string(self, request: Request, stop_string: str) -> None:
         if request.is_finished:  # a token-level stop fired on the same token: the string wins
@@ -261,7 +293,8 @@ class LLMEngine:
             arrival_time=request.arrival_time,
             first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time, finished_time=request.finished_time,
-            num_preemptions=request.num_preemptions)
+            num_preemptions=request.num_preemptions, last_token_time=request.last_token_time,
+            max_tokens=request.max_output_tokens)
 
     # ---- introspection -----------------------------------------------------------------
 

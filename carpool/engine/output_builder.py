@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from carpool.outputs import (
     CompletionOutput,
     PositionLogprobs,
+    PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     StepOutput,
@@ -31,9 +32,12 @@ class CompletionBuilder:
     error: str | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # from the first delta, when asked
 
     def add(self, out: StepOutput) -> None:
         self.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.new_text:
             self.text_chunks.append(out.new_text)
@@ -80,4 +84,11 @@ class RequestOutputBuilder:
             prompt_token_ids=list(self.prompt_token_ids),
             outputs=[c.build() for c in self.completions], finished=self.finished,
             metrics=[c.metrics for c in self.completions],
-            num_cached_tokens=max(c.num_cached_tokens for c in self.completions))
+            num_cached_tokens=max(c.num_cached_tokens for c in self.completions),
+            prompt_logprobs=self.prompt_logprobs())
+
+    def prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
+        """vLLM's `prompt_logprobs` (the prompt is shared: any completion's will do)."""
+        found = next((c.prompt_logprobs for c in self.completions
+                      if c.prompt_logprobs is not None), None)
+        return None if found is None else found.positions()

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 Message = dict[str, Any]
 
 
-def load_tokenizer(model_path: str | os.PathLike):
-    """Load the tokenizer saved beside the weights (`tokenizer.json` / `tokenizer_config.json`).
+def load_tokenizer(model_path: str | os.PathLike, chat_template: str | None = None):
+    """Load the tokenizer saved beside the weights (`tokenizer.json` / `tokenizer_config.json`),
+    with `chat_template` (the template text) in place of its own when given.
 
     Raises FileNotFoundError naming the folder when it holds no tokenizer files.
     """
@@ -30,6 +31,8 @@ def load_tokenizer(model_path: str | os.PathLike):
         raise FileNotFoundError(
             f"no tokenizer in model folder {path} (expected one of {', '.join(_TOKENIZER_FILES)})")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     logger.info("tokenizer %s: %d tokens, eos %r", type(tokenizer).__name__, len(tokenizer),
                 tokenizer.eos_token)
     return tokenizer

@@ -18,10 +18,11 @@ from carpool.attention import AttentionShape, create_backend
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.models.config import ModelConfig, load_model_config
 from carpool.models.loader import load_model, resolve_model_path
-from carpool.outputs import PositionLogprobs
+from carpool.outputs import PositionLogprobs, PromptLogprobs
 from carpool.platform import Platform, platform_for
 from carpool.runner import kv_cache
 from carpool.runner.input_batch import build_input_batch
+from carpool.runner.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
 from carpool.runner.sampler import Sampler
 from carpool.sampling_params import SamplingParams
 from carpool.utils.device import resolve_device, resolve_dtype
@@ -34,6 +35,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
     # Only for requests whose sampling_params.logprobs is not None.
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # This step's chunk of prompt logprobs, for requests with sampling_params.prompt_logprobs.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -106,11 +109,15 @@ class ModelRunner:
                                   scratch_block=num_kv_blocks, device=self.device)
         meta = self.attention.build_metadata(batch.layout)
         hidden = self.model(batch.input_ids, batch.positions, kv_caches, self.attention, meta)
+        output = ModelRunnerOutput()
+        for req, first_row in zip(scheduler_output.scheduled, batch.layout.query_starts):
+            if wants_prompt_logprobs(req):
+                output.prompt_logprobs[req.request_id] = chunk_prompt_logprobs(
+                    self.model.compute_logits, hidden, req, int(first_row))
         if not batch.sampled:
-            return ModelRunnerOutput()
+            return output
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) float32
         sampled = self.sampler.sample(logits, batch.sampled)
-        output = ModelRunnerOutput()
         for req, token_id, logprobs in zip(batch.sampled, sampled.token_ids, sampled.logprobs):
             output.sampled_token_ids[req.request_id] = token_id
             if logprobs is not None:

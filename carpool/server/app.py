@@ -25,8 +25,9 @@ from carpool.server.http_protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_T
 
 # The modules whose `router` build_app includes.
 ROUTE_MODULES = (completions, chat, tokenize, meta)
-# Routes anyone may call without the API key (load balancers probe them).
-PUBLIC_PATHS = frozenset({"/health"})
+# The API key guards the OpenAI routes only, as in vLLM: /metrics, probes, /version,
+# /tokenize and the operator routes stay open (bind 127.0.0.1 or firewall them).
+PROTECTED_PREFIX = "/v1/"
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
@@ -46,6 +47,8 @@ class ServerSettings:
     http_read_timeout: float = DEFAULT_READ_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
+    log_requests: bool = False  # one log line per request (vLLM's --enable-log-requests)
+    log_stats: bool = True  # the periodic throughput line (off: vLLM's --disable-log-stats)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -76,7 +79,7 @@ class APIKeyMiddleware:
         self._expected = _digest(api_key.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or not is_protected(scope["path"]):
             await self.app(scope, receive, send)
             return
         given = _bearer_token(scope["headers"])
@@ -87,6 +90,11 @@ class APIKeyMiddleware:
         error = APIError(401, "Missing or invalid API key: send one 'Authorization: Bearer <key>' "
                          "header.", code="invalid_api_key")
         await error.response()(scope, receive, send)
+
+
+def is_protected(path: str) -> bool:
+    """Whether `path` needs the API key: everything under /v1/ (and /v1 itself)."""
+    return path == PROTECTED_PREFIX.rstrip("/") or path.startswith(PROTECTED_PREFIX)
 
 
 def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:

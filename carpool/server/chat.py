@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages through the model's chat template.
 
-Streaming sends, per choice, the role in a first delta, then content deltas,
+Streaming sends, per choice, the role in a first delta (when the choice's first
+output is ready, just before it), then content deltas,
 then a delta carrying `finish_reason`; with `stream_options.include_usage`
 one last chunk has empty `choices` and the usage.
 """
@@ -19,7 +20,7 @@ from carpool.engine.tokenizer import encode_chat
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
 from carpool.server.generation import Choice, Usage, new_id, serve_generation
-from carpool.server.logprobs import chat_logprobs
+from carpool.server.logprobs import chat_logprobs, prompt_logprobs_body
 from carpool.server.protocol import ChatCompletionRequest, ChatMessage
 from carpool.server.sse import sse_event
 
@@ -33,6 +34,7 @@ class _Context:
     model: str
     num_top_logprobs: int | None  # None: no logprobs asked
     tokenizer: Any
+    vllm_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs`, on the whole response
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -68,7 +70,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt,
                                         max_tokens=info.max_model_len)
         ctx = _Context(new_id("chatcmpl"), int(time.time()), info.served_model_name,
-                       params.logprobs if body.logprobs else None, info.tokenizer)
+                       params.logprobs if body.logprobs else None, info.tokenizer,
+                       params.prompt_logprobs is not None)
         return ctx, [prompt_ids]
 
     return await serve_generation(request, body, prepare, _events, _response)
@@ -79,6 +82,8 @@ def _response(ctx: _Context, choices: list[Choice]) -> dict:
          "logprobs": ctx.logprobs(c.token_ids, c.logprobs),
          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         for c in choices])
+    if ctx.vllm_prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_body(ctx.tokenizer, choices[0].prompt_logprobs)
     return body
 
 
@@ -90,9 +95,13 @@ def _chunk(ctx: _Context, index: int, delta: dict, logprobs: dict | None,
 
 async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: _Context,
                   num_choices: int, usage: Usage | None) -> AsyncIterator[str]:
-    for index in range(num_choices):
-        yield _chunk(ctx, index, {"role": "assistant", "content": ""}, None, None)
+    started = [False] * num_choices
     async for index, out in stream:
+        if not started[index]:
+            # The role goes out with the choice's first output, not before the prefill, so
+            # clients that time the first chunk measure the real time to first token (vLLM).
+            started[index] = True
+            yield _chunk(ctx, index, {"role": "assistant", "content": ""}, None, None)
         delta = {"content": out.new_text} if out.new_text else {}
         logprobs = ctx.logprobs(out.new_token_ids, out.new_logprobs or [])
         if delta or logprobs or out.finished:

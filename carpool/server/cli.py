@@ -36,6 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--served-model-name", default=None,
                         help="Model name clients send and responses report (default: MODEL).")
     add_log_level_argument(server, default="info")
+    server.add_argument("--uvicorn-log-level", default=None,
+                        choices=("debug", "info", "warning", "error", "critical", "trace"),
+                        help="uvicorn's own log level (access lines at info) (default: "
+                             "--log-level).")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="No periodic throughput / KV cache log line (the /metrics "
+                             "numbers are kept).")
+    server.add_argument("--enable-log-requests", action="store_true",
+                        help="One log line per request (id, size, sampling; the prompt only "
+                             "with --log-prompts). Off by default, as in vLLM.")
     _add_robustness_arguments(server)
     add_engine_arguments(parser.add_argument_group("engine"))
     add_scheduler_arguments(parser.add_argument_group("scheduler"))
@@ -74,7 +84,8 @@ def _add_robustness_arguments(group) -> None:
                        help="Close an idle keep-alive connection after this long "
                             f"(default {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g}, as uvicorn).")
     group.add_argument("--log-prompts", action="store_true",
-                       help="Include prompts in the per-request log lines (off: never logged).")
+                       help="Log each request with its prompt (implies --enable-log-requests; "
+                            "off: prompts are never logged).")
 
 
 def server_settings_from_args(args: argparse.Namespace):
@@ -85,7 +96,9 @@ def server_settings_from_args(args: argparse.Namespace):
         max_num_waiting_requests=args.max_num_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts,
         http_read_timeout=args.http_read_timeout, max_connections=args.max_connections,
-        timeout_keep_alive=args.timeout_keep_alive)
+        timeout_keep_alive=args.timeout_keep_alive,
+        log_requests=args.enable_log_requests or args.log_prompts,
+        log_stats=not args.disable_log_stats)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_cli_args(args)
         settings = server_settings_from_args(args)
-    except (ValueError, FileNotFoundError) as exc:
-        logger.error("invalid settings: %s", exc)
-        return 2
+    except (ValueError, OSError) as exc:
+        # One line, no traceback, before anything binds the port (exit 1, as vLLM's).
+        logger.error("invalid settings: %s", " ".join(str(exc).split()))
+        return 1
     from carpool.server.serve import serve
-    return serve(config, settings, host=args.host, port=args.port, log_level=args.log_level)
+    return serve(config, settings, host=args.host, port=args.port,
+                 log_level=args.uvicorn_log_level or args.log_level)

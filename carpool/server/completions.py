@@ -2,7 +2,12 @@
 
 Prompts may be a string, a list of strings, token ids or a list of token-id
 lists; each prompt gets `n` choices, indexed `prompt * n + i`. `echo` puts the
-prompt in front of the text (in the first chunk when streaming).
+prompt in front of the text (when streaming, in the choice's first chunk, once
+the prompt has been processed); with `logprobs` the prompt's tokens come first
+in the logprobs too (`token_logprobs[0]` is null: nothing precedes the first
+token). `echo` with `max_tokens: 0` answers the prompt alone, which is how
+lm-evaluation-harness scores loglikelihoods. vLLM's `prompt_logprobs` adds the
+prompt's logprobs in vLLM's shape to each choice.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from carpool.engine.output_stream import EngineInfo
-from carpool.outputs import StepOutput
+from carpool.engine.tokenizer import encode_prompt
+from carpool.outputs import PromptLogprobs, StepOutput
 from carpool.sampling_params import SamplingParams
 from carpool.server.generation import Choice, Usage, new_id, serve_generation
-from carpool.server.logprobs import completion_logprobs
+from carpool.server.logprobs import completion_logprobs, prompt_logprobs_body
 from carpool.server.protocol import CompletionRequest
 from carpool.server.sse import sse_event
 
@@ -35,7 +41,9 @@ class _Context:
     prompts: list
     n: int
     echo: bool
+    echo_only: bool  # echo with max_tokens 0: the generated token is left out
     logprobs: int | None
+    vllm_prompt_logprobs: bool  # the body's `prompt_logprobs`: vLLM's field in each choice
     tokenizer: Any
 
     def prompt_index(self, index: int) -> int:
@@ -44,6 +52,21 @@ class _Context:
     def echo_text(self, index: int) -> str:
         prompt = self.prompts[self.prompt_index(index)]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+    def prompt_token_ids(self, index: int) -> list[int]:
+        prompt = self.prompts[self.prompt_index(index)]
+        return encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else prompt
+
+    def prefix(self, index: int, prompt_logprobs: PromptLogprobs | None) -> tuple[str, dict | None]:
+        """The echoed text of choice `index` and, with logprobs, its prompt's logprobs object
+        (the text offset after it is where the generated tokens' offsets go on)."""
+        if not self.echo:
+            return "", None
+        if self.logprobs is None or prompt_logprobs is None:
+            return self.echo_text(index), None
+        body, _ = completion_logprobs(self.tokenizer, self.prompt_token_ids(index),
+                                      prompt_logprobs.positions(), 0)
+        return self.echo_text(index), body
 
     def envelope(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -55,7 +78,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     def prepare(info: EngineInfo, params: SamplingParams) -> tuple[_Context, list]:
         prompts = body.prompts()
         ctx = _Context(new_id("cmpl"), int(time.time()), info.served_model_name, prompts,
-                       params.n, body.echo, params.logprobs, info.tokenizer)
+                       params.n, body.echo, body.echo_only, params.logprobs,
+                       body.prompt_logprobs is not None, info.tokenizer)
         return ctx, prompts
 
     return await serve_generation(request, body, prepare, _events, _response)
@@ -65,12 +89,25 @@ def _response(ctx: _Context, choices: list[Choice]) -> dict:
 
 
 def _choice_body(ctx: _Context, choice: Choice) -> dict:
-    logprobs = None
-    if ctx.logprobs is not None:
-        logprobs, _ = completion_logprobs(ctx.tokenizer, choice.token_ids, choice.logprobs, 0)
-    text = (ctx.echo_text(choice.index) if ctx.echo else "") + choice.text
-    return {"index": choice.index, "text": text, "logprobs": logprobs,
+    echo_text, echo_logprobs = ctx.prefix(choice.index, choice.prompt_logprobs)
+    generated = "" if ctx.echo_only else choice.text
+    logprobs = echo_logprobs
+    if ctx.logprobs is not None and not ctx.echo_only:
+        offset = len(echo_text) if echo_logprobs is not None else 0
+        logprobs = _joined(echo_logprobs, completion_logprobs(
+            ctx.tokenizer, choice.token_ids, choice.logprobs, offset)[0])
+    body = {"index": choice.index, "text": echo_text + generated, "logprobs": logprobs,
             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+    if ctx.vllm_prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_body(ctx.tokenizer, choice.prompt_logprobs)
+    return body
+
+
+def _joined(first: dict | None, then: dict) -> dict:
+    """Two legacy logprobs objects as one (the prompt's, then the generated tokens')."""
+    if first is None:
+        return then
+    return {key: first[key] + then[key] for key in then}
 
 
 def _chunk(ctx: _Context, index: int, text: str, logprobs: dict | None,
@@ -84,10 +121,18 @@ def _chunk(ctx: _Context, index: int, text: str, logprobs: dict | None,
 async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: _Context,
                   num_choices: int, usage: Usage | None) -> AsyncIterator[str]:
     offsets = [0] * num_choices
-    if ctx.echo:
-        for index in range(num_choices):
-            yield _chunk(ctx, index, ctx.echo_text(index), None, None)
+    started = [False] * num_choices
     async for index, out in stream:
+        if not started[index]:
+            # The echo goes out with the choice's first output: then its prompt logprobs
+            # exist, and a client timing the first chunk times the real first token.
+            started[index] = True
+            text, logprobs = ctx.prefix(index, out.prompt_logprobs)
+            if ctx.echo:
+                offsets[index] = len(text)
+                yield _chunk(ctx, index, text, logprobs, out if ctx.echo_only else None)
+        if ctx.echo_only:
+            continue
         logprobs = None
         if ctx.logprobs is not None and out.new_token_ids:
             logprobs, offsets[index] = completion_logprobs(

@@ -139,6 +139,8 @@ async def serve_generation(
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
     usage = Usage(params.n)
+    if engine.metrics is not None:
+        engine.metrics.record_request_params(params.n, len(prompts))
     return await respond(
         request, engine, requests, body.stream,
         lambda stream: events(usage.counting(stream), context, len(requests),
@@ -164,14 +166,16 @@ async def respond(request: Request, engine: AsyncEngine, requests: list[Generati
 
 
 def log_request(request: Request, requests: list[GenerationRequest], streaming: bool) -> None:
-    """One log line per HTTP request; the prompt itself only with --log-prompts."""
-    if not requests or not logger.isEnabledFor(logging.INFO):
+    """One log line per HTTP request with --enable-log-requests; the prompt itself only with
+    --log-prompts."""
+    settings = request.app.state.settings
+    if not requests or not settings.log_requests or not logger.isEnabledFor(logging.INFO):
         return
     params = requests[0].sampling_params
     line = (f"request {requests[0].request_id.rsplit('-', 1)[0]}: {len(requests)} generation(s), "
             f"max_tokens={params.max_tokens}, temperature={params.temperature}, "
             f"stream={streaming}")
-    if request.app.state.settings.log_prompts:
+    if settings.log_prompts:
         prompts = list(dict.fromkeys(repr(r.prompt) for r in requests))
         line += f", prompts={' '.join(prompts)}"
     logger.info(line)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from carpool.outputs import Logprob, PositionLogprobs
+from carpool.outputs import Logprob, PositionLogprobs, PromptLogprobs
 
 _FLOOR = -9999.0  # JSON has no -inf
 
@@ -29,21 +29,32 @@ def _ranked(position: PositionLogprobs) -> list[tuple[int, Logprob]]:
     return sorted(position.items(), key=lambda item: -item[1].logprob)
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs],
+def completion_logprobs(tokenizer: Any, token_ids: list[int],
+                        positions: list[PositionLogprobs | None],
                         text_offset: int) -> tuple[dict, int]:
-    """The legacy `logprobs` object for these tokens, and the text offset after them."""
+    """The legacy `logprobs` object for these tokens, and the text offset after them. A None
+    position (the prompt's first token) gets null logprobs."""
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                "text_offset": []}
     for token_id, position in zip(token_ids, positions):
-        chosen = position.get(token_id)
+        chosen = position.get(token_id) if position is not None else None
         text = token_text(tokenizer, token_id, chosen)
         result["tokens"].append(text)
         result["token_logprobs"].append(_value(chosen))
-        result["top_logprobs"].append(
-            {token_text(tokenizer, t, lp): _value(lp) for t, lp in _ranked(position)})
+        result["top_logprobs"].append(None if position is None else _top_by_text(
+            tokenizer, position))
         result["text_offset"].append(text_offset)
         text_offset += len(text)
     return result, text_offset
+
+
+def _top_by_text(tokenizer: Any, position: PositionLogprobs) -> dict[str, float]:
+    """{token text: logprob}, most likely first; of tokens with the same text (the legacy shape
+    keys by text) the likelier one is kept."""
+    top: dict[str, float] = {}
+    for t, lp in _ranked(position):
+        top.setdefault(token_text(tokenizer, t, lp), _value(lp))
+    return top
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs],
@@ -60,3 +71,14 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], positions: list[Position
         content.append({"token": text, "logprob": _value(chosen),
                         "bytes": list(text.encode("utf-8")), "top_logprobs": top})
     return {"content": content}
+
+
+def prompt_logprobs_body(tokenizer: Any, prompt_logprobs: PromptLogprobs | None) -> list | None:
+    """vLLM's `prompt_logprobs` field: null for the first token, then per prompt token
+    `{"<token id>": {"logprob", "rank", "decoded_token"}}` for the token and the top-N."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        str(t): {"logprob": _value(lp), "rank": lp.rank,
+                 "decoded_token": token_text(tokenizer, t, lp)}
+        for t, lp in position.items()} for position in prompt_logprobs.positions()]

@@ -1,4 +1,4 @@
-"""Routes about the server rather than generation: models, health, version, metrics."""
+"""Routes about the server rather than generation: models, probes, load, version, metrics."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import carpool
 from carpool.engine.async_engine import AsyncEngine
 from carpool.server.errors import APIError
-from carpool.server.generation import ready_engine
+from carpool.server.generation import check_model, ready_engine
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -29,6 +29,17 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
+# vLLM's (and SageMaker's) name for the same probe, in both methods.
+router.add_api_route("/ping", health, methods=["GET", "POST"])
+
+
+@router.get("/load")
+async def load(request: Request) -> dict:
+    """Generation requests in flight (queued, running or streaming), for routers that send
+    work to the least loaded server; vLLM's shape."""
+    return {"server_load": len(request.app.state.admission.streams)}
+
+
 @router.get("/version")
 async def version() -> dict:
     return {"version": carpool.__version__}
@@ -36,11 +47,29 @@ async def version() -> dict:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(ready_engine(request).info)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict:
+    """The openai client's `models.retrieve`; another model's name is a 404."""
     info = ready_engine(request).info
-    return {"object": "list", "data": [{
-        "id": info.served_model_name, "object": "model", "created": _STARTED,
-        "owned_by": "carpool", "root": info.served_model_name,
-        "max_model_len": info.max_model_len}]}
+    check_model(model_id, info)
+    return _model_card(info)
+
+
+def _model_card(info) -> dict:
+    return {"id": info.served_model_name, "object": "model", "created": _STARTED,
+            "owned_by": "carpool", "root": info.served_model_name,
+            "max_model_len": info.max_model_len}
+
+
+@router.post("/v1/embeddings")
+async def embeddings() -> Response:
+    """A clear 404 rather than an anonymous one: the served model generates, it does not embed."""
+    raise APIError(404, "This server does not serve embeddings: carpool runs generative models "
+                        "only (/v1/completions, /v1/chat/completions).",
+                   code="embeddings_not_supported")
 
 
 @router.get("/metrics")

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
-from carpool.sampling_params import MAX_LOGPROBS, SamplingParams
+from carpool.sampling_params import SamplingParams
 
 EMPTY_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
@@ -67,6 +67,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # top-N logprobs of every prompt token (vLLM's; such requests skip the prefix cache)
+    prompt_logprobs: StrictInt | None = None
     # Prefix caching: requests share cached prompt blocks only with the same salt.
     cache_salt: Text | None = None
     # Accepted so that clients sending them get a clear 400 rather than silent neglect.
@@ -84,6 +86,9 @@ class SamplingRequest(BaseModel):
     def _check_unsupported(self) -> None:
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream (as in vLLM; "
+                             "completions stream them with echo and logprobs)")
 
     def _sampling_kwargs(self, defaults: Mapping[str, Any]) -> dict:
         """SamplingParams kwargs; an unset temperature / top_p / top_k / min_p /
@@ -94,7 +99,8 @@ class SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.prompt_logprobs)
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)
         kwargs.update({k: defaults[k] for k, v in optional.items() if v is None and k in defaults})
@@ -125,14 +131,22 @@ class CompletionRequest(SamplingRequest):
                 raise ValueError("prompt must not hold an empty list of token ids")
         return prompts
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the answer is the prompt (and its logprobs) alone, as
+        lm-evaluation-harness asks for loglikelihoods."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, defaults: Mapping[str, Any] = EMPTY_DEFAULTS) -> SamplingParams:
+        """With `echo`, `logprobs` covers the prompt too (its logprobs are computed); an
+        echo-only request generates one token, which the response leaves out (vLLM's way)."""
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("logprobs together with echo is not supported "
-                             "(prompt logprobs are not computed)")
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                              **self._sampling_kwargs(defaults))
+        kwargs = self._sampling_kwargs(defaults)
+        if kwargs["prompt_logprobs"] is None and self.echo:
+            kwargs["prompt_logprobs"] = self.logprobs
+        return SamplingParams(max_tokens=1 if self.echo_only else self.max_tokens,
+                              logprobs=self.logprobs, **kwargs)
 
 
 class TextPart(BaseModel):
@@ -174,9 +188,9 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, defaults: Mapping[str, Any] = EMPTY_DEFAULTS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], "
-                             f"got {self.top_logprobs}")
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            # the upper bound is the engine's --max-logprobs, checked on admission
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

@@ -56,7 +56,8 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
         logger.warning("binding %s without --api-key: anyone who can reach this port can use "
                        "the model", host)
     engine = AsyncEngine(lambda: LLMEngine.from_config(config),
-                         metrics_factory=lambda info: ServerMetrics(info.served_model_name),
+                         metrics_factory=lambda info: ServerMetrics.for_engine(
+                             info, log_stats=settings.log_stats),
                          on_ready=on_ready, on_fatal=on_fatal)
     app = build_app(engine, settings)
     max_connections = connection_cap(settings.max_connections, raise_open_files_limit())

@@ -36,7 +36,8 @@ def test_load_generator_streams_every_request(server, tmp_path, capsys):
                "--request-rate", "20", "--max-concurrency", "2", "--ignore-eos",
                "--slo", "ttft=600000,tpot=600000", "--no-progress", "--result-file", str(result)])
     assert rc == 0
-    expected = build_workload(WorkloadConfig(name="random", num_prompts=6, input_len=16, output_len=6),
+    expected = build_workload(WorkloadConfig(name="random", num_prompts=6, input_len=16,
+                                             output_len=6, range_ratio=0.0),
                               load_tokenizer(checkpoint), with_text=True)
     data = json.loads(result.read_text())
     assert data["num_completed"] == 6 and data["num_failed"] == 0
@@ -66,3 +67,39 @@ def test_wrong_api_key_is_a_clear_error(server, capsys):
                "--api-key", "wrong", "--num-prompts", "1", "--no-progress"])
     assert rc == 2
     assert "/v1/models answered HTTP 401" in capsys.readouterr().err
+
+
+def test_chat_backend_times_the_first_token_not_the_role_chunk(server, tmp_path):
+    """openai-chat streams /v1/chat/completions; the role-only chunk is no token, so every
+    request counts exactly its output tokens' chunks (ignore_eos: max_tokens each)."""
+    base_url, checkpoint = server
+    result = tmp_path / "chat.json"
+    rc = main(["bench", "serve", "--base-url", base_url, "--tokenizer", str(checkpoint),
+               "--api-key", API_KEY, "--backend", "openai-chat", "--dataset-name", "random",
+               "--num-prompts", "3", "--random-input-len", "12", "--random-output-len", "5",
+               "--temperature", "0", "--ignore-eos", "--no-progress",
+               "--result-file", str(result)])
+    assert rc == 0
+    data = json.loads(result.read_text())
+    assert data["num_completed"] == 3 and data["total_output_tokens"] == 15
+    assert 0 < data["ttft"]["median_ms"] <= data["e2el"]["median_ms"]
+
+
+def test_serve_defaults_are_vllm_bench_serves_and_all_shown():
+    import argparse
+
+    from carpool.bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(prog="carpool bench")
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["serve"])
+    assert (args.workload, args.num_prompts, args.input_len, args.output_len,
+            args.range_ratio, args.request_rate, args.temperature, args.backend,
+            args.max_concurrency, args.seed) == (
+        "random", 1000, 1024, 128, 0.0, float("inf"), None, "openai", None, 0)
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve_parser = serve.choices["serve"]
+    help_text = " ".join(serve_parser.format_help().split())
+    for action in serve_parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert f"(default: {action.default})" in help_text, action.dest

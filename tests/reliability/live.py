@@ -129,4 +129,4 @@ def sse_payloads(lines: list[str]) -> list[str]:
 # The server the input tests (fuzzing, hand-written nasties, security) share: short
 # contexts so generated max_tokens stay cheap, a 1 MiB body limit.
 EDGE_FLAGS = ["--max-model-len", "64", "--max-num-seqs", "16", "--num-kv-blocks", "128",
-              "--max-request-body-bytes", "1MiB"]
+              "--max-request-body-bytes", "1MiB", "--enable-log-requests"]

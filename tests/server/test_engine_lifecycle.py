@@ -97,5 +97,5 @@ def test_serve_exits_nonzero_when_the_model_cannot_load(tmp_path):
         [sys.executable, "-m", "carpool.cli", "serve", str(tmp_path / "no-such-model"),
          "--port", str(free_port()), "--log-level", "error"],
         capture_output=True, text=True, timeout=120)
-    assert process.returncode == 2  # the config is resolved against the model before binding
+    assert process.returncode == 1  # the config is resolved against the model before binding
     assert "no-such-model" in process.stderr

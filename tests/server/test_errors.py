@@ -38,6 +38,7 @@ INVALID_COMPLETION_FIELDS = [
     ({"n": 0}, "n", ()),
     ({"n": 10**6}, "n", ()),
     ({"logprobs": -1}, "logprobs", ()),
+    ({"logprobs": 21}, "logprobs", ("--max-logprobs", "20")),
     ({"logprobs": 10**6}, "logprobs", ()),
     ({"presence_penalty": 3}, "presence_penalty", ()),
     ({"frequency_penalty": -3}, "frequency_penalty", ()),
@@ -59,7 +60,8 @@ INVALID_COMPLETION_FIELDS = [
     ({"prompt": None}, "prompt", ()),
     ({"max_tokens": 253}, None, ("256", "253")),  # 5 prompt tokens + 253 > max_model_len 256
     ({"max_tokens": 10**12}, None, ("256",)),
-    ({"echo": True, "logprobs": 1}, None, ("echo",)),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", ()),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", ("stream",)),
     ({"logit_bias": {"5": 10}}, "logit_bias", ()),
     ({"suffix": "end"}, "suffix", ()),
 ]
@@ -71,7 +73,8 @@ INVALID_CHAT_FIELDS = [
     ({"messages": [{"content": "hi"}]}, "messages", ()),
     ({"messages": "hi"}, "messages", ()),
     ({"top_logprobs": 2}, "top_logprobs", ("logprobs",)),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", ()),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", ()),
+    ({"logprobs": True, "top_logprobs": 21}, "logprobs", ("--max-logprobs", "20")),
     ({"max_completion_tokens": -3}, "max_tokens", ()),
     ({"max_completion_tokens": True}, "max_completion_tokens", ()),
     ({"logprobs": True, "top_logprobs": True}, "top_logprobs", ()),
@@ -140,15 +143,17 @@ def test_unknown_route_is_404_with_openai_body(server):
         assert_error(http.get("/v1/completions"), 405)
 
 
-def test_api_key_required_everywhere_but_health(server):
+def test_api_key_required_on_v1_routes_only(server):
     import httpx
     with httpx.Client(base_url=server.base_url, timeout=30) as anonymous:
-        assert anonymous.get("/health").status_code == 200
         for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                             ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/version"),
-                             ("POST", "/tokenize"), ("POST", "/detokenize")):
+                             ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}")):
             error = assert_error(anonymous.request(method, path, json=COMPLETION), 401)
             assert error["code"] == "invalid_api_key"
+        # vLLM guards /v1/* only: scrapers, probes and orchestrators send no key
+        for path in ("/health", "/ping", "/metrics", "/version", "/load"):
+            assert anonymous.get(path).status_code == 200, path
+        assert anonymous.post("/tokenize", json={"prompt": "hi"}).status_code == 200
         wrong = anonymous.post("/v1/completions", json=COMPLETION,
                                headers={"Authorization": "Bearer test-key-124"})
         assert_error(wrong, 401)

@@ -23,15 +23,17 @@ def test_defaults():
     assert settings.max_num_waiting_requests is None  # 4 x max_num_seqs once loaded
     assert settings.shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT_S
     assert settings.log_prompts is False
+    assert settings.log_requests is False and settings.log_stats is True  # vLLM's defaults
 
 
 def test_flags_reach_the_settings():
     settings = server_settings_from_args(_parse(
         "--max-request-body-bytes", "2MiB", "--max-num-waiting-requests", "7",
-        "--shutdown-timeout", "2.5", "--log-prompts", "--api-key", "k"))
+        "--shutdown-timeout", "2.5", "--log-prompts", "--api-key", "k", "--disable-log-stats"))
     assert settings == ServerSettings(api_key="k", max_request_body_bytes=2 * 2**20,
                                       max_num_waiting_requests=7, shutdown_timeout=2.5,
-                                      log_prompts=True)
+                                      log_prompts=True, log_requests=True, log_stats=False)
+    assert server_settings_from_args(_parse("--enable-log-requests")).log_requests is True
 
 
 @pytest.mark.parametrize("field,value", [

@@ -235,3 +235,23 @@ def test_metrics_count_prefix_cache_tokens_and_log_the_hit_rate(caplog):
     assert s[("carpool:prompt_tokens_cached_total", ())] == 32
     (record,) = caplog.records
     assert "Prefix cache hit rate: 40.0%" in record.getMessage()
+
+
+def test_finished_request_stats_are_vllms_intervals():
+    from carpool.metrics import FinishedRequestStats, buckets_1_2_5
+    from carpool.outputs import RequestMetrics, StepOutput
+
+    metrics = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0,
+                             finished_time=4.5, num_preemptions=0, last_token_time=4.0,
+                             max_tokens=9)
+    out = StepOutput("r", [], "", 7, 5, finish_reason="length", request_metrics=metrics)
+    stats = FinishedRequestStats.of(out)
+    assert (stats.num_prompt_tokens, stats.num_generation_tokens, stats.max_tokens) == (7, 5, 9)
+    assert (stats.prefill_time, stats.decode_time, stats.inference_time) == (0.5, 2.0, 2.5)
+    assert stats.time_per_output_token == 0.5  # 2.0 s over the 4 tokens after the first
+    waiting = RequestMetrics(1.0, None, None, 3.0, 0, None, 9)
+    aborted = FinishedRequestStats.of(StepOutput("r", [], "", 7, 0, finish_reason="abort",
+                                                 request_metrics=waiting))
+    assert (aborted.prefill_time, aborted.decode_time, aborted.inference_time,
+            aborted.time_per_output_token) == (None, None, None, None)
+    assert buckets_1_2_5(256) == (1, 2, 5, 10, 20, 50, 100, 200)
