@@ -8,6 +8,9 @@ token i with probability probs[i]; a seeded request draws its noise from its
 own `torch.Generator`, so the same seed gives the same tokens whatever else is
 in the batch (and across preemption: the generator lives until the request ends).
 
+A grammar-constrained request's row first loses every token its grammar does not allow
+(`GrammarBitmask`, computed by the engine's matcher); other rows are not touched.
+
 Logprobs are the log-softmax of the *raw* model logits, before any penalty,
 temperature or truncation (vLLM's default "raw_logprobs" mode): they describe
 the model, not the sampling settings.
@@ -22,6 +25,7 @@ import torch
 from carpool.core.scheduler_output import ScheduledRequest
 from carpool.outputs import Logprob, PositionLogprobs
 from carpool.runner.penalties import apply_min_tokens, apply_penalties, needs_processing
+from carpool.structured.bitmask import GrammarBitmask
 
 
 @dataclass
@@ -48,11 +52,15 @@ class Sampler:
     def num_request_generators(self) -> int:
         return len(self._request_generators)
 
-    def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> SamplerOutput:
-        """logits [N, V] float32, row i for requests[i] -> one token (and logprobs) per row."""
+    def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+               grammar_bitmask: GrammarBitmask | None = None) -> SamplerOutput:
+        """logits [N, V] float32, row i for requests[i] -> one token (and logprobs) per row.
+        `grammar_bitmask` masks the rows of the constrained requests it names (in place)."""
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, requests, grammar_bitmask)
         if all(r.sampling_params.is_greedy for r in requests) and not needs_processing(
                 requests, self.eos_token_ids):
             token_ids = logits.argmax(dim=-1)  # fast path
@@ -95,6 +103,20 @@ class Sampler:
                 self._request_generators[req.request_id] = generator
             noise[row].exponential_(generator=generator)
         return noise
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, requests: list[ScheduledRequest],
+                          grammar_bitmask: GrammarBitmask) -> None:
+    """-inf, in place, on every token a constrained row's grammar does not allow."""
+    row_of = {r.request_id: i for i, r in enumerate(requests)}
+    pairs = [(row_of[rid], i) for i, rid in enumerate(grammar_bitmask.request_ids)
+             if rid in row_of]
+    if not pairs:
+        return
+    rows = [row for row, _ in pairs]
+    allowed = grammar_bitmask.allowed(logits.shape[-1])[[i for _, i in pairs]]  # (R, V)
+    allowed = torch.from_numpy(allowed).to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:
