@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from carpool.sampling_params import MAX_LOGPROBS, SamplingParams
+from carpool.server.constraints import structured_outputs_of
 
 EMPTY_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
@@ -71,6 +72,13 @@ class SamplingRequest(BaseModel):
     cache_salt: Text | None = None
     # Accepted so that clients sending them get a clear 400 rather than silent neglect.
     logit_bias: dict | None = None
+    # Output constrained to a grammar (server/constraints.py): OpenAI's and vLLM's names.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -94,7 +102,8 @@ class SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens)
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_outputs_of(self))
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)
         kwargs.update({k: defaults[k] for k, v in optional.items() if v is None and k in defaults})
@@ -162,14 +171,11 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
     tools: list | None = None
-    response_format: dict | None = None
 
     def _check_unsupported(self) -> None:
         super()._check_unsupported()
         if self.tools:
             raise ValueError("tools are not supported (no tool-call parsing)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
 
     def to_sampling_params(self, defaults: Mapping[str, Any] = EMPTY_DEFAULTS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

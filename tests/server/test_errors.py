@@ -62,6 +62,9 @@ INVALID_COMPLETION_FIELDS = [
     ({"echo": True, "logprobs": 1}, None, ("echo",)),
     ({"logit_bias": {"5": 10}}, "logit_bias", ()),
     ({"suffix": "end"}, "suffix", ()),
+    ({"guided_choice": []}, "guided_choice", ()),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "x"}}, "structured_outputs",
+     ("structural_tag",)),
 ]
 
 
@@ -77,7 +80,15 @@ INVALID_CHAT_FIELDS = [
     ({"logprobs": True, "top_logprobs": True}, "top_logprobs", ()),
     ({"stream_options": {"include_usage": "maybe"}}, "stream_options", ()),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ()),
-    ({"response_format": {"type": "json_object"}}, "response_format", ()),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", ("nonsense",)),
+    ({"response_format": {"type": "xml"}}, "response_format", ("xml",)),
+    ({"guided_regex": "[a-"}, "guided_regex", ("regex",)),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs",
+     ("undefined_rule",)),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex",
+     ("only one",)),
 ]
 
 
