@@ -230,8 +230,8 @@ class LLMEngine:
         new_token_ids = request.output_token_ids[state.num_sent_tokens:]
         state.num_sent_tokens = request.num_output_tokens
         if state.matcher is not None and self._structured.advance(
-                request.request_id, state.matcher, new_token_ids) and not request.is_finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+                request.request_id, state.matcher, new_token_ids):
+            self._finish_on_complete_grammar(request)
         self._stats.num_generated_tokens += len(new_token_ids)
         if request.num_output_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
@@ -252,6 +252,13 @@ class LLMEngine:
             output.stop_reason = request.stop_reason
             output.request_metrics = self._metrics(request)
         return output
+
+    def _finish_on_complete_grammar(self, request: Request) -> None:
+        """`stop`, also when the grammar completed on the very token that reached max_tokens."""
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _finish_on_stop_string(self, request: Request, stop_string: str) -> None:
         if request.is_finished:  # a token-level stop fired on the same token: the string wins

@@ -21,6 +21,7 @@ from carpool.server import chat, completions, meta, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
+from carpool.server.tool_parsers import get_parser
 
 # The modules whose `router` build_app includes.
 ROUTE_MODULES = (completions, chat, tokenize, meta)
@@ -41,6 +42,9 @@ class ServerSettings:
     max_num_waiting_requests: int | None = None  # None: 4 x max_num_seqs
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_prompts: bool = False
+    # tool_choice "auto": read the model's own calls back with this parser (vLLM's flags)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -51,6 +55,10 @@ class ServerSettings:
         if self.max_num_waiting_requests is not None and self.max_num_waiting_requests < 1:
             raise ValueError(f"max_num_waiting_requests must be >= 1, "
                              f"got {self.max_num_waiting_requests!r}")
+        if self.tool_call_parser is not None:
+            get_parser(self.tool_call_parser)  # ValueError naming tool_call_parser
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("tool_call_parser must be set with enable_auto_tool_choice")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, "
                              f"got {self.shutdown_timeout!r}")

@@ -2,11 +2,14 @@
 
 Streaming sends, per choice, the role in a first delta, then content deltas,
 then a delta carrying `finish_reason`; with `stream_options.include_usage`
-one last chunk has empty `choices` and the usage.
+one last chunk has empty `choices` and the usage. With tools, the template
+renders them, and each choice's text becomes content and `tool_calls`
+(`server/tool_output.py`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +25,9 @@ from carpool.server.generation import Choice, Usage, new_id, serve_generation
 from carpool.server.logprobs import chat_logprobs
 from carpool.server.protocol import ChatCompletionRequest, ChatMessage
 from carpool.server.sse import sse_event
+from carpool.server.tool_output import ToolOutput
+from carpool.server.tool_parsers import get_parser
+from carpool.server.tools import ToolChoice
 
 router = APIRouter()
 
@@ -33,6 +39,14 @@ class _Context:
     model: str
     num_top_logprobs: int | None  # None: no logprobs asked
     tokenizer: Any
+    tool_choice: ToolChoice | None = None  # None: plain text (no tools, or tool_choice none)
+    tool_call_parser: str | None = None
+
+    def tool_output(self) -> ToolOutput | None:
+        if self.tool_choice is None:
+            return None
+        parser = get_parser(self.tool_call_parser) if self.tool_call_parser else None
+        return ToolOutput(self.tool_choice, parser)
 
     def envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -45,13 +59,17 @@ class _Context:
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage],
-                       add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template; ValueError if it can't."""
+                       add_generation_prompt: bool = True,
+                       tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` (and `tools`) through the tokenizer's chat template;
+    ValueError if it can't."""
     if not messages:
         raise ValueError("messages must hold at least one message")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    conversation = [_template_message(m) for m in messages]
+    extra = {"tools": tools} if tools else {}
     try:
-        return encode_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt)
+        return encode_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                           **extra)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
@@ -59,23 +77,56 @@ def render_chat_prompt(tokenizer: Any, messages: list[ChatMessage],
                          f"{type(exc).__name__}: {exc}") from None
 
 
+def _template_message(message: ChatMessage) -> dict:
+    """A message as chat templates read it: earlier tool calls' arguments decoded to objects
+    (templates write them with `tojson`), the tool message's call id kept."""
+    rendered: dict = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _decoded(c.function.arguments)}}
+            for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _decoded(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    settings = request.app.state.settings
+
     def prepare(info: EngineInfo, params: SamplingParams) -> tuple[_Context, list]:
-        prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)
+        tool_choice = body.tool_choice_of(settings.enable_auto_tool_choice)
+        prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt,
+                                        body.tools)
         ctx = _Context(new_id("chatcmpl"), int(time.time()), info.served_model_name,
-                       params.logprobs if body.logprobs else None, info.tokenizer)
+                       params.logprobs if body.logprobs else None, info.tokenizer,
+                       None if tool_choice.mode == "none" else tool_choice,
+                       settings.tool_call_parser)
         return ctx, [prompt_ids]
 
     return await serve_generation(request, body, prepare, _events, _response)
 
+
 def _response(ctx: _Context, choices: list[Choice]) -> dict:
-    body = ctx.envelope("chat.completion", [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text},
-         "logprobs": ctx.logprobs(c.token_ids, c.logprobs),
-         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        for c in choices])
-    return body
+    return ctx.envelope("chat.completion", [_choice(ctx, c) for c in choices])
+
+
+def _choice(ctx: _Context, c: Choice) -> dict:
+    message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+    tools = ctx.tool_output()
+    if tools is not None:
+        message, finish_reason = tools.message(c.text, c.finish_reason)
+    return {"index": c.index, "message": message,
+            "logprobs": ctx.logprobs(c.token_ids, c.logprobs),
+            "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
 def _chunk(ctx: _Context, index: int, delta: dict, logprobs: dict | None,
@@ -86,13 +137,26 @@ def _chunk(ctx: _Context, index: int, delta: dict, logprobs: dict | None,
 
 async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: _Context,
                   num_choices: int, usage: Usage | None) -> AsyncIterator[str]:
+    tools = [ctx.tool_output() for _ in range(num_choices)]
     for index in range(num_choices):
         yield _chunk(ctx, index, {"role": "assistant", "content": ""}, None, None)
     async for index, out in stream:
-        delta = {"content": out.new_text} if out.new_text else {}
         logprobs = ctx.logprobs(out.new_token_ids, out.new_logprobs or [])
-        if delta or logprobs or out.finished:
-            yield _chunk(ctx, index, delta, logprobs, out.finish_reason)
+        if tools[index] is None:
+            delta = {"content": out.new_text} if out.new_text else {}
+            if delta or logprobs or out.finished:
+                yield _chunk(ctx, index, delta, logprobs, out.finish_reason)
+            continue
+        deltas = tools[index].feed(out.new_text)
+        finish_reason = None
+        if out.finished:
+            last, finish_reason = tools[index].finish(out.finish_reason)
+            deltas += last
+        deltas = deltas or ([{}] if logprobs or out.finished else [])
+        for i, delta in enumerate(deltas):
+            last_delta = i == len(deltas) - 1
+            yield _chunk(ctx, index, delta, logprobs if i == 0 else None,
+                         finish_reason if last_delta else None)
     if usage is not None:
         body = ctx.envelope("chat.completion.chunk", [])
         body["usage"] = usage.as_dict()

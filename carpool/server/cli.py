@@ -57,6 +57,17 @@ def _add_robustness_arguments(group) -> None:
                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}).")
     group.add_argument("--log-prompts", action="store_true",
                        help="Include prompts in the per-request log lines (off: never logged).")
+    _add_tool_arguments(group)
+
+
+def _add_tool_arguments(group) -> None:
+    from carpool.server.tool_parsers import PARSER_NAMES
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Allow tool_choice "auto": the model\'s own tool calls are read '
+                            "back with --tool-call-parser.")
+    group.add_argument("--tool-call-parser", choices=PARSER_NAMES, default=None,
+                       help="How the model writes tool calls: hermes (<tool_call>{...}"
+                            "</tool_call>) or llama3_json.")
 
 
 def server_settings_from_args(args: argparse.Namespace):
@@ -65,7 +76,9 @@ def server_settings_from_args(args: argparse.Namespace):
     return ServerSettings(
         api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
-        shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts)
+        shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, 
 
 from carpool.sampling_params import MAX_LOGPROBS, SamplingParams
 from carpool.server.constraints import structured_outputs_of
+from carpool.server.tools import ToolChoice, tool_choice_of
+from carpool.structured.grammar import check
 
 EMPTY_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
@@ -149,12 +151,29 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ToolCallFunction(BaseModel):
+    name: Text
+    arguments: Text
+
+
+class ToolCallItem(BaseModel):
+    """An assistant message's earlier tool call, as OpenAI sends it back in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -171,11 +190,24 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
     tools: list | None = None
+    tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool = True
 
-    def _check_unsupported(self) -> None:
-        super()._check_unsupported()
-        if self.tools:
-            raise ValueError("tools are not supported (no tool-call parsing)")
+    def tool_choice_of(self, auto_enabled: bool = True) -> ToolChoice:
+        """What `tools` and `tool_choice` allow; ValueError naming the field."""
+        return tool_choice_of(self.tools, self.tool_choice, self.parallel_tool_calls,
+                              auto_enabled)
+
+    def _sampling_kwargs(self, defaults: Mapping[str, Any]) -> dict:
+        kwargs = super()._sampling_kwargs(defaults)
+        grammar = self.tool_choice_of().grammar()
+        if grammar is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise ValueError("tool_choice: a forced tool call cannot be combined with "
+                                 "response_format or structured_outputs")
+            check(grammar, "tools")
+            kwargs["structured_outputs"] = grammar
+        return kwargs
 
     def to_sampling_params(self, defaults: Mapping[str, Any] = EMPTY_DEFAULTS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

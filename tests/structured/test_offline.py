@@ -90,3 +90,11 @@ def test_params_need_exactly_one_field_and_pickle():
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
     assert pickle.loads(pickle.dumps(params)) == params
     assert isinstance(params.structured_outputs.json, str)
+
+
+def test_grammar_completed_on_the_last_allowed_token_is_stop(llm):
+    structured = StructuredOutputsParams(regex="[a-z]{3,9}!")
+    (free,) = _sampled(llm, structured, n=1, max_tokens=20)
+    assert free.finish_reason == "stop"
+    (exact,) = _sampled(llm, structured, n=1, max_tokens=len(free.token_ids))
+    assert exact.token_ids == free.token_ids and exact.finish_reason == "stop"
