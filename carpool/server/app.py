@@ -17,14 +17,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import carpool
 from carpool.engine.async_engine import AsyncEngine
-from carpool.server import chat, completions, meta, tokenize
+from carpool.server import chat, completions, meta, responses, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
 from carpool.server.tool_parsers import get_parser
 
 # The modules whose `router` build_app includes.
-ROUTE_MODULES = (completions, chat, tokenize, meta)
+ROUTE_MODULES = (completions, chat, responses, tokenize, meta)
 # Routes anyone may call without the API key (load balancers probe them).
 PUBLIC_PATHS = frozenset({"/health"})
 

@@ -33,7 +33,7 @@ router = APIRouter()
 
 
 @dataclass(frozen=True)
-class _Context:
+class ChatContext:
     id: str
     created: int
     model: str
@@ -101,41 +101,50 @@ def _decoded(arguments: str) -> Any:
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     settings = request.app.state.settings
-
-    def prepare(info: EngineInfo, params: SamplingParams) -> tuple[_Context, list]:
-        tool_choice = body.tool_choice_of(settings.enable_auto_tool_choice)
-        prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt,
-                                        body.tools)
-        ctx = _Context(new_id("chatcmpl"), int(time.time()), info.served_model_name,
-                       params.logprobs if body.logprobs else None, info.tokenizer,
-                       None if tool_choice.mode == "none" else tool_choice,
-                       settings.tool_call_parser)
-        return ctx, [prompt_ids]
-
-    return await serve_generation(request, body, prepare, _events, _response)
+    return await serve_generation(
+        request, body, lambda info, params: prepare_chat(body, info, params, settings),
+        _events, _response)
 
 
-def _response(ctx: _Context, choices: list[Choice]) -> dict:
+def prepare_chat(body: ChatCompletionRequest, info: EngineInfo, params: SamplingParams,
+                 settings: Any) -> tuple[ChatContext, list]:
+    """The context and the one rendered prompt of a chat request (also /v1/responses')."""
+    tool_choice = body.tool_choice_of(settings.enable_auto_tool_choice)
+    prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt,
+                                    body.tools)
+    ctx = ChatContext(new_id("chatcmpl"), int(time.time()), info.served_model_name,
+                      params.logprobs if body.logprobs else None, info.tokenizer,
+                      None if tool_choice.mode == "none" else tool_choice,
+                      settings.tool_call_parser)
+    return ctx, [prompt_ids]
+
+
+def _response(ctx: ChatContext, choices: list[Choice]) -> dict:
     return ctx.envelope("chat.completion", [_choice(ctx, c) for c in choices])
 
 
-def _choice(ctx: _Context, c: Choice) -> dict:
-    message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+def chat_message(ctx: ChatContext, c: Choice) -> tuple[dict, str | None]:
+    """A finished choice's `message` (content and tool calls) and its finish reason."""
     tools = ctx.tool_output()
-    if tools is not None:
-        message, finish_reason = tools.message(c.text, c.finish_reason)
+    if tools is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    return tools.message(c.text, c.finish_reason)
+
+
+def _choice(ctx: ChatContext, c: Choice) -> dict:
+    message, finish_reason = chat_message(ctx, c)
     return {"index": c.index, "message": message,
             "logprobs": ctx.logprobs(c.token_ids, c.logprobs),
             "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
 
-def _chunk(ctx: _Context, index: int, delta: dict, logprobs: dict | None,
+def _chunk(ctx: ChatContext, index: int, delta: dict, logprobs: dict | None,
            finish_reason: str | None) -> str:
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return sse_event(ctx.envelope("chat.completion.chunk", [choice]))
 
 
-async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: _Context,
+async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: ChatContext,
                   num_choices: int, usage: Usage | None) -> AsyncIterator[str]:
     tools = [ctx.tool_output() for _ in range(num_choices)]
     for index in range(num_choices):
