@@ -64,6 +64,3 @@ class BitmaskFiller:
             self._executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data,
                                                    self.num_words * 4, len(rows))
         return GrammarBitmask(tuple(rid for rid, _ in rows), bitmask)
-
-    def close(self) -> None:
-        self._thread.shutdown(wait=True)

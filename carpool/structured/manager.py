@@ -57,7 +57,3 @@ class StructuredOutputs:
             logger.warning("request %s: grammar refused a sampled token: %s", request_id,
                            matcher.get_error())
         return matcher.is_stopped() or matcher.is_error()
-
-    def close(self) -> None:
-        if self._filler is not None:
-            self._filler.close()

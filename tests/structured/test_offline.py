@@ -98,3 +98,17 @@ def test_grammar_completed_on_the_last_allowed_token_is_stop(llm):
     assert free.finish_reason == "stop"
     (exact,) = _sampled(llm, structured, n=1, max_tokens=len(free.token_ids))
     assert exact.token_ids == free.token_ids and exact.finish_reason == "stop"
+
+
+def test_constrained_requests_survive_preemption():
+    small = LLM(max_model_len=256, num_kv_blocks=10, max_num_seqs=8)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA))
+              for i in range(8)]
+    outs = small.generate(["A person:"] * 8, params, use_tqdm=False)
+    assert small.stats().num_preemptions > 0
+    for out in outs:
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+        else:
+            assert len(out.outputs[0].token_ids) == 40
