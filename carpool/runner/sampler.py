@@ -107,16 +107,15 @@ class Sampler:
 
 def apply_grammar_bitmask(logits: torch.Tensor, requests: list[ScheduledRequest],
                           grammar_bitmask: GrammarBitmask) -> None:
-    """-inf, in place, on every token a constrained row's grammar does not allow."""
+    """-inf, in place, on every token a constrained row's grammar does not allow; one masked
+    fill per constrained row, no gather or scatter of the others."""
     row_of = {r.request_id: i for i, r in enumerate(requests)}
-    pairs = [(row_of[rid], i) for i, rid in enumerate(grammar_bitmask.request_ids)
-             if rid in row_of]
-    if not pairs:
-        return
-    rows = [row for row, _ in pairs]
-    allowed = grammar_bitmask.allowed(logits.shape[-1])[[i for _, i in pairs]]  # (R, V)
-    allowed = torch.from_numpy(allowed).to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    disallowed = torch.from_numpy(grammar_bitmask.disallowed(logits.shape[-1]))
+    disallowed = disallowed.to(logits.device, non_blocking=True)  # (R, V)
+    for index, request_id in enumerate(grammar_bitmask.request_ids):
+        row = row_of.get(request_id)
+        if row is not None:
+            logits[row].masked_fill_(disallowed[index], float("-inf"))
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,12 @@ class GrammarBitmask:
     def allowed(self, vocab_size: int) -> np.ndarray:
         """[R, vocab_size] bool: which tokens each row may sample."""
         bits = np.unpackbits(self.bitmask.view(np.uint8), axis=1, bitorder="little")
-        return bits[:, :vocab_size].astype(bool)
+        return bits[:, :vocab_size].view(np.bool_)
+
+    def disallowed(self, vocab_size: int) -> np.ndarray:
+        """[R, vocab_size] bool: which tokens each row may not sample."""
+        bits = np.unpackbits(np.invert(self.bitmask.view(np.uint8)), axis=1, bitorder="little")
+        return bits[:, :vocab_size].view(np.bool_)
 
 
 class BitmaskFiller:
