@@ -2,9 +2,9 @@
 
 __version__ = "0.1.0"
 
-from carpool.sampling_params import SamplingParams
+from carpool.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):

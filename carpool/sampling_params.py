@@ -9,6 +9,7 @@ an HTTP 400.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,53 @@ MAX_STOP_TOTAL_CHARS = 8192  # all of a request's stop strings together
 
 
 _SEED_MODULUS = 2**64  # seed is at most 2**64 - 1; child seeds wrap
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's names): exactly one of
+    `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object),
+    `regex`, `choice` (one of these strings) or `grammar` (Lark, or llama.cpp's GBNF).
+
+    Plain data, so it pickles across a process boundary; a `json` dict is kept as its JSON
+    text. Whether the schema, regex or grammar compiles is checked by the engine
+    (`carpool.structured`), which raises ValueError naming `structured_outputs.<field>`.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                        else [])
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, "
+                             f"regex, choice, grammar; got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string"
+                                 f"{' or a dict' if name == 'json' else ''}, got {value!r}")
+        if self.choice is not None and (isinstance(self.choice, str) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: json, json_object, regex, choice or grammar."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar")
+                    if getattr(self, n) is not None)
 
 
 @dataclass(frozen=True)
@@ -51,6 +99,7 @@ class SamplingParams:
     # top-N logprobs per prompt token (plus the prompt's own); the request skips the prefix cache
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +143,13 @@ class SamplingParams:
             _require_int("logprobs", self.logprobs, minimum=0)
         if self.prompt_logprobs is not None:
             _require_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, "
+                                 f"got {type(self.structured_outputs).__name__}")
+            if self.min_tokens:
+                # a complete grammar allows only EOS, which min_tokens would mask too
+                raise ValueError("min_tokens must be 0 when structured_outputs is set")
 
     @property
     def is_greedy(self) -> bool:

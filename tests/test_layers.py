@@ -10,7 +10,8 @@ from tests.layers import ALLOWED
 
 ROOT = Path(__file__).resolve().parents[1] / "carpool"
 
-ENGINE_LAYERS = ("core", "engine", "models", "attention", "platform", "runner", "config.py",
+ENGINE_LAYERS = ("core", "engine", "models", "attention", "platform", "runner", "structured",
+                 "config.py",
                  "outputs.py")
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import wait
 from dataclasses import dataclass
+from typing import Any
 
 from carpool.config import EngineConfig, generation_config_folder, model_or_default
 from carpool.core.request import Request, RequestStatus
@@ -27,6 +29,7 @@ from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_tokenizer
 from carpool.outputs import EngineStats, PromptLogprobs, RequestMetrics, StepOutput
 from carpool.sampling_params import SamplingParams
+from carpool.structured.manager import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class _RequestState:
     num_sent_tokens: int = 0  # output tokens already returned in a StepOutput
     # Prompt logprobs gathered chunk by chunk (prompt_logprobs requests), until first sent.
     prompt_logprobs: PromptLogprobs | None = None
+    matcher: Any = None  # the grammar's llguidance matcher when structured_outputs is set
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Join one prefill chunk's share. After a preemption the prompt is computed again,
@@ -83,6 +87,8 @@ class LLMEngine:
         self._eos_token_id = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = tuple(eos_ids[1:])
         self._eos_token_ids = tuple(eos_ids)
+        self._structured = StructuredOutputs(tokenizer, self.model_config.vocab_size,
+                                             self._eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -155,6 +161,7 @@ class LLMEngine:
         limits.check_fits_kv_cache(len(prompt_token_ids), sampling_params, self.max_model_len,
                                    self.scheduler_config.block_size,
                                    self.scheduler.block_manager.num_total_blocks)
+        self._structured.matcher_for(sampling_params)  # compiles (cached): a bad grammar raises
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -176,9 +183,10 @@ class LLMEngine:
             arrival_time=self._clock() if arrival_time is None else arrival_time,
             eos_token_id=self._eos_token_id, max_model_len=self.max_model_len,
             cache_salt=cache_salt)
+        matcher = self._structured.matcher_for(sampling_params)
         self.scheduler.add_request(request)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
-        self._states[request_id] = _RequestState(request, detokenizer)
+        self._states[request_id] = _RequestState(request, detokenizer, matcher=matcher)
         return len(prompt_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -210,12 +218,18 @@ class LLMEngine:
             self._stats.record_idle()
             return outputs
         self._stats.record_step(sched_out, self._states)
+        bitmask = self._structured.start_bitmask(self._constrained_rows(sched_out))
         try:
             if self.step_hook is not None:
                 self.step_hook(sched_out)
-            runner_out = self.runner.execute(sched_out)
+            if bitmask is None:
+                runner_out = self.runner.execute(sched_out)
+            else:
+                runner_out = self.runner.execute(sched_out, grammar_bitmask=bitmask)
         except Exception as exc:  # a failed step must not take the engine down
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
+            if bitmask is not None:
+                wait([bitmask])  # its matchers are about to be dropped
             return outputs + self._fail_step(sched_out, exc)
         for request_id, chunk in runner_out.prompt_logprobs.items():
             state = self._states.get(request_id)
@@ -228,11 +242,24 @@ class LLMEngine:
                 outputs.append(self._advance(state, runner_out.logprobs.get(request.request_id)))
         return outputs
 
+    def _constrained_rows(self, sched_out: SchedulerOutput) -> list[tuple[str, Any]]:
+        """(request id, matcher) of the requests sampling this step under a grammar."""
+        rows = []
+        for scheduled in sched_out.scheduled:
+            state = self._states.get(scheduled.request_id)
+            if scheduled.sample and state is not None and state.matcher is not None:
+                rows.append((scheduled.request_id, state.matcher))
+        return rows
+
     def _advance(self, state: _RequestState, position_logprobs) -> StepOutput:
-        """The delta of one request that got a token this step; finishes it on a stop string."""
+        """The delta of one request that got a token this step; finishes it on a stop string,
+        or with `stop` when its grammar is complete."""
         request = state.request
         new_token_ids = request.output_token_ids[state.num_sent_tokens:]
         state.num_sent_tokens = request.num_output_tokens
+        if state.matcher is not None and self._structured.advance(
+                request.request_id, state.matcher, new_token_ids):
+            self._finish_on_complete_grammar(request)
         self._stats.num_generated_tokens += len(new_token_ids)
         if request.num_output_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
@@ -263,6 +290,13 @@ class LLMEngine:
             return None
         # a one-token prompt scores nothing: vLLM's [None]
         return state.prompt_logprobs or PromptLogprobs(1, (), (), (), (), ())
+
+    def _finish_on_complete_grammar(self, request: Request) -> None:
+        """`stop`, also when the grammar completed on the very token that reached max_tokens."""
+        if request.status == RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif not request.is_finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _finish_on_stop_string(self, request: Request, stop_string: str) -> None:
         if request.is_finished:  # a token-level stop fired on the same token: the string wins

@@ -9,6 +9,7 @@ of its known tokens. Logits are computed only for those rows.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,17 +91,21 @@ class ModelRunner:
                     "tokens, %(bytes)d bytes; max concurrency at max_model_len: "
                     "%(max_concurrency).2f", self.kv_cache_info)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput,
+                grammar_bitmask: Future | None = None) -> ModelRunnerOutput:
         """One forward over all scheduled tokens; a sampled token per request with sample=True.
 
         Writes the new tokens' K/V into their slots. Padding tokens (static baseline)
         run through the model against the scratch block and are discarded.
+        `grammar_bitmask`, a future of a `GrammarBitmask` the engine started before the
+        step, is awaited only once the logits exist, so its masks are computed meanwhile.
         """
-        return self._run_step(scheduler_output, self.kv_caches, self.num_kv_blocks)
+        return self._run_step(scheduler_output, self.kv_caches, self.num_kv_blocks,
+                              grammar_bitmask)
 
     @torch.inference_mode()
     def _run_step(self, scheduler_output: SchedulerOutput, kv_caches: list[torch.Tensor],
-                  num_kv_blocks: int) -> ModelRunnerOutput:
+                  num_kv_blocks: int, grammar_bitmask: Future | None = None) -> ModelRunnerOutput:
         """`execute` against the given caches of num_kv_blocks + 1 (scratch) blocks."""
         self.sampler.free(scheduler_output.finished_ids)
         if scheduler_output.is_empty:
@@ -117,7 +122,8 @@ class ModelRunner:
         if not batch.sampled:
             return output
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) float32
-        sampled = self.sampler.sample(logits, batch.sampled)
+        bitmask = grammar_bitmask.result() if grammar_bitmask is not None else None
+        sampled = self.sampler.sample(logits, batch.sampled, bitmask)
         for req, token_id, logprobs in zip(batch.sampled, sampled.token_ids, sampled.logprobs):
             output.sampled_token_ids[req.request_id] = token_id
             if logprobs is not None:

@@ -17,14 +17,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import carpool
 from carpool.engine.async_engine import AsyncEngine
-from carpool.server import chat, completions, meta, tokenize
+from carpool.server import chat, completions, meta, responses, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
 from carpool.server.http_protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+from carpool.server.tool_parsers import get_parser
 
 # The modules whose `router` build_app includes.
-ROUTE_MODULES = (completions, chat, tokenize, meta)
+ROUTE_MODULES = (completions, chat, responses, tokenize, meta)
 # The API key guards the OpenAI routes only, as in vLLM: /metrics, probes, /version,
 # /tokenize and the operator routes stay open (bind 127.0.0.1 or firewall them).
 PROTECTED_PREFIX = "/v1/"
@@ -49,6 +50,9 @@ class ServerSettings:
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     log_requests: bool = False  # one log line per request (vLLM's --enable-log-requests)
     log_stats: bool = True  # the periodic throughput line (off: vLLM's --disable-log-stats)
+    # tool_choice "auto": read the model's own calls back with this parser (vLLM's flags)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -59,6 +63,10 @@ class ServerSettings:
         if self.max_num_waiting_requests is not None and self.max_num_waiting_requests < 1:
             raise ValueError(f"max_num_waiting_requests must be >= 1, "
                              f"got {self.max_num_waiting_requests!r}")
+        if self.tool_call_parser is not None:
+            get_parser(self.tool_call_parser)  # ValueError naming tool_call_parser
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("tool_call_parser must be set with enable_auto_tool_choice")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, "
                              f"got {self.shutdown_timeout!r}")

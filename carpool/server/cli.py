@@ -86,6 +86,17 @@ def _add_robustness_arguments(group) -> None:
     group.add_argument("--log-prompts", action="store_true",
                        help="Log each request with its prompt (implies --enable-log-requests; "
                             "off: prompts are never logged).")
+    _add_tool_arguments(group)
+
+
+def _add_tool_arguments(group) -> None:
+    from carpool.server.tool_parsers import PARSER_NAMES
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='Allow tool_choice "auto": the model\'s own tool calls are read '
+                            "back with --tool-call-parser.")
+    group.add_argument("--tool-call-parser", choices=PARSER_NAMES, default=None,
+                       help="How the model writes tool calls: hermes (<tool_call>{...}"
+                            "</tool_call>) or llama3_json.")
 
 
 def server_settings_from_args(args: argparse.Namespace):
@@ -98,7 +109,9 @@ def server_settings_from_args(args: argparse.Namespace):
         http_read_timeout=args.http_read_timeout, max_connections=args.max_connections,
         timeout_keep_alive=args.timeout_keep_alive,
         log_requests=args.enable_log_requests or args.log_prompts,
-        log_stats=not args.disable_log_stats)
+        log_stats=not args.disable_log_stats,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -119,7 +119,8 @@ async def serve_generation(
         prepare: Callable[[EngineInfo, SamplingParams], tuple[Any, list]],
         events: Callable[[AsyncIterable[tuple[int, StepOutput]], Any, int, Usage | None],
                          AsyncIterator[str]],
-        build: Callable[[Any, list[Choice]], dict]) -> Response:
+        build: Callable[[Any, list[Choice]], dict],
+        shape_usage: Callable[[dict], dict] | None = None) -> Response:
     """The request -> generation -> response path both OpenAI routes take.
 
     `prepare(info, params)` returns the route's context (with its response `id`) and its
@@ -127,7 +128,7 @@ async def serve_generation(
     the field. The engine requests carry the body's `cache_salt`. Then
     `events(stream, context, num_choices, usage)` streams (`usage`, counted from the stream
     here, is None unless the client asked for it in a last chunk), or `build(context,
-    choices)` answers whole and the usage is added here.
+    choices)` answers whole and the usage is added here (in `shape_usage`'s shape if given).
     """
     engine = ready_engine(request)
     info = engine.info
@@ -145,7 +146,8 @@ async def serve_generation(
         request, engine, requests, body.stream,
         lambda stream: events(usage.counting(stream), context, len(requests),
                               usage if body.include_usage else None),
-        lambda choices: {**build(context, choices), "usage": usage.of_choices(choices)})
+        lambda choices: {**build(context, choices),
+                         "usage": (shape_usage or dict)(usage.of_choices(choices))})
 
 
 async def respond(request: Request, engine: AsyncEngine, requests: list[GenerationRequest],

@@ -17,6 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from carpool.sampling_params import SamplingParams
+from carpool.server.constraints import structured_outputs_of
+from carpool.server.tools import ToolChoice, tool_choice_of
+from carpool.structured.grammar import check
 
 EMPTY_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
@@ -73,6 +76,13 @@ class SamplingRequest(BaseModel):
     cache_salt: Text | None = None
     # Accepted so that clients sending them get a clear 400 rather than silent neglect.
     logit_bias: dict | None = None
+    # Output constrained to a grammar (server/constraints.py): OpenAI's and vLLM's names.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def ignored_fields(self) -> list[str]:
@@ -100,7 +110,8 @@ class SamplingRequest(BaseModel):
             seed=self.seed, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=structured_outputs_of(self))
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)
         kwargs.update({k: defaults[k] for k, v in optional.items() if v is None and k in defaults})
@@ -154,12 +165,29 @@ class TextPart(BaseModel):
     text: Text
 
 
+class ToolCallFunction(BaseModel):
+    name: Text
+    arguments: Text
+
+
+class ToolCallItem(BaseModel):
+    """An assistant message's earlier tool call, as OpenAI sends it back in the history."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant
+    tool_call_id: Text | None = None  # tool
 
     def text(self) -> str:
         if self.content is None:
@@ -176,14 +204,24 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
     tools: list | None = None
-    response_format: dict | None = None
+    tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool = True
 
-    def _check_unsupported(self) -> None:
-        super()._check_unsupported()
-        if self.tools:
-            raise ValueError("tools are not supported (no tool-call parsing)")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: only {'type': 'text'} is supported")
+    def tool_choice_of(self, auto_enabled: bool = True) -> ToolChoice:
+        """What `tools` and `tool_choice` allow; ValueError naming the field."""
+        return tool_choice_of(self.tools, self.tool_choice, self.parallel_tool_calls,
+                              auto_enabled)
+
+    def _sampling_kwargs(self, defaults: Mapping[str, Any]) -> dict:
+        kwargs = super()._sampling_kwargs(defaults)
+        grammar = self.tool_choice_of().grammar()
+        if grammar is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise ValueError("tool_choice: a forced tool call cannot be combined with "
+                                 "response_format or structured_outputs")
+            check(grammar, "tools")
+            kwargs["structured_outputs"] = grammar
+        return kwargs
 
     def to_sampling_params(self, defaults: Mapping[str, Any] = EMPTY_DEFAULTS) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

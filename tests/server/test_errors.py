@@ -64,6 +64,9 @@ INVALID_COMPLETION_FIELDS = [
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", ("stream",)),
     ({"logit_bias": {"5": 10}}, "logit_bias", ()),
     ({"suffix": "end"}, "suffix", ()),
+    ({"guided_choice": []}, "guided_choice", ()),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "x"}}, "structured_outputs",
+     ("structural_tag",)),
 ]
 
 
@@ -79,8 +82,21 @@ INVALID_CHAT_FIELDS = [
     ({"max_completion_tokens": True}, "max_completion_tokens", ()),
     ({"logprobs": True, "top_logprobs": True}, "top_logprobs", ()),
     ({"stream_options": {"include_usage": "maybe"}}, "stream_options", ()),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ()),
-    ({"response_format": {"type": "json_object"}}, "response_format", ()),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     ("--enable-auto-tool-choice",)),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", ()),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", ("'g'",)),
+    ({"tool_choice": "required"}, "tool_choice", ("needs tools",)),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", ("nonsense",)),
+    ({"response_format": {"type": "xml"}}, "response_format", ("xml",)),
+    ({"guided_regex": "[a-"}, "guided_regex", ("regex",)),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs",
+     ("undefined_rule",)),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex",
+     ("only one",)),
 ]
 
 
