@@ -10,8 +10,8 @@ from tests.layers import ALLOWED
 
 ROOT = Path(__file__).resolve().parents[1] / "carpool"
 
-ENGINE_LAYERS = ("core", "engine", "models", "attention", "platform", "runner", "config.py",
-                 "outputs.py")
+ENGINE_LAYERS = ("core", "engine", "models", "attention", "platform", "runner", "distributed",
+                 "config.py", "outputs.py")
 
 
 def part_of(path: Path) -> str:
