@@ -41,4 +41,4 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid settings: %s", exc)
         return 2
     from carpool.engine.llm_engine import run_tensor_parallel_worker
-    return run_tensor_parallel_worker(config)
+    run_tensor_parallel_worker(config)  # ends the process

@@ -45,6 +45,12 @@ class Heartbeat:
         """Stop beating; failures from here on are the others stopping too, not faults."""
         self._stopping.set()
 
+    def join(self, timeout: float) -> None:
+        """After `stop()`: wait for the thread to leave its last gloo call (which ends when
+        the other ranks exit), so that the process never tears its groups down under it."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
     def _run(self) -> None:
         beat = torch.zeros(1)
         timeout = datetime.timedelta(seconds=self.timeout)

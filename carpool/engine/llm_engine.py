@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from carpool.config import EngineConfig, model_or_default
 from carpool.core.request import Request, RequestStatus
@@ -331,15 +332,16 @@ def runner_arguments(config: EngineConfig, path) -> dict:
         cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels)
 
 
-def run_tensor_parallel_worker(config: EngineConfig) -> int:
-    """Serve as a rank other than 0 of the group `config.distributed_init_method` names,
-    until rank 0 shuts it down (0); the rank comes from the rendezvous (RANK)."""
+def run_tensor_parallel_worker(config: EngineConfig) -> NoReturn:
+    """Serve as a rank other than 0 of the group `config.distributed_init_method` names;
+    the process exits 0 when rank 0 shuts the group down, 1 when it is lost. The rank comes
+    from the rendezvous (RANK)."""
     from carpool.runner.tp_worker import join_and_run
 
     if config.distributed_init_method is None:
         raise ValueError("a tensor-parallel worker needs distributed_init_method (env://)")
     config, path = resolve_for_model(config)
-    return join_and_run(runner_arguments(config, path), config.tensor_parallel_size,
+    join_and_run(runner_arguments(config, path), config.tensor_parallel_size,
                         config.distributed_init_method)
 
 

@@ -124,6 +124,8 @@ class TensorParallelExecutor:
             except Exception:  # noqa: BLE001 - the processes are ended below anyway
                 logger.warning("could not tell the tensor-parallel ranks to shut down")
         _join_or_kill(self._processes, SHUTDOWN_JOIN_TIMEOUT_S)
+        if heartbeat is not None:
+            heartbeat.join(SHUTDOWN_JOIN_TIMEOUT_S)
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -64,25 +64,27 @@ def spawned_worker_main(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     device = rank_device(spec.runner_kwargs, spec.rank)
     group = join_group(spec.init_method, spec.world_size, device, rank=spec.rank)
-    sys.exit(run_worker_rank(group, {**spec.runner_kwargs, "device": str(device)}))
+    run_worker_rank(group, {**spec.runner_kwargs, "device": str(device)})
 
 
-def join_and_run(runner_kwargs: dict[str, Any], world_size: int, init_method: str) -> int:
+def join_and_run(runner_kwargs: dict[str, Any], world_size: int, init_method: str) -> NoReturn:
     """Entry point of a rank started by its own command (`carpool tp-worker`): join through
-    `init_method` (the rank comes from the rendezvous), then serve steps. Returns 0 when rank 0
-    shut the group down."""
+    `init_method` (the rank comes from the rendezvous), then serve steps until the process
+    ends (`run_worker_rank`)."""
     device = resolve_device(runner_kwargs.get("device", "auto"))
     group = join_group(init_method, world_size, device)
     if group.rank == 0:
         raise ValueError(f"this process joined {init_method} as rank 0, which runs the engine "
                          "(`carpool serve` or `carpool generate`); workers need RANK >= 1")
     device = device_for_rank(device, group.rank)
-    return run_worker_rank(group, {**runner_kwargs, "device": str(device)})
+    run_worker_rank(group, {**runner_kwargs, "device": str(device)})
 
 
-def run_worker_rank(group: TensorParallelGroup, runner_kwargs: dict[str, Any]) -> int:
-    """Load this rank's shard and run steps until rank 0 says `Shutdown` (returns 0)."""
-    heartbeat = Heartbeat(group, on_failure=_exit_now)
+def run_worker_rank(group: TensorParallelGroup, runner_kwargs: dict[str, Any]) -> NoReturn:
+    """Load this rank's shard and run steps until rank 0 says `Shutdown`; the process then
+    exits 0 (1 on any failure). It ends without the interpreter's teardown: the heartbeat
+    thread may still be inside a gloo call, and destroying the groups under it aborts."""
+    heartbeat = Heartbeat(group, on_failure=lambda _error: _exit_now(1))
     heartbeat.start()
     try:
         runner = ModelRunner(**runner_kwargs, tp=group)
@@ -93,16 +95,18 @@ def run_worker_rank(group: TensorParallelGroup, runner_kwargs: dict[str, Any]) -
             runner.execute(step)
     except Exception:
         logger.exception("%s failed; exiting", group.describe())
-        _exit_now(None)
+        _exit_now(1)
     heartbeat.stop()
     logger.info("%s: shut down by rank 0", group.describe())
-    return 0
+    _exit_now(0)
 
 
-def _exit_now(_error) -> None:
-    """Leave at once: the group is broken, and nothing this rank holds needs saving."""
+def _exit_now(code: int) -> NoReturn:
+    """End the process at once (nothing a rank holds needs saving), logs flushed."""
     logging.shutdown()
-    os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _die_with_parent() -> None:
