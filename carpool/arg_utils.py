@@ -138,8 +138,13 @@ def add_engine_arguments(group) -> None:
                        help="CPU: the C++ kernels (paged attention reading the KV cache in "
                             "place, fused RoPE), built on first use; off, or without a "
                             "compiler: the PyTorch paths.")
-    group.add_argument("--tensor-parallel-size", type=int, default=1, choices=(1,),
-                       help="Devices to shard the model over (only 1 is supported).")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="Ranks to shard every layer over (torch.distributed: NCCL on CUDA, "
+                            "gloo on CPU); carpool starts ranks 1..N-1 on this machine.")
+    group.add_argument("--distributed-init-method", default=None,
+                       help="env:// to meet ranks started elsewhere (MASTER_ADDR, MASTER_PORT, "
+                            "RANK, WORLD_SIZE; one command per node, `carpool tp-worker` for "
+                            "ranks other than 0); default: start them here.")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="Not supported: carpool never runs code shipped with a checkpoint.")
 

@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "simulate": ("carpool.sim.cli",
                  "Drive the real schedulers with a step-cost model, no model needed."),
     "bench": ("carpool.bench.cli", "Benchmarks: serving load generator and offline comparisons."),
+    "tp-worker": ("carpool.tp_worker_cli",
+                  "Run one tensor-parallel rank other than 0 (multi-node, env://)."),
 }
 
 

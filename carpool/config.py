@@ -27,6 +27,9 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's; -1 lifts the cap to the vocabulary
 # auto: cpu on CPU, sdpa elsewhere (carpool.attention holds the backends under these names).
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa")
 
+# torch.distributed rendezvous URLs carpool passes on (tcp:// must carry ?rank=&world_size=).
+INIT_METHOD_SCHEMES = ("env://", "tcp://")
+
 # With no max_model_len given, the model's own limit is capped here, so a 128k-context
 # model does not size its budgets for contexts nobody sends to a small server.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -57,6 +60,12 @@ class EngineConfig:
     # GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE, or a folder with generation_config.json
     generation_config: str = GENERATION_CONFIG_AUTO
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # per token, sampled or prompt; -1: no cap
+    # Tensor parallelism: ranks each holding 1/N of every layer (see carpool.distributed).
+    tensor_parallel_size: int = 1
+    # None: carpool starts ranks 1..N-1 on this machine. "env://": the ranks meet through
+    # torch.distributed's env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+    # read by torch), each started by its own command (multi-node); rank 0 runs the engine.
+    distributed_init_method: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -73,6 +82,16 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if (isinstance(self.tensor_parallel_size, bool)
+                or not isinstance(self.tensor_parallel_size, int)
+                or self.tensor_parallel_size < 1):
+            raise ValueError(f"tensor_parallel_size must be a positive integer, "
+                             f"got {self.tensor_parallel_size!r}")
+        if self.distributed_init_method is not None and not (
+                isinstance(self.distributed_init_method, str)
+                and self.distributed_init_method.startswith(INIT_METHOD_SCHEMES)):
+            raise ValueError(f"distributed_init_method must start with one of "
+                             f"{INIT_METHOD_SCHEMES}, got {self.distributed_init_method!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -94,7 +113,7 @@ class EngineConfig:
                   max_long_partial_prefills: int = 1, long_prefill_token_threshold: int = 0,
                   block_size: int = 16, scheduler: str = "continuous",
                   preemption_policy: str = "newest", enable_prefix_caching: bool = True,
-                  tensor_parallel_size: int = 1,
+                  tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
                   cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
@@ -114,10 +133,10 @@ class EngineConfig:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
                              "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
                              "safetensors, never code or pickles from a checkpoint")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (no sharding), "
-                             f"got {tensor_parallel_size!r}")
-        max_position_embeddings = load_max_position_embeddings(model)
+        model_config = load_model_config_of(model)
+        max_position_embeddings = model_config.max_position_embeddings
+        from carpool.models.sharding import check_divisible
+        check_divisible(model_config, tensor_parallel_size)
         check_generation_config(generation_config)
         max_model_len = resolve_max_model_len(max_model_len, max_position_embeddings)
         if max_num_batched_tokens is None:
@@ -139,7 +158,9 @@ class EngineConfig:
                    attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
                    cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
                    tokenizer=tokenizer, chat_template=read_chat_template(chat_template),
-                   generation_config=generation_config, max_logprobs=max_logprobs)
+                   generation_config=generation_config, max_logprobs=max_logprobs,
+                   tensor_parallel_size=tensor_parallel_size,
+                   distributed_init_method=distributed_init_method)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -204,12 +225,12 @@ def generation_config_folder(value: str, model_path) -> str | None:
     return None if value == GENERATION_CONFIG_NONE else value
 
 
-def load_max_position_embeddings(model: str | None) -> int:
-    """The model's context limit, from its config.json (None: the built-in model)."""
+def load_model_config_of(model: str | None):
+    """The model's `ModelConfig`, from its config.json (None: the built-in model)."""
     from carpool.models.config import load_model_config
     from carpool.models.paths import resolve_model_path
 
-    return load_model_config(resolve_model_path(model_or_default(model))).max_position_embeddings
+    return load_model_config(resolve_model_path(model_or_default(model)))
 
 
 def model_or_default(model: str | None) -> str:

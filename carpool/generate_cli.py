@@ -58,12 +58,12 @@ def run(args: argparse.Namespace) -> int:
             n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=tuple(args.stop),
             ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-        llm = LLM.from_config(EngineConfig.from_cli_args(args))
-        if args.chat:
-            conversations = [[{"role": "user", "content": p}] for p in args.prompt]
-            outputs = llm.chat(conversations, params, use_tqdm=args.use_tqdm)
-        else:
-            outputs = llm.generate(args.prompt, params, use_tqdm=args.use_tqdm)
+        with LLM.from_config(EngineConfig.from_cli_args(args)) as llm:  # stops TP ranks
+            if args.chat:
+                conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+                outputs = llm.chat(conversations, params, use_tqdm=args.use_tqdm)
+            else:
+                outputs = llm.generate(args.prompt, params, use_tqdm=args.use_tqdm)
     except (ValueError, FileNotFoundError) as exc:
         print(f"carpool generate: error: {exc}", file=sys.stderr)
         return 2

@@ -43,6 +43,17 @@ class LLM:
         self.engine = engine
         self._request_counter = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks this LLM started (nothing to do for one rank);
+        `with LLM(...) as llm:` does it on leaving."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

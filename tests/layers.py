@@ -5,11 +5,12 @@ from __future__ import annotations
 # part -> the parts it may import (a part is a subpackage or a top-level module).
 ALLOWED = {
     "core": {"sampling_params"},
-    "models": {"attention"},  # the backend and its metadata arrive as forward arguments
+    "models": {"attention", "distributed"},  # the backend arrives as a forward argument
     "attention": set(),
+    "distributed": set(),
     "platform": {"attention", "models"},
-    "runner": {"attention", "core", "models", "outputs", "platform", "sampling_params",
-               "structured", "utils"},
+    "runner": {"attention", "core", "distributed", "models", "outputs", "platform",
+               "sampling_params", "structured", "utils"},
     "structured": {"sampling_params"},
     "utils": set(),
     "outputs": set(),
@@ -21,6 +22,7 @@ ALLOWED = {
     "llm": {"config", "engine", "outputs", "sampling_params"},
     "metrics": {"outputs"},
     "arg_utils": {"config", "core"},
+    "tp_worker_cli": {"arg_utils", "config", "engine"},
     "generate_cli": {"arg_utils", "config", "llm", "sampling_params"},
     "server": {"arg_utils", "config", "engine", "metrics", "outputs", "sampling_params",
                "structured"},

@@ -59,7 +59,11 @@ def test_default_unchunked_budget_grows_to_max_model_len(make_checkpoint):
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(trust_remote_code=True), "trust_remote_code is not supported"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size must be 1"),
+    # The built-in model: 4 query heads, 2 KV heads, intermediate_size 688.
+    (dict(tensor_parallel_size=3), r"tensor_parallel_size \(3\) must divide the model's "
+                                   r"num_attention_heads \(4\)"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    (dict(distributed_init_method="file:///tmp/x"), "distributed_init_method must start with"),
     (dict(max_model_len=0), "max_model_len must be a positive integer"),
     (dict(block_size=0), "block_size must be a positive integer"),
     (dict(dtype="int4"), "dtype must be one of"),
@@ -67,6 +71,17 @@ def test_default_unchunked_budget_grows_to_max_model_len(make_checkpoint):
 def test_errors_name_the_argument(kwargs, words):
     with pytest.raises(ValueError, match=words):
         EngineConfig.from_args(**kwargs)
+
+
+def test_tensor_parallel_size_must_split_the_kv_heads_and_mlp(make_checkpoint):
+    model = str(make_checkpoint("llama", hidden_size=96, num_attention_heads=6,
+                                num_key_value_heads=3, intermediate_size=130))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide the model's "
+                                         r"num_key_value_heads \(3\) or be a multiple of it"):
+        EngineConfig.from_args(model, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size \(3\) must divide the "
+                                         r"model's intermediate_size \(130\)"):
+        EngineConfig.from_cli_args(serve_args(model, "--tensor-parallel-size", "3"))
 
 
 def test_errors_in_flag_words():

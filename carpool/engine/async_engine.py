@@ -114,6 +114,13 @@ class AsyncEngine:
             self._commands.put(CallEngine(fn, future, loop))
         return await future
 
+    def fail(self, error: BaseException) -> None:
+        """From any thread: the engine can no longer step (e.g. a tensor-parallel rank died);
+        the loop thread dies with `error` as if a step had raised it."""
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(Stop(error))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread; open streams get EngineDeadError."""
         with self._lock:
@@ -130,6 +137,8 @@ class AsyncEngine:
             self._die(exc, "loading the model failed")
             return
         self._ready.set()
+        if hasattr(engine, "notify_on_failure"):
+            engine.notify_on_failure(self.fail)
         try:
             if self.on_ready is not None:
                 self.on_ready(self.info)
@@ -137,6 +146,8 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - the step loop cannot continue
             self._die(exc, "the engine step loop failed")
             return
+        finally:
+            _close(engine)
         self._die(EngineDeadError("the engine was shut down"), None)
 
     def _on_loaded(self, engine: EngineCore) -> None:
@@ -158,6 +169,8 @@ class AsyncEngine:
             commands = self._take_commands(block=not engine.has_unfinished_requests())
             for command in commands:
                 if isinstance(command, Stop):
+                    if command.error is not None:
+                        raise command.error
                     return
                 self._handle(engine, command)
             if commands:
@@ -254,6 +267,16 @@ class AsyncEngine:
         for stream in {id(s): s for s in self._streams.values()}.values():
             _notify(stream.loop, stream._put, error)
         self._streams.clear()
+
+
+def _close(engine: EngineCore) -> None:
+    """Release what the engine started (tensor-parallel ranks), if it has a `close`."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:
+            logger.exception("closing the engine failed")
 
 
 def _notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

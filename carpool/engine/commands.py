@@ -44,7 +44,9 @@ class CallEngine:
 
 @dataclass(frozen=True)
 class Stop:
-    """End the step loop."""
+    """End the step loop; with an `error`, as a failure (the engine can no longer step)."""
+
+    error: BaseException | None = None
 
 
 Command = AddRequests | AbortRequests | CallEngine | Stop

@@ -8,7 +8,8 @@ new tokens into text deltas and applies stop strings. Each `step()` returns one
 new tokens and text.
 
 A fault in the model step fails exactly the requests scheduled in that step;
-the engine keeps serving the rest.
+the engine keeps serving the rest. A lost tensor-parallel rank is the exception:
+`RankFailedError` leaves `step()`, since no later step can run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from carpool.config import EngineConfig, generation_config_folder, model_or_default
 from carpool.core.request import Request, RequestStatus
@@ -28,6 +29,7 @@ from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_tokenizer
 from carpool.outputs import EngineStats, PromptLogprobs, RequestMetrics, StepOutput
+from carpool.runner.executor import RankFailedError
 from carpool.sampling_params import SamplingParams
 from carpool.structured.manager import StructuredOutputs
 
@@ -95,29 +97,22 @@ class LLMEngine:
         """Load the model, tokenizer and KV cache named by `config` and build the scheduler."""
         from carpool.core.scheduler import Scheduler
         from carpool.core.static_scheduler import StaticScheduler
-        from carpool.models.config import load_model_config
         from carpool.models.generation_defaults import load_sampling_defaults
         from carpool.models.paths import resolve_model_path
-        from carpool.runner.model_runner import ModelRunner
+        from carpool.runner.executor import create_executor
 
-        path = resolve_model_path(model_or_default(config.model))
-        model_config = load_model_config(path)
-        config = config.for_model(model_config.max_position_embeddings)
+        config, path = resolve_for_model(config)
         sched_config = config.scheduler
-        runner = ModelRunner(
-            path, dtype=config.dtype, device=config.device, block_size=sched_config.block_size,
-            num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            max_model_len=config.max_model_len,
-            max_num_batched_tokens=sched_config.max_num_batched_tokens,
-            max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
-            attention_backend=config.attention_backend,
-            cpu_packed_linears=config.cpu_packed_linears,
-            cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels)
-        scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
-        scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
-        tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
-                                   else path, chat_template=config.chat_template)
+        runner = create_executor(runner_arguments(config, path), config.tensor_parallel_size,
+                                 config.distributed_init_method)
+        try:
+            scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
+            scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
+            tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
+                                       else path, chat_template=config.chat_template)
+        except BaseException:
+            runner.close()
+            raise
         defaults_folder = generation_config_folder(config.generation_config, path)
         return cls(config, str(path), runner, tokenizer, scheduler,
                    sampling_defaults=load_sampling_defaults(defaults_folder)
@@ -226,6 +221,10 @@ class LLMEngine:
                 runner_out = self.runner.execute(sched_out)
             else:
                 runner_out = self.runner.execute(sched_out, grammar_bitmask=bitmask)
+        except RankFailedError:  # the tensor-parallel group is broken: no step can run
+            if bitmask is not None:
+                wait([bitmask])  # its matchers are about to be dropped
+            raise
         except Exception as exc:  # a failed step must not take the engine down
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
             if bitmask is not None:
@@ -362,6 +361,17 @@ class LLMEngine:
         Returns how many free blocks were dropped from the cache."""
         return self.scheduler.reset_prefix_cache()
 
+    def notify_on_failure(self, callback: Callable[[BaseException], None]) -> None:
+        """Have `callback(error)` called, from any thread, when the engine can no longer step
+        (a tensor-parallel rank died), also while it is idle; a lone runner never fails so."""
+        if hasattr(self.runner, "on_failure"):
+            self.runner.on_failure = callback
+
+    def close(self) -> None:
+        """Stop what the runner started (tensor-parallel ranks); idempotent. The engine
+        cannot step afterwards."""
+        self.runner.close()
+
     def check_integrity(self) -> None:
         """Raise AssertionError if block accounting is off, or blocks are held while idle."""
         blocks = self.scheduler.block_manager
@@ -369,6 +379,44 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             assert blocks.num_free_blocks == blocks.num_total_blocks, (
                 f"engine idle but {blocks.num_total_blocks - blocks.num_free_blocks} blocks held")
+
+
+def resolve_for_model(config: EngineConfig):
+    """(config resolved against its model's limits, the model's folder)."""
+    from carpool.models.config import load_model_config
+    from carpool.models.paths import resolve_model_path
+
+    path = resolve_model_path(model_or_default(config.model))
+    return config.for_model(load_model_config(path).max_position_embeddings), path
+
+
+def runner_arguments(config: EngineConfig, path) -> dict:
+    """`ModelRunner`'s keyword arguments for a resolved config (every rank gets the same)."""
+    sched_config = config.scheduler
+    return dict(
+        model_path=str(path), dtype=config.dtype, device=config.device,
+        block_size=sched_config.block_size,
+        num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+        max_num_batched_tokens=sched_config.max_num_batched_tokens,
+        max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
+        attention_backend=config.attention_backend,
+        cpu_packed_linears=config.cpu_packed_linears,
+        cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels)
+
+
+def run_tensor_parallel_worker(config: EngineConfig) -> NoReturn:
+    """Serve as a rank other than 0 of the group `config.distributed_init_method` names;
+    the process exits 0 when rank 0 shuts the group down, 1 when it is lost. The rank comes
+    from the rendezvous (RANK)."""
+    from carpool.runner.tp_worker import join_and_run
+
+    if config.distributed_init_method is None:
+        raise ValueError("a tensor-parallel worker needs distributed_init_method (env://)")
+    config, path = resolve_for_model(config)
+    join_and_run(runner_arguments(config, path), config.tensor_parallel_size,
+                        config.distributed_init_method)
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:

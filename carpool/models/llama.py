@@ -8,29 +8,75 @@ model never builds either. Parameter names mirror Hugging
 Face's, except that projections applied to the same input are stacked into one
 matrix (`StackedLinear`: q/k/v, gate/up), one matmul instead of three or two;
 `checkpoint_targets` maps each checkpoint tensor to its rows.
+
+Under tensor parallelism each rank builds its shard of the network (sizes from
+`sharding.ShardLayout`) and sums partial results over its `TensorParallelGroup`
+after o_proj, down_proj and the embedding; with the one-rank group every
+collective is the identity.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from carpool.attention import AttentionBackend
+from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
 from carpool.models.rope import Rotary, RotaryEmbedding
+from carpool.models.sharding import Shard, ShardLayout
 
 
 class StackedLinear(nn.Linear):
     """Several checkpoint projections of the same input, stacked by output rows.
 
-    `parts` names them in row order with their output sizes, e.g. (("q_proj", 576),
-    ("k_proj", 192), ("v_proj", 192)), which `checkpoint_targets` reads to load it.
+    `parts` names them in row order with the rows of each checkpoint tensor this rank
+    holds, e.g. (("q_proj", Shard(0, 0, 576, 576)), ("k_proj", ...), ("v_proj", ...)),
+    which `checkpoint_targets` reads to load it.
     """
 
-    def __init__(self, in_features: int, parts: tuple[tuple[str, int], ...], bias: bool) -> None:
-        super().__init__(in_features, sum(size for _, size in parts), bias=bias)
+    def __init__(self, in_features: int, parts: tuple[tuple[str, Shard], ...],
+                 bias: bool) -> None:
+        super().__init__(in_features, sum(shard.size for _, shard in parts), bias=bias)
         self.parts = parts
+
+
+def row_parallel_linear(layout: ShardLayout, in_features_per_rank: int, out_features: int,
+                        bias: bool) -> nn.Linear:
+    """A linear layer holding this rank's input columns; its output is a partial sum.
+
+    The bias lives on rank 0 only, so the all-reduce adds it once. (A plain `nn.Linear`,
+    marked for the loader, so a platform may still swap it for a faster one.)
+    """
+    linear = nn.Linear(in_features_per_rank, out_features, bias=bias and layout.rank == 0)
+    linear.weight_shard = layout.row(in_features_per_rank, in_features_per_rank
+                                     * layout.world_size)
+    linear.bias_skipped = bias and layout.rank != 0
+    return linear
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds embedding rows [r*Vr, (r+1)*Vr); ids outside them give zero rows, and
+    the all-reduce assembles each id's row from the one rank holding it."""
+
+    def __init__(self, layout: ShardLayout, vocab_size: int, hidden_size: int,
+                 tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(layout.vocab_per_rank, hidden_size))
+        self.weight_shard = layout.column(layout.vocab_per_rank, vocab_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.weight_shard.start
+        outside = (local < 0) | (local >= self.weight_shard.size)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)
 
 
 class RMSNorm(nn.Module):
@@ -54,16 +100,21 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """This rank's query heads and the KV heads they read (`ShardLayout`)."""
+
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
+        self.head_dim = d = config.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         self.qkv_sizes = [q_size, kv_size, kv_size]
+        kv_shard = Shard(0, layout.kv_head_start * d, kv_size, config.num_kv_heads * d)
         self.qkv_proj = StackedLinear(
-            config.hidden_size, (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
+            config.hidden_size, (("q_proj", layout.column(q_size, config.num_heads * d)),
+                                 ("k_proj", kv_shard), ("v_proj", kv_shard)),
             bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = row_parallel_linear(layout, q_size, config.hidden_size, config.o_proj_bias)
+        self.tp = tp
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -82,29 +133,32 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)
         out = attention.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens,
+                                                          self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = StackedLinear(hidden, (("gate_proj", inner), ("up_proj", inner)),
+        hidden, inner = config.hidden_size, layout.intermediate_size
+        shard = layout.column(inner, config.intermediate_size)
+        self.gate_up_proj = StackedLinear(hidden, (("gate_proj", shard), ("up_proj", shard)),
                                           bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inner, hidden, bias=config.mlp_bias)
+        self.down_proj = row_parallel_linear(layout, inner, hidden, config.mlp_bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layout, tp)
+        self.mlp = MLP(config, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -115,22 +169,30 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(layout, config.vocab_size, config.hidden_size,
+                                                   tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, layout, tp)
+                                    for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Hidden states for packed tokens; logits only for the rows asked for."""
+    """Hidden states for packed tokens; logits only for the rows asked for.
 
-    def __init__(self, config: ModelConfig) -> None:
+    `tp` is the tensor-parallel group this rank belongs to; every rank runs every call.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.layout = layout = ShardLayout.of(config, tp.rank, tp.world_size)
+        self.model = LlamaModel(config, layout, tp)
+        self.lm_head = nn.Linear(config.hidden_size, layout.vocab_per_rank, bias=False)
+        self.lm_head.weight_shard = self.model.embed_tokens.weight_shard
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -148,30 +210,54 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (rows to sample) -> logits [N, vocab_size] in float32."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        """hidden [N, hidden_size] (rows to sample) -> logits [N, vocab_size] in float32.
+
+        Each rank computes its vocabulary shard's columns; the gather assembles them.
+        """
+        logits = self.tp.all_gather(self.lm_head(self.model.norm(hidden)))  # (N, V padded)
+        if logits.shape[-1] != self.config.vocab_size:
+            logits = logits[:, :self.config.vocab_size]
+        return logits.float()
 
 
-def checkpoint_targets(model: nn.Module) -> dict[str, tuple[torch.Tensor, slice]]:
-    """Every tensor name a Hugging Face checkpoint of `model` holds -> (parameter, its rows).
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: `rows` of `param` (None: this rank does not hold
+    it), filled from the `shard` of the checkpoint tensor (None: all of it)."""
 
-    A plain parameter is filled whole (`slice(None)`); a `StackedLinear`'s weight and
-    bias are filled part by part, e.g. `...self_attn.k_proj.weight` -> rows
-    [q_size, q_size + kv_size) of `...self_attn.qkv_proj.weight`. Tied parameters
-    appear under each of their names.
+    param: torch.Tensor | None
+    rows: slice = field(default_factory=lambda: slice(None))
+    shard: Shard | None = None
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
+    """Every tensor name a Hugging Face checkpoint of `model` holds -> its `Target`.
+
+    A plain parameter is filled whole, or from its module's `weight_shard`; a
+    `StackedLinear`'s weight and bias are filled part by part, e.g.
+    `...self_attn.k_proj.weight` -> rows [q_size, q_size + kv_size) of
+    `...self_attn.qkv_proj.weight`, from the k_proj rows of this rank's KV heads. A
+    row-parallel bias held by rank 0 only is a target without a parameter elsewhere.
+    Tied parameters appear under each of their names.
     """
-    targets = {name: (param, slice(None))
+    targets = {name: Target(param)
                for name, param in model.named_parameters(remove_duplicate=False)}
     for module_name, module in model.named_modules():
+        shard = getattr(module, "weight_shard", None)
+        if shard is not None:
+            targets[f"{module_name}.weight"] = Target(module.weight, shard=shard)
+        if getattr(module, "bias_skipped", False):
+            targets[f"{module_name}.bias"] = Target(None)
         if not isinstance(module, StackedLinear):
             continue
         prefix = module_name.rpartition(".")[0]
         for kind in ("weight", "bias"):
-            param = targets.pop(f"{module_name}.{kind}", (None, None))[0]
+            param = targets.pop(f"{module_name}.{kind}", Target(None)).param
             if param is None:
                 continue
             offset = 0
-            for part, size in module.parts:
-                targets[f"{prefix}.{part}.{kind}"] = (param, slice(offset, offset + size))
-                offset += size
+            for part, part_shard in module.parts:
+                targets[f"{prefix}.{part}.{kind}"] = Target(
+                    param, slice(offset, offset + part_shard.size), part_shard)
+                offset += part_shard.size
     return targets

@@ -5,6 +5,8 @@ Weights are read with `safetensors` only, never pickle: a single
 network is built on the meta device (no random init of a large model), then
 materialised on the target device and filled tensor by tensor, so every
 parameter is accounted for: a missing or unexpected tensor raises, naming it.
+Under tensor parallelism a rank reads only its shard of each tensor
+(`safe_open(...).get_slice`), so no rank ever holds the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 
 import torch
 
+from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
-from carpool.models.llama import LlamaForCausalLM, checkpoint_targets
+from carpool.models.llama import LlamaForCausalLM, Target, checkpoint_targets
 from carpool.models.paths import resolve_model_path as resolve_model_path  # re-exported
 
 logger = logging.getLogger(__name__)
@@ -42,12 +45,16 @@ def weight_files(path: Path) -> list[Path]:
         f"no {SINGLE_FILE} or {INDEX_FILE} in {path} (only safetensors checkpoints are supported)")
 
 
-def load_model(path: Path, config: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
-    """Build the network for `config` on `device` in `dtype` and fill it from `path`'s weights."""
+def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
+    """Build this rank's shard of the network for `config` on `device` in `dtype` and fill it
+    from `path`'s weights."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = LlamaForCausalLM(config, tp).to(dtype)
     model = model.to_empty(device=device)
+    with torch.no_grad():  # vocabulary padding rows stay zero (and never hold NaN)
+        model.model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
     if config.tie_word_embeddings:  # to_empty re-creates parameters; tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary_emb.reset()
@@ -74,16 +81,33 @@ def _fill_parameters(model: LlamaForCausalLM, files: list[Path], config: ModelCo
                 if name not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {file.name} "
                                      f"for {config.architecture}")
-                tensor = f.get_tensor(name)
-                param, rows = params[name]
-                target = param[rows]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(f"tensor {name!r} in {file.name} has shape "
-                                     f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(tensor.to(device=device, dtype=target.dtype))
+                _fill(params[name], f.get_slice(name), name, file.name, device)
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {files[0].parent} lacks tensor(s) {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _fill(target: Target, source, name: str, file_name: str, device: torch.device) -> None:
+    """Copy the target's shard of the checkpoint tensor `source` (a safetensors slice, read
+    lazily) into its rows; checks the checkpoint tensor's full shape first."""
+    if target.param is None:
+        return
+    dest = target.param[target.rows]
+    shard = target.shard
+    expected = list(dest.shape)
+    if shard is not None:
+        expected[shard.dim] = shard.full
+    shape = list(source.get_shape())
+    if shape != expected:
+        raise ValueError(f"tensor {name!r} in {file_name} has shape {tuple(shape)}, "
+                         f"expected {tuple(expected)}")
+    if shard is None:
+        tensor = source[:]
+    else:
+        dest = dest.narrow(shard.dim, 0, shard.num_loaded)
+        span = slice(shard.start, shard.start + shard.num_loaded)
+        tensor = source[span] if shard.dim == 0 else source[:, span]
+    with torch.no_grad():
+        dest.copy_(tensor.to(device=device, dtype=dest.dtype))

@@ -29,8 +29,11 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def from_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    def from_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                   num_kv_heads: int | None = None) -> KVCacheSpec:
+        """`num_kv_heads`: the heads this rank holds under tensor parallelism (default all)."""
+        return cls(config.num_layers, num_kv_heads or config.num_kv_heads, config.head_dim,
+                   block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:

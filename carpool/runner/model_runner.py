@@ -4,6 +4,10 @@ The runner owns every tensor (weights, KV cache, generators); the scheduler
 owns every decision. `execute` takes the step's `SchedulerOutput` (ids, block
 tables, token counts) and returns one token per request that reached the end
 of its known tokens. Logits are computed only for those rows.
+
+Under tensor parallelism one `ModelRunner` runs on every rank over its shard of
+the model (`tp`), each with its own KV cache of identical block ids; every rank
+runs the same steps in the same order, and only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import torch
 
 from carpool.attention import AttentionShape, create_backend
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig, load_model_config
 from carpool.models.loader import load_model, resolve_model_path
+from carpool.models.sharding import ShardLayout
 from carpool.outputs import PositionLogprobs, PromptLogprobs
 from carpool.platform import Platform, platform_for
 from carpool.runner import kv_cache
@@ -46,6 +52,7 @@ class ModelRunner:
     Device specifics come from its `Platform` (process and model set-up, KV memory
     budget) and its attention backend (cache layout, attention kernels); `platform`
     defaults to the device's own and may be given to test one platform's path on another.
+    `tp` is the tensor-parallel group of this rank (default: one rank, the whole model).
     """
 
     def __init__(self, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
@@ -54,7 +61,7 @@ class ModelRunner:
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                  seed: int = 0, attention_backend: str = "auto", cpu_packed_linears: bool = True,
                  cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
-                 platform: Platform | None = None) -> None:
+                 platform: Platform | None = None, tp: TensorParallelGroup = SINGLE) -> None:
         path = resolve_model_path(model_path)
         self.model_config: ModelConfig = load_model_config(path)
         max_position_embeddings = self.model_config.max_position_embeddings
@@ -72,24 +79,31 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         config = self.model_config
+        self.tp = tp
+        layout = ShardLayout.of(config, tp.rank, tp.world_size)
         self.attention = create_backend(
-            attention_backend, AttentionShape(config.num_heads, config.num_kv_heads,
+            attention_backend, AttentionShape(layout.num_heads, layout.num_kv_heads,
                                               config.head_dim, config.sliding_window),
             self.device, kernels=self.platform.compiled_kernels())
-        self.model = load_model(path, config, self.dtype, self.device)
+        self.model = load_model(path, config, self.dtype, self.device, tp)
         self.platform.prepare_model(self.model)
         self.sampler = Sampler(self.device, config.eos_token_ids, seed)
-        self._spec = kv_cache.KVCacheSpec.from_model(config, block_size, self.dtype)
-        self.num_kv_blocks = self._choose_num_blocks(num_kv_blocks, kv_cache_memory,
-                                                     gpu_memory_utilization)
+        self._spec = kv_cache.KVCacheSpec.from_model(config, block_size, self.dtype,
+                                                     layout.num_kv_heads)
+        # Every rank holds the same block ids: the pool is what the smallest rank can hold.
+        self.num_kv_blocks = tp.all_reduce_min(self._choose_num_blocks(
+            num_kv_blocks, kv_cache_memory, gpu_memory_utilization))
         self.kv_caches = kv_cache.allocate_kv_caches(self._spec, self.num_kv_blocks, self.device,
                                                      self.attention)
         self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks, max_model_len)
-        logger.info("attention backend: %s; platform: %s", self.attention.name,
-                    self.platform.describe())
+        logger.info("attention backend: %s; platform: %s%s", self.attention.name,
+                    self.platform.describe(), f"; {tp.describe()}" if tp.is_parallel else "")
         logger.info("KV cache: %(num_blocks)d blocks of %(block_size)d tokens = %(num_tokens)d "
                     "tokens, %(bytes)d bytes; max concurrency at max_model_len: "
                     "%(max_concurrency).2f", self.kv_cache_info)
+
+    def close(self) -> None:
+        """Nothing to release early: the tensors go with the runner (see `runner.executor`)."""
 
     def execute(self, scheduler_output: SchedulerOutput,
                 grammar_bitmask: Future | None = None) -> ModelRunnerOutput:
@@ -116,12 +130,16 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, kv_caches, self.attention, meta)
         output = ModelRunnerOutput()
         for req, first_row in zip(scheduler_output.scheduled, batch.layout.query_starts):
-            if wants_prompt_logprobs(req):
-                output.prompt_logprobs[req.request_id] = chunk_prompt_logprobs(
-                    self.model.compute_logits, hidden, req, int(first_row))
+            if wants_prompt_logprobs(req):  # on every rank: the logits are a collective
+                chunk = chunk_prompt_logprobs(self.model.compute_logits, hidden, req,
+                                              int(first_row))
+                if self.tp.rank == 0:
+                    output.prompt_logprobs[req.request_id] = chunk
         if not batch.sampled:
             return output
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) float32
+        if self.tp.rank != 0:  # every rank gathers the logits (a collective); rank 0 samples
+            return ModelRunnerOutput()
         bitmask = grammar_bitmask.result() if grammar_bitmask is not None else None
         sampled = self.sampler.sample(logits, batch.sampled, bitmask)
         for req, token_id, logprobs in zip(batch.sampled, sampled.token_ids, sampled.logprobs):

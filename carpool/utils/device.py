@@ -41,3 +41,11 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> to
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[name]
+
+
+def device_for_rank(device: torch.device, rank: int) -> torch.device:
+    """A tensor-parallel rank's device: CUDA rank r takes card r of this machine (unless the
+    device names its card); CPU is CPU."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", rank % torch.cuda.device_count())

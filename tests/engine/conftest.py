@@ -15,7 +15,9 @@ torch.set_num_threads(1)
 SEPARATED = dict(initializer_range=0.2)
 # Test models beyond the four architectures' tiny shapes: name -> (architecture, overrides).
 VARIANTS = {"llama-head-dim-40": ("llama", dict(hidden_size=80, num_attention_heads=2,
-                                                num_key_value_heads=1))}
+                                                num_key_value_heads=1)),
+            # A vocabulary two ranks cannot split evenly (tensor parallelism pads it).
+            "llama-odd-vocab": ("llama", dict(vocab_size=515))}
 
 
 @pytest.fixture(scope="session")
