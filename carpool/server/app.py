@@ -1,6 +1,7 @@
 """The FastAPI app: routes, OpenAI error bodies, and the API-key check.
 
-`build_app` takes a started `AsyncEngine` (it may still be loading: /health
+`build_app` takes a started engine client (`engine.protocol.EngineClient`: the
+engine-core process's, or the in-process `AsyncEngine`; it may still be loading: /health
 says 503 until it is ready) and the server's settings. Nothing here touches
 engine state; routes talk to the engine through its command queue and read
 its published snapshot.
@@ -16,11 +17,12 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import carpool
-from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.protocol import EngineClient
 from carpool.server import chat, completions, meta, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
+from carpool.server.prompts import TokenizerWorker
 
 # The modules whose `router` build_app includes.
 ROUTE_MODULES = (completions, chat, tokenize, meta)
@@ -41,6 +43,8 @@ class ServerSettings:
     max_num_waiting_requests: int | None = None  # None: 4 x max_num_seqs
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_prompts: bool = False
+    # Run the engine in its own process (the default) rather than on a thread of this one.
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -94,13 +98,14 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     app = FastAPI(title="carpool", version=carpool.__version__,
                   description="OpenAI-compatible LLM server built around continuous batching.")
     app.state.engine = engine
     app.state.settings = settings
     app.state.admission = Admission(settings.max_num_waiting_requests)
+    app.state.tokenizer_worker = TokenizerWorker()
     install_error_handlers(app)
     for module in ROUTE_MODULES:
         app.include_router(module.router)

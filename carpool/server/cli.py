@@ -57,6 +57,10 @@ def _add_robustness_arguments(group) -> None:
                             f"(default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}).")
     group.add_argument("--log-prompts", action="store_true",
                        help="Include prompts in the per-request log lines (off: never logged).")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="Run the engine (scheduler, model, KV cache) in its own process, "
+                            "apart from HTTP, tokenization and metrics (default); "
+                            "--no-engine-process runs it on a thread of the server's process.")
 
 
 def server_settings_from_args(args: argparse.Namespace):
@@ -65,7 +69,8 @@ def server_settings_from_args(args: argparse.Namespace):
     return ServerSettings(
         api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
-        shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts)
+        shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts,
+        engine_process=args.engine_process)
 
 
 def run(args: argparse.Namespace) -> int:

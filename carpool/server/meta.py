@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import carpool
-from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.protocol import EngineClient
 from carpool.server.errors import APIError
 from carpool.server.generation import ready_engine
 
@@ -45,7 +45,7 @@ async def list_models(request: Request) -> dict:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    engine: AsyncEngine = request.app.state.engine
+    engine: EngineClient = request.app.state.engine
     body = engine.metrics.render() if engine.metrics is not None else b""
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -53,7 +53,7 @@ async def metrics(request: Request) -> Response:
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
     """Forget every cached prefix block (vLLM's route; running requests keep theirs)."""
-    await ready_engine(request).call(lambda llm_engine: llm_engine.reset_prefix_cache())
+    await ready_engine(request).call_utility("reset_prefix_cache")
     return Response(status_code=200)
 
 
@@ -67,13 +67,4 @@ async def stats(request: Request, integrity: bool = False) -> JSONResponse:
     engine = ready_engine(request)
     if not integrity:
         return JSONResponse(engine.snapshot().as_dict())
-    return JSONResponse(await engine.call(_checked_stats))
-
-
-def _checked_stats(llm_engine) -> dict:
-    try:
-        llm_engine.check_integrity()
-        verdict = "ok"
-    except AssertionError as exc:
-        verdict = f"violated: {exc}"
-    return {**llm_engine.stats().as_dict(), "integrity": verdict}
+    return JSONResponse(await engine.call_utility("checked_stats"))
