@@ -137,17 +137,18 @@ async def serve_generation(
     check_request(body, info)
     worker: TokenizerWorker = request.app.state.tokenizer_worker
 
-    def prepare_ids(params: SamplingParams) -> tuple[Any, list[list[int]]]:
+    def prepare_ids(params: SamplingParams) -> tuple[Any, list, list[list[int]]]:
         context, prompts = prepare(info, params)
-        return context, [worker.prompt_token_ids(info, p, params) for p in prompts]
+        return context, prompts, [worker.prompt_token_ids(info, p, params) for p in prompts]
 
     try:
         params = body.to_sampling_params(info.sampling_defaults)
-        context, prompts = await worker.run(prepare_ids, params)
-        requests = fan_out(context.id, prompts, params, info, body.cache_salt)
+        context, prompts, prompt_ids = await worker.run(prepare_ids, params)
+        requests = fan_out(context.id, prompt_ids, params, info, body.cache_salt)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
     usage = Usage(params.n)
+    log_request(request, requests, prompts, body.stream)
     return await respond(
         request, engine, requests, body.stream,
         lambda stream: events(usage.counting(stream), context, len(requests),
@@ -159,7 +160,6 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
                   streaming: bool, events: Callable[[OutputStream], AsyncIterator[str]],
                   build: Callable[[list[Choice]], dict]) -> Response:
     """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
-    log_request(request, requests, streaming)
     stream = await start(request, engine, requests)
     admission: Admission = request.app.state.admission
     if streaming:
@@ -172,8 +172,10 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
     return JSONResponse(build(choices))
 
 
-def log_request(request: Request, requests: list[GenerationRequest], streaming: bool) -> None:
-    """One log line per HTTP request; the prompt itself only with --log-prompts."""
+def log_request(request: Request, requests: list[GenerationRequest], prompts: list,
+                streaming: bool) -> None:
+    """One log line per HTTP request; the prompts as sent (text, token ids, or the chat
+    prompt's ids) only with --log-prompts."""
     if not requests or not logger.isEnabledFor(logging.INFO):
         return
     params = requests[0].sampling_params
@@ -181,8 +183,7 @@ def log_request(request: Request, requests: list[GenerationRequest], streaming: 
             f"max_tokens={params.max_tokens}, temperature={params.temperature}, "
             f"stream={streaming}")
     if request.app.state.settings.log_prompts:
-        prompts = list(dict.fromkeys(repr(r.prompt) for r in requests))
-        line += f", prompts={' '.join(prompts)}"
+        line += f", prompts={' '.join(dict.fromkeys(repr(p) for p in prompts))}"
     logger.info(line)
 
 
