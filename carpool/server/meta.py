@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -45,9 +46,17 @@ async def list_models(request: Request) -> dict:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    """Rendered on a worker thread, never on the event loop; polls that arrive while a
+    rendering is under way share it, so tight pollers cost one rendering at a time."""
     engine: EngineClient = request.app.state.engine
-    body = engine.metrics.render() if engine.metrics is not None else b""
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    if engine.metrics is None:
+        return Response(b"", media_type=CONTENT_TYPE_LATEST)
+    state = request.app.state
+    rendering: asyncio.Future | None = getattr(state, "metrics_rendering", None)
+    if rendering is None or rendering.done():
+        rendering = asyncio.ensure_future(asyncio.to_thread(engine.metrics.render))
+        state.metrics_rendering = rendering
+    return Response(await asyncio.shield(rendering), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/reset_prefix_cache")
