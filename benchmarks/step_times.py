@@ -7,7 +7,9 @@ phase and the median time of a decode step. `--clock cpu` (the default) takes th
 process's CPU time: on a shared machine it moves far less with other load than the
 wall clock does; use one thread (`--threads 1`, the default) and
 OMP_WAIT_POLICY=PASSIVE, and alternate the sides. `--clock wall` is for a GPU (each
-`LLMEngine.step()` returns Python ints, so a CUDA step is synchronised).
+`LLMEngine.step()` returns Python ints, so a CUDA step is synchronised). `--loop`
+times a step as the server's engine ran it: on the HTTP process's engine thread
+before issue 22 (`thread`) or in the engine-core process (`core`).
 
 To compare commits, check the older one out in a worktree and put it first on
 sys.path with `--tree` (the script only passes engine arguments that are given,
@@ -46,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
                         help="an LLM(...) argument, e.g. cpu_kernels=False or device=cuda "
                              "(a Python literal, else a string; repeatable)")
+    parser.add_argument("--loop", choices=("plain", "thread", "core"), default="plain",
+                        help="what a step is: LLMEngine.step (plain); what the server's engine "
+                             "thread ran per step before issue 22 (thread: step, stats, "
+                             "Prometheus metrics); what the engine-core process runs (core: "
+                             "step without detokenization, stats, the StepBatch pickled)")
     parser.add_argument("--label", default="")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.tree)
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     llm = LLM(args.model, **engine_args)
     engine = llm.engine
+    step = {"plain": lambda e: e.step, "thread": _engine_thread_step,
+            "core": _engine_core_step}[args.loop](engine)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len,
@@ -73,18 +82,53 @@ def main(argv: list[str] | None = None) -> int:
         engine.add_request(f"r{i}", prompt, params)
     started: set[str] = set()
     while len(started) < args.requests:
-        started.update(out.request_id for out in engine.step() if out.new_token_ids)
+        started.update(out.request_id for out in step() if out.new_token_ids)
     prefill = clock() - begin
     steps = []
     while engine.has_unfinished_requests():
         begin = clock()
-        engine.step()
+        step()
         steps.append(clock() - begin)
-    print(f"{args.label or Path(args.tree).name} {Path(args.model).name} "
+    print(f"{args.label or Path(args.tree).name} loop={args.loop} {Path(args.model).name} "
           f"{args.requests} requests: prefill {args.clock} {prefill:.2f} s, decode step "
           f"{args.clock} p50 "
           f"{1000 * statistics.median(steps):.1f} ms")
     return 0
+
+
+def _engine_thread_step(engine):
+    """A step as `AsyncEngine`'s loop thread runs it: the step (detokenizing), the stats
+    snapshot, and the Prometheus metrics recorded on that thread."""
+    from carpool.metrics import ServerMetrics
+
+    metrics = ServerMetrics("bench")
+
+    def step():
+        outputs = engine.step()
+        stats = engine.stats()
+        metrics.update_gauges(stats)
+        metrics.record_step(outputs, stats, time.monotonic())
+        return outputs
+    return step
+
+
+def _engine_core_step(engine):
+    """`engine.step` as `core_process.EngineCoreLoop` runs it: token ids only (the front end
+    detokenizes), then the outputs and stats pickled for the pipe."""
+    import pickle
+
+    from carpool.engine.commands import EngineSnapshot
+    from carpool.engine.core_messages import StepBatch
+
+    engine.detokenize = False  # read by add_request and each step
+
+    def step():
+        outputs = engine.step()
+        batch = StepBatch(outputs, EngineSnapshot(engine.stats(), time.monotonic(), 0),
+                          time.monotonic())
+        pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        return outputs
+    return step
 
 
 def _literal(text: str):

@@ -38,9 +38,12 @@ from carpool.engine.output_stream import (
     EngineInfo,
     GenerationRequest,
     OutputStream,
+    notify,
     put_all,
+    settle,
 )
-from carpool.engine.protocol import EngineCore
+from carpool.engine.protocol import EngineCore, close_engine
+from carpool.engine.utility import UTILITIES
 from carpool.outputs import StepOutput
 
 logger = logging.getLogger(__name__)
@@ -120,6 +123,9 @@ class AsyncEngine:
         with self._lock:
             if self._dead is None:
                 self._commands.put(Stop(error))
+    async def call_utility(self, name: str) -> Any:
+        """Run `engine.utility.UTILITIES[name]` on the loop thread between two steps."""
+        return await self.call(UTILITIES[name])
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread; open streams get EngineDeadError."""
@@ -147,7 +153,7 @@ class AsyncEngine:
             self._die(exc, "the engine step loop failed")
             return
         finally:
-            _close(engine)
+            close_engine(engine)
         self._die(EngineDeadError("the engine was shut down"), None)
 
     def _on_loaded(self, engine: EngineCore) -> None:
@@ -205,7 +211,7 @@ class AsyncEngine:
                 result, error = command.fn(engine), None
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 result, error = None, exc
-            _notify(command.loop, _settle, command.future, result, error)
+            notify(command.loop, settle, command.future, result, error)
 
     def _add(self, engine: EngineCore, command: AddRequests) -> None:
         self._num_requests_taken += len(command.requests)
@@ -220,11 +226,11 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             if added:
                 engine.abort_request(added)
-            _notify(stream.loop, stream._set_admitted, exc)
+            notify(stream.loop, stream._set_admitted, exc)
             return
         for rid in added:
             self._streams[rid] = stream
-        _notify(stream.loop, stream._set_admitted, None)
+        notify(stream.loop, stream._set_admitted, None)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         """Hand each output to its stream: one thread-safe call per event loop per step."""
@@ -237,7 +243,7 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             batches.setdefault(stream.loop, []).append((stream, out))
         for loop, batch in batches.items():
-            _notify(loop, put_all, batch)
+            notify(loop, put_all, batch)
 
     def _publish(self, engine: EngineCore) -> EngineSnapshot:
         snapshot = EngineSnapshot(engine.stats(), time.monotonic(), self._num_requests_taken)
@@ -261,36 +267,9 @@ class AsyncEngine:
         error = EngineDeadError(f"the engine has stopped: {exc!r}")
         for command in pending:
             if isinstance(command, AddRequests):
-                _notify(command.stream.loop, command.stream._set_admitted, error)
+                notify(command.stream.loop, command.stream._set_admitted, error)
             elif isinstance(command, CallEngine):
-                _notify(command.loop, _settle, command.future, None, error)
+                notify(command.loop, settle, command.future, None, error)
         for stream in {id(s): s for s in self._streams.values()}.values():
-            _notify(stream.loop, stream._put, error)
+            notify(stream.loop, stream._put, error)
         self._streams.clear()
-
-
-def _close(engine: EngineCore) -> None:
-    """Release what the engine started (tensor-parallel ranks), if it has a `close`."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:
-            logger.exception("closing the engine failed")
-
-
-def _notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    """Schedule `fn(*args)` on `loop` from the loop thread; a closed loop has no one to tell."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)

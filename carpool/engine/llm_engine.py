@@ -44,7 +44,7 @@ class _RequestState:
     """What the engine keeps per live request beside the scheduler's `Request`."""
 
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: text is the front end's job
     num_sent_tokens: int = 0  # output tokens already returned in a StepOutput
     # Prompt logprobs gathered chunk by chunk (prompt_logprobs requests), until first sent.
     prompt_logprobs: PromptLogprobs | None = None
@@ -67,8 +67,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model_path: str, runner, tokenizer, scheduler,
                  clock: Callable[[], float] = time.monotonic,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, detokenize: bool = True):
         self.config = config
+        self.model_path = model_path
+        # False in the engine-core process: outputs carry token ids only, and the front end
+        # detokenizes, applies stop strings and fills logprobs' decoded tokens.
+        self.detokenize = detokenize
         # generation_config.json's sampling fields: what an unset request field means.
         self.sampling_defaults = dict(sampling_defaults or {})
         self.runner = runner
@@ -93,8 +97,10 @@ class LLMEngine:
                                              self._eos_token_ids)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model, tokenizer and KV cache named by `config` and build the scheduler."""
+    def from_config(cls, config: EngineConfig, detokenize: bool = True) -> LLMEngine:
+        """Load the model, tokenizer and KV cache named by `config` and build the scheduler.
+
+        With `detokenize=False` outputs carry no text (see `__init__`)."""
         from carpool.core.scheduler import Scheduler
         from carpool.core.static_scheduler import StaticScheduler
         from carpool.models.generation_defaults import load_sampling_defaults
@@ -116,7 +122,7 @@ class LLMEngine:
         defaults_folder = generation_config_folder(config.generation_config, path)
         return cls(config, str(path), runner, tokenizer, scheduler,
                    sampling_defaults=load_sampling_defaults(defaults_folder)
-                   if defaults_folder is not None else {})
+                   if defaults_folder is not None else {}, detokenize=detokenize)
 
     # ---- requests in -------------------------------------------------------------------
 
@@ -180,7 +186,8 @@ class LLMEngine:
             cache_salt=cache_salt)
         matcher = self._structured.matcher_for(sampling_params)
         self.scheduler.add_request(request)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
+                       if self.detokenize else None)
         self._states[request_id] = _RequestState(request, detokenizer, matcher=matcher)
         return len(prompt_token_ids)
 
@@ -262,15 +269,19 @@ class LLMEngine:
         self._stats.num_generated_tokens += len(new_token_ids)
         if request.num_output_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
-        delta = state.detokenizer.update(new_token_ids, finished=request.is_finished)
-        if delta.stop_string is not None:
-            self._finish_on_stop_string(request, delta.stop_string)
+        new_text = ""
+        if state.detokenizer is not None:
+            delta = state.detokenizer.update(new_token_ids, finished=request.is_finished)
+            new_text = delta.text
+            if delta.stop_string is not None:
+                self._finish_on_stop_string(request, delta.stop_string)
         new_logprobs = None
         if request.sampling_params.logprobs is not None and position_logprobs is not None:
-            new_logprobs = [self._token_texts.fill(position_logprobs)]
+            new_logprobs = [self._token_texts.fill(position_logprobs) if self.detokenize
+                            else position_logprobs]
         output = StepOutput(
             request_id=request.request_id, new_token_ids=list(new_token_ids),
-            new_text=delta.text, num_prompt_tokens=request.num_prompt_tokens,
+            new_text=new_text, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens or 0, new_logprobs=new_logprobs,
             prompt_logprobs=self._prompt_logprobs(state, first=request.num_output_tokens == len(

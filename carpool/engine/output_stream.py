@@ -8,6 +8,7 @@ and is read by one asyncio task; the loop thread fills it through
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,3 +117,21 @@ def put_all(batch: list[tuple[OutputStream, StepOutput]]) -> None:
     """Deliver one step's outputs to their streams (runs on the streams' event loop)."""
     for stream, out in batch:
         stream._put(out)
+
+
+def notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    """Schedule `fn(*args)` on `loop` from another thread; a closed loop has no one to tell."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Resolve `future` with `result`, or fail it with `error` (on its loop); once only."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

@@ -1,19 +1,28 @@
-"""What the async layer needs from the engine it drives: `LLMEngine` is one, test fakes another.
+"""The two seams around the engine: `EngineCore`, what a step loop drives (`LLMEngine`,
+or a test fake), and `EngineClient`, what the server holds.
 
-The loop thread reads these once the engine is loaded (to build `EngineInfo`)
-and then only calls the methods, between steps, on that one thread.
+The loop thread (or the engine-core process) reads `EngineCore`'s attributes
+once the engine is loaded (to build `EngineInfo` / `EngineReady`) and then only
+calls its methods, between steps, on that one thread. `EngineClient` is offered
+by `core_client.EngineProcessClient` (one engine-core process, the server's
+default) and by `async_engine.AsyncEngine` (the engine on a thread of the
+HTTP process); a data-parallel client would offer it over several of the former.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from carpool.engine.commands import EngineSnapshot
+from carpool.engine.output_stream import EngineInfo, GenerationRequest, OutputStream
 from carpool.outputs import EngineStats, StepOutput
 from carpool.sampling_params import SamplingParams
 
 
 class EngineCore(Protocol):
+    model_path: str
     served_model_name: str
     max_model_len: int
     tokenizer: Any
@@ -42,3 +51,42 @@ class EngineCore(Protocol):
     def stats(self) -> EngineStats: ...
 
     def reset_prefix_cache(self) -> int: ...
+
+
+class EngineClient(Protocol):
+    """What the HTTP side may do with an engine, from its event loop (and `start`,
+    `wait_ready`, `shutdown` from the main thread)."""
+
+    info: EngineInfo | None  # set once ready
+    metrics: Any  # the server's ServerMetrics once ready, fed from the engine's steps
+
+    def start(self) -> None: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> BaseException | None: ...
+
+    def snapshot(self) -> EngineSnapshot | None: ...
+
+    def add(self, requests: list[GenerationRequest]) -> OutputStream: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    async def call_utility(self, name: str) -> Any: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+def close_engine(engine: EngineCore) -> None:
+    """Release what the engine started (tensor-parallel ranks), if it has a `close`; a
+    failure to is logged, never raised (the caller is on its way out)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:
+            logging.getLogger(__name__).exception("closing the engine failed")

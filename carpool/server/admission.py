@@ -15,8 +15,8 @@ streams still open with a clear error (and aborts their engine requests).
 
 from __future__ import annotations
 
-from carpool.engine.async_engine import AsyncEngine, GenerationRequest, OutputStream
-from carpool.engine.output_stream import ServerClosingError
+from carpool.engine.output_stream import GenerationRequest, OutputStream, ServerClosingError
+from carpool.engine.protocol import EngineClient
 from carpool.server.errors import APIError
 
 # With no --max-num-waiting-requests, the queue holds this many times max_num_seqs.
@@ -33,12 +33,12 @@ class Admission:
         self.streams: set[OutputStream] = set()
         self.closing_reason: str | None = None
 
-    def limit(self, engine: AsyncEngine) -> int:
+    def limit(self, engine: EngineClient) -> int:
         if self._max_num_waiting is not None:
             return self._max_num_waiting
         return DEFAULT_WAITING_PER_SEAT * engine.info.max_num_seqs
 
-    def check(self, engine: AsyncEngine, num_requests: int) -> None:
+    def check(self, engine: EngineClient, num_requests: int) -> None:
         """Raise the APIError that turns these requests away, if any."""
         if self.closing_reason is not None:
             raise APIError(503, f"The server is shutting down ({self.closing_reason}); "
@@ -57,7 +57,7 @@ class Admission:
                            f"(limit {limit}); retry after {RETRY_AFTER_S}s.",
                            code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    async def start(self, engine: AsyncEngine, requests: list[GenerationRequest]) -> OutputStream:
+    async def start(self, engine: EngineClient, requests: list[GenerationRequest]) -> OutputStream:
         """Queue the requests and wait for admission; the engine's refusal is raised as is."""
         self.check(engine, len(requests))
         stream = engine.add(requests)

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, OpenAI error bodies, and the API-key check.
 
-`build_app` takes a started `AsyncEngine` (it may still be loading: /health
+`build_app` takes a started engine client (`engine.protocol.EngineClient`: the
+engine-core process's, or the in-process `AsyncEngine`; it may still be loading: /health
 says 503 until it is ready) and the server's settings. Nothing here touches
 engine state; routes talk to the engine through its command queue and read
 its published snapshot.
@@ -16,12 +17,13 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import carpool
-from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.protocol import EngineClient
 from carpool.server import chat, completions, meta, responses, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
 from carpool.server.http_protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+from carpool.server.prompts import TokenizerWorker
 from carpool.server.tool_parsers import get_parser
 
 # The modules whose `router` build_app includes.
@@ -53,6 +55,8 @@ class ServerSettings:
     # tool_choice "auto": read the model's own calls back with this parser (vLLM's flags)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # Run the engine in its own process (the default) rather than on a thread of this one.
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -121,13 +125,14 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     app = FastAPI(title="carpool", version=carpool.__version__,
                   description="OpenAI-compatible LLM server built around continuous batching.")
     app.state.engine = engine
     app.state.settings = settings
     app.state.admission = Admission(settings.max_num_waiting_requests)
+    app.state.tokenizer_worker = TokenizerWorker()
     install_error_handlers(app)
     for module in ROUTE_MODULES:
         app.include_router(module.router)

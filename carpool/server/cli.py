@@ -86,6 +86,10 @@ def _add_robustness_arguments(group) -> None:
     group.add_argument("--log-prompts", action="store_true",
                        help="Log each request with its prompt (implies --enable-log-requests; "
                             "off: prompts are never logged).")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="Run the engine (scheduler, model, KV cache) in its own process, "
+                            "apart from HTTP, tokenization and metrics (default); "
+                            "--no-engine-process runs it on a thread of the server's process.")
     _add_tool_arguments(group)
 
 
@@ -111,7 +115,8 @@ def server_settings_from_args(args: argparse.Namespace):
         log_requests=args.enable_log_requests or args.log_prompts,
         log_stats=not args.disable_log_stats,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser,
+        engine_process=args.engine_process)
 
 
 def run(args: argparse.Namespace) -> int:

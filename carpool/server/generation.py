@@ -20,19 +20,20 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from carpool.engine.async_engine import (
-    AsyncEngine,
+from carpool.engine.output_builder import CompletionBuilder
+from carpool.engine.output_stream import (
     EngineDeadError,
     EngineInfo,
     GenerationRequest,
     OutputStream,
+    ServerClosingError,
 )
-from carpool.engine.output_builder import CompletionBuilder
-from carpool.engine.output_stream import ServerClosingError
+from carpool.engine.protocol import EngineClient
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
+from carpool.server.prompts import TokenizerWorker
 from carpool.server.protocol import REQUEST_FIELDS, SamplingRequest
 from carpool.server.sse import DONE, EventStreamResponse, sse_event
 
@@ -46,9 +47,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def ready_engine(request: Request) -> AsyncEngine:
+def ready_engine(request: Request) -> EngineClient:
     """The app's engine, or a 503 while the model is loading or after the loop died."""
-    engine: AsyncEngine = request.app.state.engine
+    engine: EngineClient = request.app.state.engine
     if engine.dead_error is not None:
         raise APIError(503, f"The engine has stopped: {engine.dead_error!r}", code="engine_dead")
     if not engine.is_ready:
@@ -87,7 +88,7 @@ def fan_out(base_id: str, prompts: list, params: SamplingParams,
     return requests
 
 
-async def start(request: Request, engine: AsyncEngine,
+async def start(request: Request, engine: EngineClient,
                 requests: list[GenerationRequest]) -> OutputStream:
     """Queue the requests through the app's admission gate and wait until the engine took them:
     a full queue is a 503, the engine's refusal a 400."""
@@ -126,6 +127,8 @@ async def serve_generation(
     `prepare(info, params)` returns the route's context (with its response `id`) and its
     prompts; a ValueError there, in the sampling fields or in the fan-out is a 400 naming
     the field. The engine requests carry the body's `cache_salt`. Then
+    `prepare` and the tokenizing of text prompts run on the app's `TokenizerWorker` thread,
+    never on the event loop. Then
     `events(stream, context, num_choices, usage)` streams (`usage`, counted from the stream
     here, is None unless the client asked for it in a last chunk), or `build(context,
     choices)` answers whole and the usage is added here (in `shape_usage`'s shape if given).
@@ -133,15 +136,22 @@ async def serve_generation(
     engine = ready_engine(request)
     info = engine.info
     check_request(body, info)
+    worker: TokenizerWorker = request.app.state.tokenizer_worker
+
+    def prepare_ids(params: SamplingParams) -> tuple[Any, list, list[list[int]]]:
+        context, prompts = prepare(info, params)
+        return context, prompts, [worker.prompt_token_ids(info, p, params) for p in prompts]
+
     try:
         params = body.to_sampling_params(info.sampling_defaults)
-        context, prompts = prepare(info, params)
-        requests = fan_out(context.id, prompts, params, info, body.cache_salt)
+        context, prompts, prompt_ids = await worker.run(prepare_ids, params)
+        requests = fan_out(context.id, prompt_ids, params, info, body.cache_salt)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
     usage = Usage(params.n)
     if engine.metrics is not None:
         engine.metrics.record_request_params(params.n, len(prompts))
+    log_request(request, requests, prompts, body.stream)
     return await respond(
         request, engine, requests, body.stream,
         lambda stream: events(usage.counting(stream), context, len(requests),
@@ -150,11 +160,10 @@ async def serve_generation(
                          "usage": (shape_usage or dict)(usage.of_choices(choices))})
 
 
-async def respond(request: Request, engine: AsyncEngine, requests: list[GenerationRequest],
+async def respond(request: Request, engine: EngineClient, requests: list[GenerationRequest],
                   streaming: bool, events: Callable[[OutputStream], AsyncIterator[str]],
                   build: Callable[[list[Choice]], dict]) -> Response:
     """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
-    log_request(request, requests, streaming)
     stream = await start(request, engine, requests)
     admission: Admission = request.app.state.admission
     if streaming:
@@ -167,9 +176,10 @@ async def respond(request: Request, engine: AsyncEngine, requests: list[Generati
     return JSONResponse(build(choices))
 
 
-def log_request(request: Request, requests: list[GenerationRequest], streaming: bool) -> None:
-    """One log line per HTTP request with --enable-log-requests; the prompt itself only with
-    --log-prompts."""
+def log_request(request: Request, requests: list[GenerationRequest], prompts: list,
+                streaming: bool) -> None:
+    """One log line per HTTP request with --enable-log-requests; the prompts as sent (text,
+    token ids, or the chat prompt's ids) only with --log-prompts."""
     settings = request.app.state.settings
     if not requests or not settings.log_requests or not logger.isEnabledFor(logging.INFO):
         return
@@ -178,8 +188,7 @@ def log_request(request: Request, requests: list[GenerationRequest], streaming: 
             f"max_tokens={params.max_tokens}, temperature={params.temperature}, "
             f"stream={streaming}")
     if settings.log_prompts:
-        prompts = list(dict.fromkeys(repr(r.prompt) for r in requests))
-        line += f", prompts={' '.join(prompts)}"
+        line += f", prompts={' '.join(dict.fromkeys(repr(p) for p in prompts))}"
     logger.info(line)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -9,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import carpool
-from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.protocol import EngineClient
 from carpool.server.errors import APIError
 from carpool.server.generation import check_model, ready_engine
 
@@ -74,15 +75,23 @@ async def embeddings() -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    engine: AsyncEngine = request.app.state.engine
-    body = engine.metrics.render() if engine.metrics is not None else b""
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    """Rendered on a worker thread, never on the event loop; polls that arrive while a
+    rendering is under way share it, so tight pollers cost one rendering at a time."""
+    engine: EngineClient = request.app.state.engine
+    if engine.metrics is None:
+        return Response(b"", media_type=CONTENT_TYPE_LATEST)
+    state = request.app.state
+    rendering: asyncio.Future | None = getattr(state, "metrics_rendering", None)
+    if rendering is None or rendering.done():
+        rendering = asyncio.ensure_future(asyncio.to_thread(engine.metrics.render))
+        state.metrics_rendering = rendering
+    return Response(await asyncio.shield(rendering), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> Response:
     """Forget every cached prefix block (vLLM's route; running requests keep theirs)."""
-    await ready_engine(request).call(lambda llm_engine: llm_engine.reset_prefix_cache())
+    await ready_engine(request).call_utility("reset_prefix_cache")
     return Response(status_code=200)
 
 
@@ -96,13 +105,4 @@ async def stats(request: Request, integrity: bool = False) -> JSONResponse:
     engine = ready_engine(request)
     if not integrity:
         return JSONResponse(engine.snapshot().as_dict())
-    return JSONResponse(await engine.call(_checked_stats))
-
-
-def _checked_stats(llm_engine) -> dict:
-    try:
-        llm_engine.check_integrity()
-        verdict = "ok"
-    except AssertionError as exc:
-        verdict = f"violated: {exc}"
-    return {**llm_engine.stats().as_dict(), "integrity": verdict}
+    return JSONResponse(await engine.call_utility("checked_stats"))

@@ -1,4 +1,10 @@
-"""Wire an engine, the app and uvicorn together, and turn an engine death into an exit code."""
+"""Wire an engine, the app and uvicorn together, and turn an engine death into an exit code.
+
+By default the engine runs in its own process (`engine.core_client`), started
+before the port is bound and stopped after uvicorn has drained; with
+`--no-engine-process` it runs on a thread of this one (`engine.async_engine`).
+Either way /health is 503 until the model is loaded and the KV cache sized.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from carpool.config import EngineConfig
-from carpool.engine.async_engine import AsyncEngine, EngineInfo
+from carpool.engine.output_stream import EngineInfo
 from carpool.server.http_protocol import connection_cap, guarded_protocol, raise_open_files_limit
 
 if TYPE_CHECKING:
@@ -33,7 +39,6 @@ def describe_kv_cache(info: EngineInfo) -> str:
 def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: int,
           log_level: str = "info") -> int:
     """Run the server until it is stopped (0, also on SIGTERM) or the engine dies (1)."""
-    from carpool.engine.llm_engine import LLMEngine
     from carpool.metrics import ServerMetrics
     from carpool.server.app import build_app
 
@@ -55,10 +60,16 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use "
                        "the model", host)
-    engine = AsyncEngine(lambda: LLMEngine.from_config(config),
-                         metrics_factory=lambda info: ServerMetrics.for_engine(
-                             info, log_stats=settings.log_stats),
-                         on_ready=on_ready, on_fatal=on_fatal)
+    hooks = dict(metrics_factory=lambda info: ServerMetrics.for_engine(
+                     info, log_stats=settings.log_stats),
+                 on_ready=on_ready, on_fatal=on_fatal)
+    if settings.engine_process:
+        from carpool.engine.core_client import EngineProcessClient
+        engine = EngineProcessClient(config, log_level=log_level, **hooks)
+    else:
+        from carpool.engine.async_engine import AsyncEngine
+        from carpool.engine.llm_engine import LLMEngine
+        engine = AsyncEngine(lambda: LLMEngine.from_config(config), **hooks)
     app = build_app(engine, settings)
     max_connections = connection_cap(settings.max_connections, raise_open_files_limit())
     server = DrainingServer(
@@ -72,6 +83,7 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
         with _signals_end_the_server_only():
             server.run()
     finally:
+        app.state.tokenizer_worker.shutdown()
         engine.shutdown()
     return exit_code
 

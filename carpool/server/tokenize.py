@@ -16,13 +16,16 @@ router = APIRouter()
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     info = ready_engine(request).info
     check_model(body.model, info)
+
+    def tokens_of() -> list[int]:  # on the tokenizer thread, not the event loop
+        if body.messages is not None:
+            return render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)
+        return info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
     try:
         if (body.prompt is None) == (body.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
-        if body.messages is not None:
-            tokens = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt)
-        else:
-            tokens = info.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await request.app.state.tokenizer_worker.run(tokens_of)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS | {"messages", "prompt"}) from None
     return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}

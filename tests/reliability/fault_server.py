@@ -42,21 +42,29 @@ def install_faults(engine) -> None:
     engine.step_hook = hook
 
 
-def main(argv: list[str]) -> int:
-    from carpool.cli import main as cli_main
+def patch_engine_loading() -> None:
+    """Every `LLMEngine.from_config` gets the faults. Run on import by this script as
+    `__main__` and, in the engine-core process `multiprocessing` spawns, as `__mp_main__`."""
     from carpool.engine.llm_engine import LLMEngine
 
     load = LLMEngine.from_config.__func__
 
-    def from_config(cls, config):
-        engine = load(cls, config)
+    def from_config(cls, config, **kwargs):
+        engine = load(cls, config, **kwargs)
         install_faults(engine)
         return engine
 
     LLMEngine.from_config = classmethod(from_config)
+
+
+def main(argv: list[str]) -> int:
+    from carpool.cli import main as cli_main
     return cli_main(argv)
 
 
-if __name__ == "__main__":
+if __name__ in ("__main__", "__mp_main__"):
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    patch_engine_loading()
+
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
