@@ -45,6 +45,7 @@ class _Context:
     logprobs: int | None
     vllm_prompt_logprobs: bool  # the body's `prompt_logprobs`: vLLM's field in each choice
     tokenizer: Any
+    skip_special_tokens: bool = True  # as the generated text was made (text_offset follows it)
 
     def prompt_index(self, index: int) -> int:
         return index // self.n
@@ -79,7 +80,8 @@ async def create_completion(body: CompletionRequest, request: Request):
         prompts = body.prompts()
         ctx = _Context(new_id("cmpl"), int(time.time()), info.served_model_name, prompts,
                        params.n, body.echo, body.echo_only, params.logprobs,
-                       body.prompt_logprobs is not None, info.tokenizer)
+                       body.prompt_logprobs is not None, info.tokenizer,
+                       params.skip_special_tokens)
         return ctx, prompts
 
     return await serve_generation(request, body, prepare, _events, _response)
@@ -95,7 +97,8 @@ def _choice_body(ctx: _Context, choice: Choice) -> dict:
     if ctx.logprobs is not None and not ctx.echo_only:
         offset = len(echo_text) if echo_logprobs is not None else 0
         logprobs = _joined(echo_logprobs, completion_logprobs(
-            ctx.tokenizer, choice.token_ids, choice.logprobs, offset)[0])
+            ctx.tokenizer, choice.token_ids, choice.logprobs, offset,
+            skip_special_tokens=ctx.skip_special_tokens)[0])
     body = {"index": choice.index, "text": echo_text + generated, "logprobs": logprobs,
             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
     if ctx.vllm_prompt_logprobs:
@@ -136,7 +139,8 @@ async def _events(stream: AsyncIterable[tuple[int, StepOutput]], ctx: _Context,
         logprobs = None
         if ctx.logprobs is not None and out.new_token_ids:
             logprobs, offsets[index] = completion_logprobs(
-                ctx.tokenizer, out.new_token_ids, out.new_logprobs or [], offsets[index])
+                ctx.tokenizer, out.new_token_ids, out.new_logprobs or [], offsets[index],
+                skip_special_tokens=ctx.skip_special_tokens)
         if out.new_text or logprobs or out.finished:
             yield _chunk(ctx, index, out.new_text, logprobs, out)
     if usage is not None:

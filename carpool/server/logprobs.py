@@ -8,6 +8,7 @@ with its `bytes` and a `top_logprobs` list, most likely first.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from carpool.outputs import Logprob, PositionLogprobs, PromptLogprobs
@@ -31,9 +32,12 @@ def _ranked(position: PositionLogprobs) -> list[tuple[int, Logprob]]:
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int],
                         positions: list[PositionLogprobs | None],
-                        text_offset: int) -> tuple[dict, int]:
+                        text_offset: int, *, skip_special_tokens: bool = False) -> tuple[dict, int]:
     """The legacy `logprobs` object for these tokens, and the text offset after them. A None
-    position (the prompt's first token) gets null logprobs."""
+    position (the prompt's first token) gets null logprobs. With `skip_special_tokens` (as
+    the generated text was made) a special token is listed but adds nothing to the offset,
+    so every offset points into the text the client got."""
+    skipped = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
     result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                "text_offset": []}
     for token_id, position in zip(token_ids, positions):
@@ -44,8 +48,14 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
         result["top_logprobs"].append(None if position is None else _top_by_text(
             tokenizer, position))
         result["text_offset"].append(text_offset)
-        text_offset += len(text)
+        if token_id not in skipped:
+            text_offset += len(text)
     return result, text_offset
+
+
+@functools.lru_cache(maxsize=8)
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
 
 
 def _top_by_text(tokenizer: Any, position: PositionLogprobs) -> dict[str, float]:

@@ -255,3 +255,24 @@ def test_finished_request_stats_are_vllms_intervals():
     assert (aborted.prefill_time, aborted.decode_time, aborted.inference_time,
             aborted.time_per_output_token) == (None, None, None, None)
     assert buckets_1_2_5(256) == (1, 2, 5, 10, 20, 50, 100, 200)
+
+
+def test_text_offset_skips_special_tokens_left_out_of_the_text():
+    """Issue 21: with skip_special_tokens (the default) the generated text has no EOS text,
+    so an EOS generated under ignore_eos must not move the offsets of the tokens after it."""
+    from carpool.default_model_path import default_model_path
+    from carpool.engine.tokenizer import load_tokenizer
+    from carpool.server.logprobs import completion_logprobs
+    tokenizer = load_tokenizer(default_model_path())
+    eos = tokenizer.eos_token_id
+    token_ids = tokenizer.encode("def f(x):")[:2] + [eos] + tokenizer.encode(" return")
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    body, end = completion_logprobs(tokenizer, token_ids, [{}] * len(token_ids), 0,
+                                    skip_special_tokens=True)
+    assert body["tokens"][2] == tokenizer.decode([eos])  # listed, as OpenAI lists it
+    assert end == len(text)
+    for token, offset, token_id in zip(body["tokens"], body["text_offset"], token_ids):
+        if token_id != eos:
+            assert text[offset:offset + len(token)] == token
+    kept, end_kept = completion_logprobs(tokenizer, token_ids, [{}] * len(token_ids), 0)
+    assert end_kept == len(tokenizer.decode(token_ids, skip_special_tokens=False))
