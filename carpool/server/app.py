@@ -22,7 +22,11 @@ from carpool.server import chat, completions, meta, responses, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
-from carpool.server.http_protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+from carpool.server.http_protocol import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    DEFAULT_WRITE_TIMEOUT_S,
+)
 from carpool.server.prompts import TokenizerWorker
 from carpool.server.tool_parsers import get_parser
 
@@ -48,6 +52,7 @@ class ServerSettings:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     log_prompts: bool = False
     http_read_timeout: float = DEFAULT_READ_TIMEOUT_S
+    http_write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     log_requests: bool = False  # one log line per request (vLLM's --enable-log-requests)
@@ -74,7 +79,7 @@ class ServerSettings:
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"shutdown_timeout must be a finite number of seconds >= 0, "
                              f"got {self.shutdown_timeout!r}")
-        for name in ("http_read_timeout", "timeout_keep_alive"):
+        for name in ("http_read_timeout", "http_write_timeout", "timeout_keep_alive"):
             value = getattr(self, name)
             if not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")

@@ -57,7 +57,11 @@ def _add_robustness_arguments(group) -> None:
         DEFAULT_SHUTDOWN_TIMEOUT_S,
         DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     )
-    from carpool.server.http_protocol import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+    from carpool.server.http_protocol import (
+        DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_READ_TIMEOUT_S,
+        DEFAULT_WRITE_TIMEOUT_S,
+    )
     group.add_argument("--max-request-body-bytes", type=parse_bytes,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
                        help="Larger request bodies get a 413 before they are parsed "
@@ -75,6 +79,11 @@ def _add_robustness_arguments(group) -> None:
                        help="A connection must send a whole request (headers and body) within "
                             "this long of connecting or of its previous response, else it is "
                             f"closed (default {DEFAULT_READ_TIMEOUT_S:g}).")
+    group.add_argument("--http-write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="A client that stops reading its response for this long (its "
+                            "socket's buffers full) is disconnected and its requests aborted "
+                            f"(default {DEFAULT_WRITE_TIMEOUT_S:g}).")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help="Most open client connections (lowered to fit the open-files "
                             "limit); a new one over it evicts the oldest connection that has "
@@ -110,7 +119,8 @@ def server_settings_from_args(args: argparse.Namespace):
         api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
         max_num_waiting_requests=args.max_num_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts,
-        http_read_timeout=args.http_read_timeout, max_connections=args.max_connections,
+        http_read_timeout=args.http_read_timeout, http_write_timeout=args.http_write_timeout,
+        max_connections=args.max_connections,
         timeout_keep_alive=args.timeout_keep_alive,
         log_requests=args.enable_log_requests or args.log_prompts,
         log_stats=not args.disable_log_stats,

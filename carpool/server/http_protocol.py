@@ -10,6 +10,11 @@ failed accept. So:
   body, within `read_timeout` seconds of connecting (or of the previous
   response ending, for keep-alive); otherwise it is closed. Once a request is
   complete its response may take as long as it needs (streams do).
+- **Write deadline.** A client that stops reading while its response is being
+  sent (the socket's buffers fill and asyncio pauses writing) for `write_timeout`
+  seconds in a row is disconnected; its stream ends like any disconnect, so its
+  engine requests are aborted and their KV blocks and queued outputs freed.
+  A slow reader that keeps reading is never cut off: each resume resets the clock.
 - **Connection cap.** At most `max_connections` are open. A new connection
   over the cap evicts the oldest one that has still not delivered a whole
   request (that is where a slowloris flood sits); only if every open
@@ -33,6 +38,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 logger = logging.getLogger("carpool.server")
 
 DEFAULT_READ_TIMEOUT_S = 20.0
+DEFAULT_WRITE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 4096
 # File descriptors kept for everything but client sockets (model files, logs, pipes).
 _RESERVED_FDS = 64
@@ -46,9 +52,11 @@ class ConnectionGuard:
 
     read_timeout: float
     max_connections: int
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
     # Connections still waiting for a whole request, oldest first.
     pending: OrderedDict = None  # type: ignore[assignment]
     num_timed_out: int = 0
+    num_stalled: int = 0
     num_evicted: int = 0
     num_refused: int = 0
     _logged_at: float = 0.0
@@ -63,14 +71,16 @@ class ConnectionGuard:
         self._logged_at = now
         logger.warning(
             "slow or idle clients: %d connection(s) closed for not sending a whole request "
-            "within %gs, %d evicted and %d refused at --max-connections %d (totals so far)",
-            self.num_timed_out, self.read_timeout, self.num_evicted, self.num_refused,
-            self.max_connections)
+            "within %gs, %d for not reading their response for %gs, %d evicted and %d "
+            "refused at --max-connections %d (totals so far)",
+            self.num_timed_out, self.read_timeout, self.num_stalled, self.write_timeout,
+            self.num_evicted, self.num_refused, self.max_connections)
 
 
-def guarded_protocol(read_timeout: float, max_connections: int) -> type[H11Protocol]:
+def guarded_protocol(read_timeout: float, max_connections: int,
+                     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S) -> type[H11Protocol]:
     """An H11Protocol subclass sharing one `ConnectionGuard` (pass it as uvicorn's `http`)."""
-    guard = ConnectionGuard(read_timeout, max_connections)
+    guard = ConnectionGuard(read_timeout, max_connections, write_timeout)
 
     class GuardedH11Protocol(_GuardedH11Protocol):
         pass
@@ -91,6 +101,7 @@ class _GuardedH11Protocol(H11Protocol):
             transport.abort()
             return
         self._deadline = None
+        self._write_deadline = None
         super().connection_made(transport)
         self._await_request()
 
@@ -110,7 +121,30 @@ class _GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._request_delivered()
+        self._writing_resumed()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if getattr(self, "_write_deadline", None) is None:
+            self._write_deadline = self.loop.call_later(self.guard.write_timeout,
+                                                        self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._writing_resumed()
+
+    def _writing_resumed(self) -> None:
+        deadline = getattr(self, "_write_deadline", None)
+        if deadline is not None:
+            deadline.cancel()
+            self._write_deadline = None
+
+    def _write_timed_out(self) -> None:
+        self._write_deadline = None
+        self.guard.num_stalled += 1
+        self.guard.note_closed()
+        self._close()
 
     # ---- deadline and eviction ---------------------------------------------
     def _await_request(self) -> None:

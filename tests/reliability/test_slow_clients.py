@@ -1,9 +1,11 @@
 """Half-open connections (issue 21, item 1): a client that connects and never finishes its
 request is closed after --http-read-timeout, and a flood of them beyond --max-connections
-neither locks out /health nor stalls a stream in progress."""
+neither locks out /health nor stalls a stream in progress. A client that stops reading its
+stream (item 7) is cut off after --http-write-timeout and its requests aborted."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from urllib.parse import urlsplit
@@ -11,13 +13,16 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.reliability.live import API_KEY, MODEL, live_server, wait_idle_and_intact
+from tests.server.live import metric_value
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 READ_TIMEOUT_S = 2.0
+WRITE_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 40
 FLAGS = ["--http-read-timeout", str(READ_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
-         "--max-model-len", "256", "--num-kv-blocks", "64"]
+         "--http-write-timeout", str(WRITE_TIMEOUT_S),
+         "--max-model-len", "512", "--num-kv-blocks", "1024", "--max-num-seqs", "64"]
 
 PARTIAL_HEADERS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
 PARTIAL_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
@@ -120,3 +125,32 @@ def test_a_flood_beyond_the_cap_locks_out_neither_health_nor_streams(guarded_ser
             s.close()
     assert "evicted" in guarded_server.log()
     wait_idle_and_intact(guarded_server)
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_requests_freed(
+        guarded_server):
+    """64 streamed choices of up to 500 tokens each (minutes of output on this model), read by
+    nobody: the server must cut the client off a few seconds after its buffers fill."""
+    body = json.dumps({"model": MODEL, "prompt": "def f(x):", "n": 64, "max_tokens": 500,
+                       "temperature": 1.0, "ignore_eos": True, "stream": True}).encode()
+    def finished(reason: str) -> float:
+        with guarded_server.http() as http:
+            return metric_value(http.get("/metrics").text, "carpool:request_success_total",
+                                finished_reason=reason)
+
+    aborted_before, length_before = finished("abort"), finished("length")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few chunks
+    sock.connect(_address(guarded_server))
+    start = time.monotonic()
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                     + API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_idle_and_intact(guarded_server, timeout=60)  # never reading: never waits on us
+        elapsed = time.monotonic() - start
+    finally:
+        sock.close()
+    # All 64 ended as aborts (cut off), none by running out its 500 tokens.
+    assert finished("abort") - aborted_before == 64, elapsed
+    assert finished("length") == length_before
