@@ -76,6 +76,28 @@ def half_open(base_url: str, model: str, stop: threading.Event) -> None:
             s.close()
 
 
+def non_readers(base_url: str, model: str, stop: threading.Event) -> None:
+    """4 connections that each ask for 64 streamed choices of 500 tokens and never read."""
+    import json
+    url = urlsplit(base_url)
+    body = json.dumps({"model": model, "prompt": "x", "n": 64, "max_tokens": 500,
+                       "ignore_eos": True, "stream": True}).encode()
+    socks = []
+    try:
+        for _ in range(4):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((url.hostname, url.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+            socks.append(s)
+        stop.wait()
+    finally:
+        for s in socks:
+            s.close()
+
+
 def _poster(path: str, body: Callable[[str], dict]) -> Callable:
     def attack(base_url: str, model: str, stop: threading.Event) -> None:
         with httpx.Client(base_url=base_url, timeout=60) as http:
@@ -101,6 +123,7 @@ def _getter(path: str) -> Callable:
 BIG = "a " * 1_900_000  # ~3.8 MB, under the default 4 MiB body limit
 ATTACKS: dict[str, tuple[int, Callable]] = {
     "half-open": (1, half_open),
+    "non-readers": (1, non_readers),
     "big-prompt": (1, _poster("/v1/completions",
                               lambda m: {"model": m, "prompt": BIG, "max_tokens": 1})),
     "big-chat": (1, _poster("/v1/chat/completions", lambda m: {
