@@ -51,7 +51,7 @@ from carpool.engine.output_stream import (
     put_all,
     settle,
 )
-from carpool.engine.tokenizer import load_tokenizer
+from carpool.engine.tokenizer import load_engine_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,10 @@ class EngineProcessClient:
         self._conn, child_conn = context.Pipe(duplex=True)
         self._process = context.Process(
             target=run_engine_core, args=(self._config, child_conn, self._log_level),
-            name="carpool-engine-core", daemon=True)
+            # Not daemonic: a daemonic process may not start children, and the engine's
+            # tensor-parallel ranks are its children. `shutdown` (every exit path of the
+            # server) stops it, and it exits by itself when this process is gone.
+            name="carpool-engine-core", daemon=False)
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF
         self._threads = [threading.Thread(target=target, name=name, daemon=True)
@@ -213,14 +216,14 @@ class EngineProcessClient:
             raise TypeError(f"unknown message from the engine: {message!r}")
 
     def _on_ready(self, ready: EngineReady) -> None:
-        tokenizer = load_tokenizer(ready.model_path)
+        tokenizer = load_engine_tokenizer(self._config, ready.model_path)
         self.info = EngineInfo(
             served_model_name=ready.served_model_name, max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size, max_num_seqs=ready.max_num_seqs,
             kv_cache_info=ready.kv_cache_info, tokenizer=tokenizer,
             sampling_defaults=dict(ready.sampling_defaults))
         # The receiver thread's own copy: Rust tokenizers are not to be shared across threads.
-        self._processor = OutputProcessor(load_tokenizer(ready.model_path))
+        self._processor = OutputProcessor(load_engine_tokenizer(self._config, ready.model_path))
         if self._metrics_factory is not None:
             self.metrics = self._metrics_factory(self.info)
         self._publish(ready.snapshot)

@@ -27,7 +27,7 @@ from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.step_stats import StepStats
-from carpool.engine.tokenizer import encode_prompt, load_tokenizer
+from carpool.engine.tokenizer import encode_prompt, load_engine_tokenizer
 from carpool.outputs import EngineStats, PromptLogprobs, RequestMetrics, StepOutput
 from carpool.runner.executor import RankFailedError
 from carpool.sampling_params import SamplingParams
@@ -104,7 +104,6 @@ class LLMEngine:
         from carpool.core.scheduler import Scheduler
         from carpool.core.static_scheduler import StaticScheduler
         from carpool.models.generation_defaults import load_sampling_defaults
-        from carpool.models.paths import resolve_model_path
         from carpool.runner.executor import create_executor
 
         config, path = resolve_for_model(config)
@@ -114,8 +113,7 @@ class LLMEngine:
         try:
             scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
             scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
-            tokenizer = load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
-                                       else path, chat_template=config.chat_template)
+            tokenizer = load_engine_tokenizer(config, path)
         except BaseException:
             runner.close()
             raise

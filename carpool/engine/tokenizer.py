@@ -38,6 +38,14 @@ def load_tokenizer(model_path: str | os.PathLike, chat_template: str | None = No
     return tokenizer
 
 
+def load_engine_tokenizer(config, model_path: str | os.PathLike):
+    """The tokenizer an `EngineConfig` names (`tokenizer`, else the model's own) with its
+    `chat_template`: the engine and its front end (engine process) load the same one."""
+    from carpool.models.paths import resolve_model_path
+    return load_tokenizer(resolve_model_path(config.tokenizer) if config.tokenizer
+                          else model_path, chat_template=config.chat_template)
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 

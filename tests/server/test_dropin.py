@@ -166,7 +166,7 @@ def test_grafana_dashboard_queries_only_exported_metrics(server):
 def test_chat_role_chunk_comes_with_the_first_output():
     """Nothing is sent before the engine produced the choice's first output; then the role
     chunk and the first content go out together."""
-    ctx = chat._Context("chatcmpl-1", 0, "m", None, tokenizer=None)
+    ctx = chat.ChatContext("chatcmpl-1", 0, "m", None, tokenizer=None)
     queue: asyncio.Queue = asyncio.Queue()
 
     async def outputs():
