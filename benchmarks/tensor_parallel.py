@@ -8,7 +8,7 @@ variant runs in its own process: N requests (prompts of 16-512 tokens, 32 output
 tokens, greedy, ignore_eos) added at once, the prefill phase timed until every request
 has its first token, then the median decode step, all wall clock (rank 1's work is
 not in rank 0's CPU time). Rank 0's time inside `all_reduce` / `all_gather` /
-`broadcast_object` (waiting for rank 1 included) is summed per phase. The variants
+`broadcast_ints` (waiting for rank 1 included) is summed per phase. The variants
 alternate, ROUNDS times; compare within a round.
 
     OMP_WAIT_POLICY=PASSIVE python3 benchmarks/tensor_parallel.py /tmp/vs-vllm --rounds 3
@@ -52,7 +52,7 @@ def run_variant(model: str, dtype: str, tp: int, threads: int, requests: int) ->
 
     torch.set_num_threads(threads)
     comm = {"s": 0.0}
-    for name in ("all_reduce", "all_gather", "broadcast_object"):
+    for name in ("all_reduce", "all_gather", "broadcast_ints"):
         original = getattr(TensorParallelGroup, name)
 
         def timed(self, *args, _original=original, **kwargs):

@@ -4,8 +4,8 @@ A `TensorParallelGroup` wraps two torch.distributed process groups over the
 same ranks: `device_group` for the activations (NCCL on CUDA, gloo on CPU:
 the all-reduce after every row-parallel linear, the all-gather of vocabulary
 shards of the logits) and `cpu_group`, always gloo, for the per-step
-`SchedulerOutput` that rank 0 broadcasts as pickled bytes (NCCL moves only
-device tensors). The groups are built straight over a store rather than through
+`SchedulerOutput` that rank 0 broadcasts as int64s (`runner.step_message`; NCCL
+moves only device tensors). The groups are built straight over a store rather than through
 `init_process_group`, so no process-wide default group exists and several
 engines (tests) can live in one process.
 
@@ -16,9 +16,6 @@ model code has no "is it parallel?" branch and TP=1 runs exactly as before.
 """
 
 from __future__ import annotations
-
-import pickle
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,21 +64,20 @@ class TensorParallelGroup:
         self.cpu_group.allreduce([t], options).wait()
         return int(t.item())
 
-    def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank (pickled; the others pass nothing). Length first,
-        then the bytes: two gloo broadcasts."""
+    def broadcast_ints(self, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank 0's 1-D int64 tensor on every rank (the others pass nothing): its length
+        first, then the values; two gloo broadcasts."""
         if not self.is_parallel:
-            return obj
+            return values
         if self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            length = torch.tensor([payload.numel()], dtype=torch.int64)
+            length = torch.tensor([values.numel()], dtype=torch.int64)
         else:
             length = torch.zeros(1, dtype=torch.int64)
         self._broadcast(length)
         if self.rank != 0:
-            payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self._broadcast(payload)
-        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+            values = torch.empty(int(length.item()), dtype=torch.int64)
+        self._broadcast(values)
+        return values
 
     def _broadcast(self, t: torch.Tensor) -> None:
         options = dist.BroadcastOptions()

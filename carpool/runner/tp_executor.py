@@ -7,8 +7,8 @@
 
 It has `ModelRunner`'s surface (`execute`, `model_config`, `num_kv_blocks`,
 `kv_cache_info`, `attention`), so the engine does not know how many ranks there are.
-Each step's `SchedulerOutput` goes to the workers without the token histories
-only the sampler reads (ids, block tables and counts stay).
+Each step's `SchedulerOutput` goes to the workers as int64s holding only what a
+forward needs (`step_message`).
 
 With no `init_method` it starts ranks 1..N-1 on this machine (torch.multiprocessing,
 spawn, daemon processes) and rendezvous with them on a free loopback port. With
@@ -23,7 +23,6 @@ while idle.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing.connection
 import threading
@@ -38,7 +37,8 @@ import torch.multiprocessing as mp
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.distributed import Heartbeat, RankFailedError, join_group, local_init_method
 from carpool.runner.model_runner import ModelRunner, ModelRunnerOutput
-from carpool.runner.tp_worker import Shutdown, WorkerSpec, rank_device, spawned_worker_main
+from carpool.runner.step_message import encode_shutdown, encode_step
+from carpool.runner.tp_worker import WorkerSpec, rank_device, spawned_worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class TensorParallelExecutor:
         if scheduler_output.is_empty:  # nothing to run: only rank 0's sampler state changes
             return self.runner.execute(scheduler_output, grammar_bitmask)
         try:
-            self.group.broadcast_object(for_workers(scheduler_output))
+            self.group.broadcast_ints(encode_step(scheduler_output))
             return self.runner.execute(scheduler_output, grammar_bitmask)
         except Exception as exc:
             failure = self.failure or RankFailedError(
@@ -123,7 +123,7 @@ class TensorParallelExecutor:
             heartbeat.stop()
         if self.failure is None and getattr(self, "runner", None) is not None:
             try:
-                self.group.broadcast_object(Shutdown())
+                self.group.broadcast_ints(encode_shutdown())
             except Exception:  # noqa: BLE001 - the processes are ended below anyway
                 logger.warning("could not tell the tensor-parallel ranks to shut down")
         _join_or_kill(self._processes, SHUTDOWN_JOIN_TIMEOUT_S)
@@ -181,19 +181,6 @@ class TensorParallelExecutor:
             self.failure = failure
             if self.on_failure is not None:
                 self.on_failure(failure)
-
-
-def for_workers(scheduler_output: SchedulerOutput) -> SchedulerOutput:
-    """The step without what only rank 0's sampler reads (the requests' token histories).
-    A prompt-logprobs request keeps its prompt: every rank computes those logits (the
-    vocabulary-parallel LM head is a collective)."""
-    return dataclasses.replace(scheduler_output, scheduled=[
-        dataclasses.replace(s, token_ids=list(s.token_ids), block_ids=list(s.block_ids),
-                            prompt_token_ids=(s.prompt_token_ids
-                                              if s.sampling_params.prompt_logprobs is not None
-                                              else ()),
-                            output_token_ids=())
-        for s in scheduler_output.scheduled])
 
 
 def _join_or_kill(processes: list, timeout: float) -> None:

@@ -2,10 +2,10 @@
 
 Rank 0 (the engine's `TensorParallelExecutor`) sends each step's `SchedulerOutput`
 and the worker runs the same forward on its shard: the model's all-reduces and
-the logits gather pair up with rank 0's, rank 0 samples. `Shutdown` ends the
-loop (exit 0). A worker never outlives its group: when rank 0 goes away the
-heartbeat fails and the worker exits 1; a worker carpool spawned also asks the
-kernel to kill it with its parent (Linux `PR_SET_PDEATHSIG`).
+the logits gather pair up with rank 0's, rank 0 samples. A shutdown message
+(`step_message`) ends the loop (exit 0). A worker never outlives its group: when
+rank 0 goes away the heartbeat fails and the worker exits 1; a worker carpool
+spawned also asks the kernel to kill it with its parent (Linux `PR_SET_PDEATHSIG`).
 
 Ranks carpool starts on this machine run `spawned_worker_main` (torch.multiprocessing,
 spawn). A rank on another machine runs `carpool tp-worker`, which joins through
@@ -26,16 +26,12 @@ import torch
 
 from carpool.distributed import Heartbeat, TensorParallelGroup, join_group
 from carpool.runner.model_runner import ModelRunner
+from carpool.runner.step_message import decode_step
 from carpool.utils.device import device_for_rank, resolve_device
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    """Rank 0's last broadcast: leave the step loop and exit."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +77,7 @@ def join_and_run(runner_kwargs: dict[str, Any], world_size: int, init_method: st
 
 
 def run_worker_rank(group: TensorParallelGroup, runner_kwargs: dict[str, Any]) -> NoReturn:
-    """Load this rank's shard and run steps until rank 0 says `Shutdown`; the process then
+    """Load this rank's shard and run steps until rank 0 says shut down; the process then
     exits 0 (1 on any failure). It ends without the interpreter's teardown: the heartbeat
     thread may still be inside a gloo call, and destroying the groups under it aborts."""
     heartbeat = Heartbeat(group, on_failure=lambda _error: _exit_now(1))
@@ -89,8 +85,8 @@ def run_worker_rank(group: TensorParallelGroup, runner_kwargs: dict[str, Any]) -
     try:
         runner = ModelRunner(**runner_kwargs, tp=group)
         while True:
-            step = group.broadcast_object()
-            if isinstance(step, Shutdown):
+            step = decode_step(group.broadcast_ints())
+            if step is None:
                 break
             runner.execute(step)
     except Exception:

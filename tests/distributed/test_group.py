@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.distributed import (
     SINGLE,
     Heartbeat,
@@ -17,7 +16,6 @@ from carpool.distributed import (
     join_group,
     local_init_method,
 )
-from carpool.sampling_params import SamplingParams
 from carpool.utils.device import device_for_rank
 
 
@@ -30,17 +28,16 @@ def on_two_ranks(fn):
 
 
 def test_collectives_across_two_ranks():
-    step = SchedulerOutput(scheduled=[ScheduledRequest("a", [5, 6], 0, [3], True,
-                                                       SamplingParams(temperature=0.0))])
+    message = torch.arange(7, dtype=torch.int64)
 
     def run(group):
         x = torch.full((2, 3), float(group.rank + 1))
-        return (group.broadcast_object(step if group.rank == 0 else None),
+        return (group.broadcast_ints(message if group.rank == 0 else None),
                 group.all_reduce(x.clone()), group.all_gather(x),
                 group.all_reduce_min(10 + group.rank), group.backend)
 
     (obj0, sum0, gathered0, min0, backend), (obj1, sum1, gathered1, min1, _) = on_two_ranks(run)
-    assert obj0 == obj1 == step
+    assert torch.equal(obj0, message) and torch.equal(obj1, message)
     assert torch.equal(sum0, torch.full((2, 3), 3.0)) and torch.equal(sum0, sum1)
     assert torch.equal(gathered1, torch.cat([torch.ones(2, 3), torch.full((2, 3), 2.0)], -1))
     assert min0 == min1 == 10
@@ -50,7 +47,7 @@ def test_collectives_across_two_ranks():
 def test_the_one_rank_group_is_the_identity():
     x = torch.randn(2, 3)
     assert SINGLE.all_reduce(x) is x and SINGLE.all_gather(x) is x
-    assert SINGLE.broadcast_object("step") == "step" and SINGLE.all_reduce_min(7) == 7
+    assert SINGLE.broadcast_ints(x) is x and SINGLE.all_reduce_min(7) == 7
 
 
 def test_a_heartbeat_notices_a_rank_that_leaves():

@@ -13,7 +13,7 @@ from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.distributed import join_group, local_init_method
 from carpool.platform import CudaPlatform
 from carpool.sampling_params import SamplingParams
-from tests.runner.test_cuda_startup import GiB, FakeCudaMemory
+from tests.runner.test_cuda_startup import FakeCudaMemory, GiB
 
 SETTINGS = dict(num_kv_blocks=None, gpu_memory_utilization=0.5, attention_backend="sdpa",
                 max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512)

@@ -1,6 +1,8 @@
 """`carpool serve --tensor-parallel-size 2` as a user runs it: the openai client gets TP=1's
-greedy text, a killed rank takes the server down with status 1 within seconds, SIGTERM stops
-every rank with status 0; and the multi-node launch (one command per rank, env://) on loopback.
+greedy text and a killed rank takes the server down with status 1 within seconds; the
+multi-node launch (one command per rank, env://) on loopback, where SIGTERM to the server
+stops both ranks with status 0. (Spawned ranks stop through the same `close()`, which the
+offline tests check: rank 1 exits 0.)
 """
 
 from __future__ import annotations
@@ -42,24 +44,6 @@ def worker_pids(server_pid: int) -> list[int]:
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}").exists() and "Z" not in (
-        Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0])
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.fixture(scope="module")
 def tp1_texts(llama_checkpoint):
     from carpool import LLM, SamplingParams
@@ -98,17 +82,6 @@ def test_tp2_serves_tp1_text_and_a_killed_rank_ends_the_server(llama_checkpoint,
         assert time.monotonic() - started < 15
         assert 200 not in statuses or statuses - {200}  # it stopped answering 200
         assert "RankFailedError" in local.log()
-
-
-def test_sigterm_stops_every_rank_with_status_0(llama_checkpoint, tmp_path):
-    local = LocalServer(llama_checkpoint, [*SERVER_FLAGS, "--tensor-parallel-size", "2"],
-                        tmp_path / "server.log")
-    with local:
-        workers = worker_pids(local.process.pid)
-        assert len(workers) == 1
-        local.process.send_signal(signal.SIGTERM)
-        assert local.process.wait(timeout=30) == 0, local.log()
-    assert all(wait_gone(pid, 5) for pid in workers)  # no orphan
 
 
 def test_one_command_per_rank_through_env_rendezvous(llama_checkpoint, tmp_path, tp1_texts):

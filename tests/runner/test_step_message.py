@@ -1,0 +1,30 @@
+"""The int64 message rank 0 sends tensor-parallel workers carries everything a forward needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from carpool.runner.step_message import decode_step, encode_shutdown, encode_step
+from carpool.sampling_params import SamplingParams
+
+
+def test_a_step_round_trips_without_ids_or_sampling_settings():
+    params = SamplingParams(temperature=0.7, top_k=5)
+    step = SchedulerOutput(scheduled=[
+        ScheduledRequest("req-a", [5, 6, 7], 0, [3, 9], False, params, prompt_token_ids=[5]),
+        ScheduledRequest("req-b", [11], 40, [0, 1, 2], True, params),
+    ], preempted_ids=["x"], finished_ids=["y"], num_padding_tokens=4)
+    decoded = decode_step(encode_step(step))
+    assert decoded.num_padding_tokens == 4
+    assert [(list(r.token_ids), r.num_computed_tokens, list(r.block_ids), r.sample)
+            for r in decoded.scheduled] == [([5, 6, 7], 0, [3, 9], False),
+                                             ([11], 40, [0, 1, 2], True)]
+    assert decode_step(encode_step(SchedulerOutput())).scheduled == []
+
+
+def test_shutdown_and_unknown_kinds():
+    assert decode_step(encode_shutdown()) is None
+    with pytest.raises(ValueError, match="unknown tensor-parallel message kind 7"):
+        decode_step(torch.tensor([7, 0, 0]))
