@@ -54,3 +54,24 @@ def test_tensor_parallel_greedy_matches_transformers(arch, setting, separated_ch
         assert (stats.num_preemptions > 0) == (setting == "chunked_preemption")
         processes = list(runner._processes)
     assert [p.exitcode for p in processes] == [0]  # rank 1 shut down cleanly
+
+
+def test_tensor_parallel_prompt_logprobs_equal_one_ranks(separated_checkpoint):
+    """Prompt logprobs need every rank in the LM head's collective for the prompt rows,
+    chunk by chunk (a 16-token budget cuts the prompt in pieces)."""
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+    results = []
+    for tp in (1, 2):
+        with LLM(str(separated_checkpoint("llama")), dtype="float32", tensor_parallel_size=tp,
+                 num_kv_blocks=64, max_num_batched_tokens=16) as llm:
+            results.append(llm.generate([{"prompt_token_ids": prompt}], params,
+                                        use_tqdm=False)[0])
+    one, two = results
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    assert one.prompt_logprobs[0] is None and two.prompt_logprobs[0] is None
+    assert len(two.prompt_logprobs) == len(prompt)
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        for token_id in a:
+            assert abs(a[token_id].logprob - b[token_id].logprob) < 1e-4

@@ -28,3 +28,26 @@ def test_shutdown_and_unknown_kinds():
     assert decode_step(encode_shutdown()) is None
     with pytest.raises(ValueError, match="unknown tensor-parallel message kind 7"):
         decode_step(torch.tensor([7, 0, 0]))
+
+
+def test_prompt_logprob_chunks_reach_workers_as_the_same_logit_rows():
+    """The LM head is a collective: a worker must compute logits for exactly the rows rank 0
+    scores a chunk's prompt tokens with, or the ranks fall out of step."""
+    from carpool.runner.prompt_logprobs import wants_prompt_logprobs
+    prompt = list(range(10, 30))  # 20 tokens: positions 0..18 score tokens 1..19
+    params = SamplingParams(prompt_logprobs=2)
+    chunks = [ScheduledRequest("a", prompt[:8], 0, [0], False, params, prompt_token_ids=prompt),
+              ScheduledRequest("b", prompt[8:], 8, [0, 1], True, params, prompt_token_ids=prompt),
+              ScheduledRequest("c", [7], 20, [0, 1], True, params, prompt_token_ids=prompt),
+              ScheduledRequest("d", [1, 2], 0, [2], True, SamplingParams(),
+                               prompt_token_ids=[1, 2])]
+    decoded = decode_step(encode_step(SchedulerOutput(scheduled=chunks))).scheduled
+
+    def rows(r):
+        if not wants_prompt_logprobs(r):
+            return None
+        start = r.num_computed_tokens
+        return start, min(start + len(r.token_ids), len(r.prompt_token_ids) - 1)
+
+    assert [rows(r) for r in decoded] == [rows(r) for r in chunks] == [
+        (0, 8), (8, 19), None, None]
