@@ -210,8 +210,8 @@ def test_metrics_log_line_while_busy(caplog):
 
 
 def test_unknown_request_fields_are_named_not_dropped_silently():
-    body = CompletionRequest(prompt="a", frobnicate=1, guided_json={})
-    assert body.ignored_fields == ["frobnicate", "guided_json"]
+    body = CompletionRequest(prompt="a", frobnicate=1, guided_decoding_backend="x")
+    assert body.ignored_fields == ["frobnicate", "guided_decoding_backend"]
     assert CompletionRequest(prompt="a").ignored_fields == []
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools_x=True)
     assert chat.ignored_fields == ["tools_x"]

@@ -76,6 +76,9 @@ def test_completions_route_takes_the_same_fields(client):
 
 
 def test_max_tokens_first_is_length(client):
+    # '{"name": ...' cannot be complete in 2 tokens ('{}' could, under json_object)
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "city", "schema": City.model_json_schema()}}
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0,
-                                         max_tokens=2, response_format={"type": "json_object"})
+                                         max_tokens=2, response_format=response_format)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2
