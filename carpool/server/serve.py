@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import threading
 from typing import TYPE_CHECKING
@@ -65,6 +66,7 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
                  on_ready=on_ready, on_fatal=on_fatal)
     if settings.engine_process:
         from carpool.engine.core_client import EngineProcessClient
+        _openmp_threads_sleep_when_waiting()
         engine = EngineProcessClient(config, log_level=log_level, **hooks)
     else:
         from carpool.engine.async_engine import AsyncEngine
@@ -87,6 +89,15 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
         app.state.tokenizer_worker.shutdown()
         engine.shutdown()
     return exit_code
+
+
+def _openmp_threads_sleep_when_waiting() -> None:
+    """Unless the user chose otherwise, the engine process's OpenMP threads sleep rather than
+    spin while they wait at a barrier (the child reads this as it starts). With HTTP in a
+    second process that runs beside the steps, spinning threads on a small or shared CPU wait
+    out whole time slices for a descheduled sibling: BENCHMARKS.md section 10 measured the
+    built-in model's output 4-7x lower that way on the 2-core machine under load."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # After --shutdown-timeout the open streams are ended with an error; uvicorn cancels
