@@ -2,7 +2,7 @@
 
 They cross a `multiprocessing` connection pickled whole, so a field added to
 `StepOutput`, `SamplingParams` or `EngineStats` travels with no code here
-(BENCHMARKS.md section 10 measures why pickle over a pipe, not ZeroMQ + msgpack).
+(BENCHMARKS.md section 14 measures why pickle over a pipe, not ZeroMQ + msgpack).
 Front end -> engine: `SubmitRequests`, `AbortRequests`, `UtilityCall`, `Stop`.
 Engine -> front end: `EngineReady` once, then `Admitted`, `UtilityResult` and one
 `StepBatch` per step (and after commands), or `EngineFailed` as its last word.

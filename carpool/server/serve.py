@@ -95,7 +95,7 @@ def _openmp_threads_sleep_when_waiting() -> None:
     """Unless the user chose otherwise, the engine process's OpenMP threads sleep rather than
     spin while they wait at a barrier (the child reads this as it starts). With HTTP in a
     second process that runs beside the steps, spinning threads on a small or shared CPU wait
-    out whole time slices for a descheduled sibling: BENCHMARKS.md section 10 measured the
+    out whole time slices for a descheduled sibling: BENCHMARKS.md section 14 measured the
     built-in model's output 4-7x lower that way on the 2-core machine under load."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
