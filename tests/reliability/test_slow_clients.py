@@ -18,11 +18,13 @@ from tests.server.live import metric_value
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 READ_TIMEOUT_S = 2.0
-WRITE_TIMEOUT_S = 2.0
+WRITE_TIMEOUT_S = 0.5
 MAX_CONNECTIONS = 40
 FLAGS = ["--http-read-timeout", str(READ_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
          "--http-write-timeout", str(WRITE_TIMEOUT_S),
-         "--max-model-len", "512", "--num-kv-blocks", "1024", "--max-num-seqs", "64"]
+         # 8 choices of 2000 tokens take 2000 steps, while an unread stream fills its
+         # socket's buffers within the first ~100
+         "--max-model-len", "2048", "--num-kv-blocks", "1024", "--max-num-seqs", "8"]
 
 PARTIAL_HEADERS = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
 PARTIAL_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
@@ -129,16 +131,20 @@ def test_a_flood_beyond_the_cap_locks_out_neither_health_nor_streams(guarded_ser
 
 def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_requests_freed(
         guarded_server):
-    """64 streamed choices of up to 500 tokens each (minutes of output on this model), read by
-    nobody: the server must cut the client off a few seconds after its buffers fill."""
-    body = json.dumps({"model": MODEL, "prompt": "def f(x):", "n": 64, "max_tokens": 500,
-                       "temperature": 1.0, "ignore_eos": True, "stream": True}).encode()
+    """8 streamed choices of 2000 tokens with logprobs (~10 MB: more than loopback's socket
+    buffers hold; 2000 steps), read by nobody: the server must cut the client off soon
+    after its buffers fill."""
+    body = json.dumps({"model": MODEL, "prompt": "def f(x):", "n": 8, "max_tokens": 2000,
+                       "logprobs": 5, "temperature": 1.0, "ignore_eos": True,
+                       "stream": True}).encode()
     def finished(reason: str) -> float:
         with guarded_server.http() as http:
             return metric_value(http.get("/metrics").text, "carpool:request_success_total",
                                 finished_reason=reason)
 
     aborted_before, length_before = finished("abort"), finished("length")
+    with guarded_server.http() as http:
+        taken_before = http.get("/stats").json()["num_requests_taken"]
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few chunks
     sock.connect(_address(guarded_server))
@@ -147,10 +153,14 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_requests_free
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                      + API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        with guarded_server.http() as http:  # the engine has taken them in
+            while http.get("/stats").json()["num_requests_taken"] < taken_before + 8:
+                assert time.monotonic() - start < 60
+                time.sleep(0.05)
         wait_idle_and_intact(guarded_server, timeout=60)  # never reading: never waits on us
         elapsed = time.monotonic() - start
     finally:
         sock.close()
-    # All 64 ended as aborts (cut off), none by running out its 500 tokens.
-    assert finished("abort") - aborted_before == 64, elapsed
+    # All 8 ended as aborts (cut off), none by running out its 2000 tokens.
+    assert finished("abort") - aborted_before == 8, elapsed
     assert finished("length") == length_before

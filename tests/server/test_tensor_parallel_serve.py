@@ -40,8 +40,16 @@ def children(pid: int) -> list[int]:
 
 
 def worker_pids(server_pid: int) -> list[int]:
-    return [pid for pid in children(server_pid)
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    """The worker ranks: processes spawned by the engine process (itself spawned by the
+    server), or by the server itself when its engine runs on a thread."""
+    def spawned(pid: int) -> list[int]:
+        return [c for c in children(pid)
+                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+    workers = []
+    for pid in spawned(server_pid):
+        workers += spawned(pid) or [pid]
+    return workers
 
 
 @pytest.fixture(scope="module")
