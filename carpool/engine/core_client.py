@@ -91,7 +91,9 @@ class EngineProcessClient:
         self._conn, child_conn = context.Pipe(duplex=True)
         self._process = context.Process(
             target=run_engine_core, args=(self._config, child_conn, self._log_level),
-            name="carpool-engine-core", daemon=True)
+            # Not a daemon, so that it may start processes of its own (tensor-parallel
+            # workers); `shutdown`, which `serve` always reaches, ends it.
+            name="carpool-engine-core", daemon=False)
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF
         self._threads = [threading.Thread(target=target, name=name, daemon=True)
