@@ -91,9 +91,8 @@ class EngineProcessClient:
         self._conn, child_conn = context.Pipe(duplex=True)
         self._process = context.Process(
             target=run_engine_core, args=(self._config, child_conn, self._log_level),
-            # Not daemonic: a daemonic process may not start children, and the engine's
-            # tensor-parallel ranks are its children. `shutdown` (every exit path of the
-            # server) stops it, and it exits by itself when this process is gone.
+            # Not a daemon, so that it may start processes of its own (tensor-parallel
+            # workers); `shutdown`, which `serve` always reaches, ends it.
             name="carpool-engine-core", daemon=False)
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF

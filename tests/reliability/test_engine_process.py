@@ -168,3 +168,18 @@ def test_engine_process_exits_when_the_server_is_killed(llama_checkpoint, tmp_pa
         asyncio.run(scenario())
         live.local.process.wait(timeout=30)
         assert wait_gone(engine_pid, 15), "the engine process outlived its server"
+
+
+def test_no_engine_process_serves_the_same_text_from_a_thread(llama_checkpoint, tmp_path,
+                                                               reference_llm):
+    from tests.reliability.live import greedy_texts
+
+    prompts = ["def main():", "import os\n"]
+    with live_server(llama_checkpoint, [*FLAGS, "--no-engine-process"],
+                     tmp_path / "server.log") as live:
+        assert engine_pids(live.pid) == []
+        with live.http() as http:
+            texts = [http.post("/v1/completions", json={
+                "model": MODEL, "prompt": p, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}).json()["choices"][0]["text"] for p in prompts]
+    assert texts == greedy_texts(reference_llm, prompts, 12)
