@@ -24,6 +24,10 @@ class ServerClosingError(RuntimeError):
     """The server is shutting down and ended this stream before its requests finished."""
 
 
+class StreamBacklogError(RuntimeError):
+    """The stream's reader fell `max_backlog` outputs behind: ended, its requests aborted."""
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One engine request: the server fans `n` and prompt lists out into several."""
@@ -65,6 +69,10 @@ class OutputStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._admitted: asyncio.Future = loop.create_future()
         self._unfinished = set(self.request_ids)
+        # Outputs that may wait unread before the stream is ended and its requests aborted
+        # (a client that stops reading); None: no limit. The server sets it.
+        self.max_backlog: int | None = None
+        self._overflowed = False
 
     async def admitted(self) -> None:
         """Wait until the engine accepted every request; raises its ValueError if not."""
@@ -110,7 +118,17 @@ class OutputStream:
             self._admitted.set_exception(error)
 
     def _put(self, item: StepOutput | BaseException) -> None:
+        if self._overflowed:
+            return  # ended: what the engine sent before the abort reached it is dropped
         self._queue.put_nowait(item)
+        if (self.max_backlog is not None and self._unfinished
+                and self._queue.qsize() > self.max_backlog):
+            self._overflowed = True
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self.fail(StreamBacklogError(
+                f"this response's reader fell {self.max_backlog} outputs behind "
+                "(--max-stream-backlog): it was ended and its requests aborted"))
 
 
 def put_all(batch: list[tuple[OutputStream, StepOutput]]) -> None:

@@ -40,6 +40,7 @@ PROTECTED_PREFIX = "/v1/"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's
+DEFAULT_MAX_STREAM_BACKLOG = 2048  # outputs a response's reader may leave unread
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ServerSettings:
     log_prompts: bool = False
     http_read_timeout: float = DEFAULT_READ_TIMEOUT_S
     http_write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
+    max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     log_requests: bool = False  # one log line per request (vLLM's --enable-log-requests)
@@ -83,6 +85,8 @@ class ServerSettings:
             value = getattr(self, name)
             if not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if isinstance(self.max_stream_backlog, bool) or self.max_stream_backlog < 1:
+            raise ValueError(f"max_stream_backlog must be >= 1, got {self.max_stream_backlog!r}")
         if isinstance(self.max_connections, bool) or self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
 

@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_robustness_arguments(group) -> None:
     from carpool.server.app import (
         DEFAULT_MAX_REQUEST_BODY_BYTES,
+        DEFAULT_MAX_STREAM_BACKLOG,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
         DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     )
@@ -84,6 +85,11 @@ def _add_robustness_arguments(group) -> None:
                        help="A client that stops reading its response for this long (its "
                             "socket's buffers full) is disconnected and its requests aborted "
                             f"(default {DEFAULT_WRITE_TIMEOUT_S:g}).")
+    group.add_argument("--max-stream-backlog", type=int, default=DEFAULT_MAX_STREAM_BACKLOG,
+                       metavar="OUTPUTS",
+                       help="A response whose reader leaves more outputs than this unread is "
+                            "ended and its requests aborted "
+                            f"(default {DEFAULT_MAX_STREAM_BACKLOG}).")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help="Most open client connections (lowered to fit the open-files "
                             "limit); a new one over it evicts the oldest connection that has "
@@ -120,6 +126,7 @@ def server_settings_from_args(args: argparse.Namespace):
         max_num_waiting_requests=args.max_num_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts,
         http_read_timeout=args.http_read_timeout, http_write_timeout=args.http_write_timeout,
+        max_stream_backlog=args.max_stream_backlog,
         max_connections=args.max_connections,
         timeout_keep_alive=args.timeout_keep_alive,
         log_requests=args.enable_log_requests or args.log_prompts,

@@ -27,6 +27,7 @@ from carpool.engine.output_stream import (
     GenerationRequest,
     OutputStream,
     ServerClosingError,
+    StreamBacklogError,
 )
 from carpool.engine.protocol import EngineClient
 from carpool.outputs import StepOutput
@@ -109,8 +110,11 @@ def _admission_error(exc: Exception) -> APIError:
     return engine_error(f"{type(exc).__name__}: {exc}")
 
 
-def stream_error(exc: EngineDeadError | ServerClosingError) -> APIError:
-    """The 503 a response ends with when the engine died or the server stopped under it."""
+def stream_error(exc: EngineDeadError | ServerClosingError | StreamBacklogError) -> APIError:
+    """The 503 a response ends with when the engine died or the server stopped under it, or
+    its reader fell too far behind."""
+    if isinstance(exc, StreamBacklogError):
+        return APIError(503, str(exc), code="stream_backlog")
     code = "engine_dead" if isinstance(exc, EngineDeadError) else "server_shutting_down"
     return APIError(503, str(exc), code=code)
 
@@ -165,6 +169,7 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
                   build: Callable[[list[Choice]], dict]) -> Response:
     """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
     stream = await start(request, engine, requests)
+    stream.max_backlog = request.app.state.settings.max_stream_backlog
     admission: Admission = request.app.state.admission
     if streaming:
         return EventStreamResponse(_ended(events(stream)),
@@ -198,7 +203,7 @@ async def _ended(events: AsyncIterator[str]) -> AsyncIterator[str]:
     try:
         async for event in events:
             yield event
-    except (EngineDeadError, ServerClosingError) as exc:
+    except (EngineDeadError, ServerClosingError, StreamBacklogError) as exc:
         yield sse_event(stream_error(exc).body())
     yield DONE
 
@@ -228,7 +233,7 @@ async def collect(stream: OutputStream, request: Request, num_choices: int) -> l
 
     try:
         await until_disconnected(consume(), request)
-    except (EngineDeadError, ServerClosingError) as exc:
+    except (EngineDeadError, ServerClosingError, StreamBacklogError) as exc:
         raise stream_error(exc) from None
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:

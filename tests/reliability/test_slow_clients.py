@@ -129,38 +129,59 @@ def test_a_flood_beyond_the_cap_locks_out_neither_health_nor_streams(guarded_ser
     wait_idle_and_intact(guarded_server)
 
 
-def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_requests_freed(
-        guarded_server):
+def _cut_off_non_reader(live) -> None:
     """8 streamed choices of 2000 tokens with logprobs (~10 MB: more than loopback's socket
-    buffers hold; 2000 steps), read by nobody: the server must cut the client off soon
-    after its buffers fill."""
+    buffers hold; 2000 steps), read by nobody: all 8 must end as aborts, none by running
+    out its tokens."""
     body = json.dumps({"model": MODEL, "prompt": "def f(x):", "n": 8, "max_tokens": 2000,
                        "logprobs": 5, "temperature": 1.0, "ignore_eos": True,
                        "stream": True}).encode()
+
     def finished(reason: str) -> float:
-        with guarded_server.http() as http:
+        with live.http() as http:
             return metric_value(http.get("/metrics").text, "carpool:request_success_total",
                                 finished_reason=reason)
 
     aborted_before, length_before = finished("abort"), finished("length")
-    with guarded_server.http() as http:
+    with live.http() as http:
         taken_before = http.get("/stats").json()["num_requests_taken"]
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few chunks
-    sock.connect(_address(guarded_server))
+    sock.connect(_address(live))
     start = time.monotonic()
     try:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                      + API_KEY.encode() + b"\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        with guarded_server.http() as http:  # the engine has taken them in
+        with live.http() as http:  # the engine has taken them in
             while http.get("/stats").json()["num_requests_taken"] < taken_before + 8:
                 assert time.monotonic() - start < 60
                 time.sleep(0.05)
-        wait_idle_and_intact(guarded_server, timeout=60)  # never reading: never waits on us
+        wait_idle_and_intact(live, timeout=60)  # never reading: never waits on us
         elapsed = time.monotonic() - start
     finally:
         sock.close()
-    # All 8 ended as aborts (cut off), none by running out its 2000 tokens.
     assert finished("abort") - aborted_before == 8, elapsed
     assert finished("length") == length_before
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_requests_freed(
+        guarded_server):
+    """By --http-write-timeout (the backlog limit is far above what 8 choices queue here)."""
+    _cut_off_non_reader(guarded_server)
+
+
+def test_a_stream_whose_reader_falls_too_far_behind_is_ended(llama_checkpoint,
+                                                             tmp_path_factory):
+    """By --max-stream-backlog, long before the write timeout would."""
+    flags = [*FLAGS, "--http-write-timeout", "1000", "--max-stream-backlog", "64"]
+    with live_server(llama_checkpoint, flags,
+                     tmp_path_factory.mktemp("backlog") / "server.log") as live:
+        _cut_off_non_reader(live)
+        # a client that reads keeps its stream whatever its size
+        with live.http() as http:
+            response = http.post("/v1/completions", json={
+                "model": MODEL, "prompt": "x", "n": 8, "max_tokens": 64, "ignore_eos": True,
+                "stream": True})
+        assert response.status_code == 200 and "stream_backlog" not in response.text
+        assert response.text.count('"finish_reason":"length"') == 8
