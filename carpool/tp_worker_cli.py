@@ -40,5 +40,5 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         logger.error("invalid settings: %s", exc)
         return 2
-    from carpool.engine.llm_engine import run_tensor_parallel_worker
+    from carpool.engine.runner_setup import run_tensor_parallel_worker
     run_tensor_parallel_worker(config)  # ends the process

@@ -42,55 +42,30 @@ from carpool.engine.output_stream import (
     put_all,
     settle,
 )
-from carpool.engine.protocol import EngineCore, close_engine
+from carpool.engine.protocol import EngineClientBase, EngineCore, close_engine
 from carpool.engine.utility import UTILITIES
 from carpool.outputs import StepOutput
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClientBase):
     """Runs an `LLMEngine` on its own thread; see the module docstring."""
 
     def __init__(self, engine_factory: Callable[[], EngineCore], *,
                  metrics_factory: Callable[[EngineInfo], Any] | None = None,
                  on_ready: Callable[[EngineInfo], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        super().__init__(metrics_factory, on_ready, on_fatal)
         self._factory = engine_factory
-        self._metrics_factory = metrics_factory
-        self.on_ready = on_ready
-        self.on_fatal = on_fatal
-        self.metrics: Any = None
-        self.info: EngineInfo | None = None
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # orders "is it dead?" against "queue a command"
         self._streams: dict[str, OutputStream] = {}  # loop thread only
         self._num_requests_taken = 0  # requests of every add command handled so far
-        self._snapshot: EngineSnapshot | None = None  # None until the engine is loaded
-        self._ready = threading.Event()
-        self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
 
     # ---- HTTP side -------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the model is loaded (True) or loading failed / timed out (False)."""
-        self._ready.wait(timeout)
-        return self.is_ready
-
-    @property
-    def is_ready(self) -> bool:
-        return self._ready.is_set() and self._dead is None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead
-
-    def snapshot(self) -> EngineSnapshot | None:
-        """The engine stats published after the latest step or command; None while loading."""
-        return self._snapshot
 
     def add(self, requests: list[GenerationRequest]) -> OutputStream:
         """Queue requests for the engine; await `admitted()` on the stream, then iterate it."""

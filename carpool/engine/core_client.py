@@ -51,37 +51,30 @@ from carpool.engine.output_stream import (
     put_all,
     settle,
 )
+from carpool.engine.protocol import EngineClientBase
 from carpool.engine.tokenizer import load_engine_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class EngineProcessClient:
+class EngineProcessClient(EngineClientBase):
     """Starts, feeds and watches one engine-core process; see the module docstring."""
 
     def __init__(self, config: EngineConfig, *, log_level: str = "info",
                  metrics_factory: Callable[[EngineInfo], Any] | None = None,
                  on_ready: Callable[[EngineInfo], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        super().__init__(metrics_factory, on_ready, on_fatal)
         self._config = config
         self._log_level = log_level
-        self._metrics_factory = metrics_factory
-        self.on_ready = on_ready
-        self.on_fatal = on_fatal
-        self.metrics: Any = None
-        self.info: EngineInfo | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn = None
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # None ends the sender
-        self._lock = threading.Lock()  # orders "is it dead?" against "queue a command"
         self._ids = itertools.count()
         self._pending: dict[int, tuple[OutputStream, list[GenerationRequest]]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._streams: dict[str, OutputStream] = {}  # receiver thread only
         self._processor: OutputProcessor | None = None
-        self._snapshot = None
-        self._ready = threading.Event()
-        self._dead: BaseException | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
 
@@ -105,23 +98,6 @@ class EngineProcessClient:
     @property
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until the model is loaded (True) or loading failed / timed out (False)."""
-        self._ready.wait(timeout)
-        return self.is_ready
-
-    @property
-    def is_ready(self) -> bool:
-        return self._ready.is_set() and self._dead is None
-
-    @property
-    def dead_error(self) -> BaseException | None:
-        return self._dead
-
-    def snapshot(self):
-        """The engine stats of the latest step or command; None while loading."""
-        return self._snapshot
 
     def add(self, requests: list[GenerationRequest]) -> OutputStream:
         """Queue requests (token-id prompts) for the engine; await `admitted()` on the stream,

@@ -12,7 +12,8 @@ HTTP process); a data-parallel client would offer it over several of the former.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from carpool.engine.commands import EngineSnapshot
@@ -90,3 +91,38 @@ def close_engine(engine: EngineCore) -> None:
             close()
         except Exception:
             logging.getLogger(__name__).exception("closing the engine failed")
+
+
+class EngineClientBase:
+    """The state both engine clients keep the same way: the server's hooks, readiness,
+    death, and the latest published stats snapshot (set by their own threads)."""
+
+    def __init__(self, metrics_factory: Callable[[EngineInfo], Any] | None,
+                 on_ready: Callable[[EngineInfo], None] | None,
+                 on_fatal: Callable[[BaseException], None] | None) -> None:
+        self._metrics_factory = metrics_factory
+        self.on_ready = on_ready
+        self.on_fatal = on_fatal
+        self.metrics: Any = None
+        self.info: EngineInfo | None = None
+        self._lock = threading.Lock()  # orders "is it dead?" against "queue a command"
+        self._snapshot: EngineSnapshot | None = None  # None until the engine is loaded
+        self._ready = threading.Event()
+        self._dead: BaseException | None = None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (True) or loading failed / timed out (False)."""
+        self._ready.wait(timeout)
+        return self.is_ready
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._dead is None
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    def snapshot(self) -> EngineSnapshot | None:
+        """The engine stats of the latest step or command; None while loading."""
+        return self._snapshot
