@@ -106,6 +106,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # fraction of blocks in use, 0-1
+    num_paused: int = 0  # unfinished requests held back because their reader is behind
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -49,6 +49,9 @@ class RequestTable:
         self._requests: dict[str, Request] = {}  # unfinished only
         self._finished_ids: list[str] = []  # since the last schedule()
         self._waiting: deque[Request] = deque()
+        # Requests whose client stopped reading (flow control): not scheduled until resumed.
+        # Only the continuous scheduler honours it; the static baseline ignores it.
+        self._paused: set[str] = set()
         self.prefix_cache_stats = PrefixCacheStats()  # stays 0 where the block manager has no cache
 
     @property
@@ -84,6 +87,23 @@ class RequestTable:
                 self._finish(request, status)
                 finished.append(request)
         return finished
+
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop scheduling these requests (their reader is behind) until `resume_requests`.
+
+        A paused request keeps its blocks but not its seat: it does not count toward
+        `max_num_seqs`, and it is the first victim when a running request needs a block.
+        Unknown or finished ids are ignored.
+        """
+        self._paused.update(rid for rid in request_ids if rid in self._requests)
+
+    def resume_requests(self, request_ids: Iterable[str]) -> None:
+        """Schedule these paused requests again; unknown or unpaused ids are ignored."""
+        self._paused.difference_update(request_ids)
+
+    @property
+    def num_paused(self) -> int:
+        return len(self._paused)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash (see `BlockManager.reset_prefix_cache`)."""
@@ -140,6 +160,7 @@ class RequestTable:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._remove(request)
+        self._paused.discard(request.request_id)
         request.status = status
         request.finished_time = self._clock()
         self.block_manager.free(request.request_id)

@@ -15,7 +15,10 @@ under one token budget per step. `schedule()` plans a step in three passes:
      block a running prefill is about to compute waits for it (it will hit)
      rather than compute it a second time.
 
-A running request that needs a KV block when none is free preempts the
+Paused requests (their client stopped reading: `pause_requests`) are left out
+of every pass and do not hold a seat; they keep their blocks until a running
+request needs one. A running request that needs a KV block when none is free
+preempts a paused request first, then the
 victim named by `preemption_policy` (possibly itself): the victim's blocks
 are freed and it goes back to the front of the queue to be recomputed.
 No waiting request is admitted in a step that preempted one.
@@ -69,8 +72,9 @@ class Scheduler(RequestTable):
         return request.num_computed_tokens < self._prefills[request.request_id].stop
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        decoding = [r for r in self._running if not self._is_prefilling(r)]
-        prefilling = [r for r in self._running if self._is_prefilling(r)]
+        active = [r for r in self._running if r.request_id not in self._paused]
+        decoding = [r for r in active if not self._is_prefilling(r)]
+        prefilling = [r for r in active if self._is_prefilling(r)]
         for request in decoding + prefilling:
             if plan.token_budget == 0:
                 return
@@ -88,7 +92,8 @@ class Scheduler(RequestTable):
         """
         num_tokens = request.num_computed_tokens + num_new
         while not self.block_manager.can_allocate(request.request_id, num_tokens):
-            victim = self._choose_victim(self._running)
+            paused = [r for r in self._running if r.request_id in self._paused]
+            victim = paused[-1] if paused else self._choose_victim(self._running)
             self._preempt(victim, plan)
             if victim is request:
                 return False
@@ -113,6 +118,8 @@ class Scheduler(RequestTable):
     def _partial_slots_after_running(self, plan: StepPlan) -> PartialPrefillSlots:
         slots = PartialPrefillSlots(self.config)
         for request in self._running:
+            if request.request_id in self._paused:
+                continue
             prefill = self._prefills[request.request_id]
             if request.num_computed_tokens + plan.num_new_tokens(request.request_id) < prefill.stop:
                 slots.take(len(prefill))
@@ -122,9 +129,12 @@ class Scheduler(RequestTable):
         slots = self._partial_slots_after_running(plan)
         in_flight = self._in_flight_block_hashes()
         passed_over: list[Request] = []
+        num_seated = sum(1 for r in self._running if r.request_id not in self._paused)
         for request in list(self._waiting):
-            if len(self._running) >= self.config.max_num_seqs or plan.token_budget == 0:
+            if num_seated >= self.config.max_num_seqs or plan.token_budget == 0:
                 return
+            if request.request_id in self._paused:
+                continue
             cached_block_ids, num_new = self._admission_chunk(request, plan, slots, in_flight)
             if num_new:
                 for skipped in passed_over:
@@ -132,6 +142,7 @@ class Scheduler(RequestTable):
                                                                               0) + 1
                 passed_over.clear()
                 self._admit(request, cached_block_ids, num_new, plan, slots)
+                num_seated += 1
                 self._add_in_flight(in_flight, request)
             elif self._num_skips.get(request.request_id, 0) >= self.config.max_skips:
                 return  # aged: nothing behind it is admitted until it fits
@@ -193,7 +204,8 @@ class Scheduler(RequestTable):
         hashes: set[bytes] = set()
         if self.block_manager.prefix_cache is not None and self._waiting:
             for request in self._running:
-                self._add_in_flight(hashes, request)
+                if request.request_id not in self._paused:
+                    self._add_in_flight(hashes, request)
         return hashes
 
     def _add_in_flight(self, hashes: set[bytes], request: Request) -> None:

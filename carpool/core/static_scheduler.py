@@ -96,6 +96,9 @@ class StaticScheduler(RequestTable):
                 num_real += request.num_tokens - request.num_computed_tokens
         return row_width * len(self._batch) - num_real
 
+    def pause_requests(self, request_ids) -> None:
+        """Ignored: the baseline runs its batch to the end, as static batching does."""
+
     def _remove(self, request: Request) -> None:
         if request.status == RequestStatus.WAITING:
             self._waiting.remove(request)

@@ -31,6 +31,7 @@ from carpool.engine.commands import (
     CallEngine,
     Command,
     EngineSnapshot,
+    PauseRequests,
     Stop,
 )
 from carpool.engine.output_stream import (
@@ -81,6 +82,12 @@ class AsyncEngine(EngineClientBase):
         with self._lock:
             if self._dead is None:
                 self._commands.put(AbortRequests(list(request_ids)))
+
+    def set_paused(self, request_ids: list[str], paused: bool) -> None:
+        """Flow control from a stream whose reader is behind (or caught up again)."""
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(PauseRequests(list(request_ids), paused))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(llm_engine)` on the loop thread between two steps and return its result."""
@@ -181,6 +188,12 @@ class AsyncEngine(EngineClientBase):
                     if self._streams.pop(rid, None) is not None]
             if live:
                 engine.abort_request(live)
+        elif isinstance(command, PauseRequests):
+            live = [rid for rid in command.request_ids if rid in self._streams]
+            if command.paused:
+                engine.pause_requests(live)
+            else:
+                engine.resume_requests(live)
         elif isinstance(command, CallEngine):
             try:
                 result, error = command.fn(engine), None

@@ -34,6 +34,14 @@ class AbortRequests:
 
 
 @dataclass(frozen=True)
+class PauseRequests:
+    """Flow control: hold these requests back (`paused`), or let them run again."""
+
+    request_ids: list[str]
+    paused: bool
+
+
+@dataclass(frozen=True)
 class CallEngine:
     """Run `fn(engine)` on the loop thread; its result or exception settles `future`."""
 
@@ -49,7 +57,7 @@ class Stop:
     error: BaseException | None = None
 
 
-Command = AddRequests | AbortRequests | CallEngine | Stop
+Command = AddRequests | AbortRequests | PauseRequests | CallEngine | Stop
 
 
 @dataclass(frozen=True)

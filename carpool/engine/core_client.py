@@ -34,6 +34,7 @@ from carpool.engine.core_messages import (
     Admitted,
     EngineFailed,
     EngineReady,
+    PauseRequests,
     StepBatch,
     Stop,
     SubmitRequests,
@@ -116,6 +117,12 @@ class EngineProcessClient(EngineClientBase):
         with self._lock:
             if self._dead is None:
                 self._outbox.put(AbortRequests(list(request_ids)))
+
+    def set_paused(self, request_ids: list[str], paused: bool) -> None:
+        """Flow control from a stream whose reader is behind (or caught up again)."""
+        with self._lock:
+            if self._dead is None:
+                self._outbox.put(PauseRequests(list(request_ids), paused))
 
     async def call_utility(self, name: str) -> Any:
         """Run `engine.utility.UTILITIES[name]` in the engine between two steps."""

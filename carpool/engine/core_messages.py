@@ -3,7 +3,7 @@
 They cross a `multiprocessing` connection pickled whole, so a field added to
 `StepOutput`, `SamplingParams` or `EngineStats` travels with no code here
 (BENCHMARKS.md section 14 measures why pickle over a pipe, not ZeroMQ + msgpack).
-Front end -> engine: `SubmitRequests`, `AbortRequests`, `UtilityCall`, `Stop`.
+Front end -> engine: `SubmitRequests`, `AbortRequests`, `PauseRequests`, `UtilityCall`, `Stop`.
 Engine -> front end: `EngineReady` once, then `Admitted`, `UtilityResult` and one
 `StepBatch` per step (and after commands), or `EngineFailed` as its last word.
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from carpool.engine.commands import AbortRequests, EngineSnapshot, Stop
+from carpool.engine.commands import AbortRequests, EngineSnapshot, PauseRequests, Stop
 from carpool.engine.output_stream import GenerationRequest
 from carpool.outputs import StepOutput
 
-__all__ = ["AbortRequests", "Admitted", "EngineFailed", "EngineReady", "StepBatch", "Stop",
-           "SubmitRequests", "UtilityCall", "UtilityResult"]
+__all__ = ["AbortRequests", "Admitted", "EngineFailed", "EngineReady", "PauseRequests",
+           "StepBatch", "Stop", "SubmitRequests", "UtilityCall", "UtilityResult"]
 
 
 @dataclass(frozen=True)

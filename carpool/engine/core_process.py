@@ -32,6 +32,7 @@ from carpool.engine.core_messages import (
     Admitted,
     EngineFailed,
     EngineReady,
+    PauseRequests,
     StepBatch,
     Stop,
     SubmitRequests,
@@ -148,6 +149,11 @@ class EngineCoreLoop:
             self.conn.send(Admitted(command.batch_id, self._add(command)))
         elif isinstance(command, AbortRequests):
             self.engine.abort_request(command.request_ids)
+        elif isinstance(command, PauseRequests):
+            if command.paused:
+                self.engine.pause_requests(command.request_ids)
+            else:
+                self.engine.resume_requests(command.request_ids)
         elif isinstance(command, UtilityCall):
             try:
                 result, error = UTILITIES[command.name](self.engine), None

@@ -204,6 +204,14 @@ class LLMEngine:
             state = self._states.pop(rid)
             self._aborted_outputs.append(self._final_output(state, "abort"))
 
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop scheduling these requests until `resume_requests` (flow control: their reader
+        is behind); they keep their KV blocks but give up their seats. Unknown ids are ignored."""
+        self.scheduler.pause_requests(request_ids)
+
+    def resume_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.resume_requests(request_ids)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._states) or bool(self._aborted_outputs)
 
@@ -350,7 +358,7 @@ class LLMEngine:
             prefix_cache_queries=prefix_cache.num_queries, prefix_cache_hits=prefix_cache.num_hits,
             num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=blocks.usage)
+            kv_cache_usage=blocks.usage, num_paused=self.scheduler.num_paused)
 
     # ---- what the async layer reads once loaded (see engine.protocol.EngineCore) --------
 

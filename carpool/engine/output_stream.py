@@ -3,6 +3,12 @@
 An `OutputStream` belongs to one HTTP request (all its choices and prompts)
 and is read by one asyncio task; the loop thread fills it through
 `loop.call_soon_threadsafe`, never directly, so no lock is needed.
+
+Flow control: when the reader falls behind (its client reads slower than the
+engine generates, or not at all), the stream pauses its requests in the
+engine, which then stops scheduling them and gives their seats to others; it
+resumes them once the reader has caught up. A reader that falls much further
+behind (what was in flight when it paused) is ended (`max_backlog`).
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ class OutputStream:
         # Outputs that may wait unread before the stream is ended and its requests aborted
         # (a client that stops reading); None: no limit. The server sets it.
         self.max_backlog: int | None = None
+        # Unread outputs at which the stream pauses its requests (at least two steps' worth:
+        # one output per unfinished request per step); None: never pauses. The server sets it.
+        self.pause_backlog: int | None = None
+        self._paused = False
         self._overflowed = False
 
     async def admitted(self) -> None:
@@ -85,6 +95,9 @@ class OutputStream:
         if not self._unfinished:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if self._paused and self._queue.empty() and self._unfinished:
+            self._paused = False  # caught up
+            self._engine.set_paused(sorted(self._unfinished), False)
         if isinstance(item, BaseException):
             self._unfinished.clear()
             raise item
@@ -129,6 +142,10 @@ class OutputStream:
             self.fail(StreamBacklogError(
                 f"this response's reader fell {self.max_backlog} outputs behind "
                 "(--max-stream-backlog): it was ended and its requests aborted"))
+        elif (self.pause_backlog is not None and not self._paused and self._unfinished
+              and self._queue.qsize() >= max(self.pause_backlog, 2 * len(self._unfinished))):
+            self._paused = True
+            self._engine.set_paused(sorted(self._unfinished), True)
 
 
 def put_all(batch: list[tuple[OutputStream, StepOutput]]) -> None:

@@ -25,6 +25,7 @@ from carpool.server.errors import APIError, install_error_handlers
 from carpool.server.http_protocol import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_READ_TIMEOUT_S,
+    DEFAULT_SEND_BUFFER_BYTES,
     DEFAULT_WRITE_TIMEOUT_S,
 )
 from carpool.server.prompts import TokenizerWorker
@@ -41,6 +42,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's
 DEFAULT_MAX_STREAM_BACKLOG = 2048  # outputs a response's reader may leave unread
+DEFAULT_STREAM_PAUSE_BACKLOG = 32  # unread outputs at which a stream's requests pause
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class ServerSettings:
     http_read_timeout: float = DEFAULT_READ_TIMEOUT_S
     http_write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
     max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG
+    # Flow control: unread outputs (at least two steps' worth) at which a stream's requests
+    # are paused until its reader catches up; 0: never paused.
+    stream_pause_backlog: int = DEFAULT_STREAM_PAUSE_BACKLOG
+    # SO_SNDBUF of each client socket in bytes (0: the kernel's, which grows to megabytes),
+    # so that a client that stops reading is noticed after this much, not megabytes, of output.
+    http_send_buffer: int = DEFAULT_SEND_BUFFER_BYTES
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     timeout_keep_alive: float = DEFAULT_TIMEOUT_KEEP_ALIVE_S
     log_requests: bool = False  # one log line per request (vLLM's --enable-log-requests)
@@ -87,6 +95,10 @@ class ServerSettings:
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         if isinstance(self.max_stream_backlog, bool) or self.max_stream_backlog < 1:
             raise ValueError(f"max_stream_backlog must be >= 1, got {self.max_stream_backlog!r}")
+        for name in ("stream_pause_backlog", "http_send_buffer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if isinstance(self.max_connections, bool) or self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
 

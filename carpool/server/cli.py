@@ -56,11 +56,13 @@ def _add_robustness_arguments(group) -> None:
         DEFAULT_MAX_REQUEST_BODY_BYTES,
         DEFAULT_MAX_STREAM_BACKLOG,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
+        DEFAULT_STREAM_PAUSE_BACKLOG,
         DEFAULT_TIMEOUT_KEEP_ALIVE_S,
     )
     from carpool.server.http_protocol import (
         DEFAULT_MAX_CONNECTIONS,
         DEFAULT_READ_TIMEOUT_S,
+        DEFAULT_SEND_BUFFER_BYTES,
         DEFAULT_WRITE_TIMEOUT_S,
     )
     group.add_argument("--max-request-body-bytes", type=parse_bytes,
@@ -90,6 +92,18 @@ def _add_robustness_arguments(group) -> None:
                        help="A response whose reader leaves more outputs than this unread is "
                             "ended and its requests aborted "
                             f"(default {DEFAULT_MAX_STREAM_BACKLOG}).")
+    group.add_argument("--stream-pause-backlog", type=int, default=DEFAULT_STREAM_PAUSE_BACKLOG,
+                       metavar="OUTPUTS",
+                       help="Flow control: a streamed response whose reader leaves this many "
+                            "outputs unread (at least two steps' worth) has its requests paused "
+                            "- not scheduled, their seats given to others - until it catches "
+                            f"up; 0 never pauses (default {DEFAULT_STREAM_PAUSE_BACKLOG}).")
+    group.add_argument("--http-send-buffer", type=int, default=DEFAULT_SEND_BUFFER_BYTES,
+                       metavar="BYTES",
+                       help="Send buffer (SO_SNDBUF) of each client socket, so that a client "
+                            "that stops reading is noticed after this much output rather than "
+                            "the megabytes the kernel would buffer; 0 leaves the kernel's "
+                            f"(default {DEFAULT_SEND_BUFFER_BYTES}).")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help="Most open client connections (lowered to fit the open-files "
                             "limit); a new one over it evicts the oldest connection that has "
@@ -127,6 +141,7 @@ def server_settings_from_args(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout, log_prompts=args.log_prompts,
         http_read_timeout=args.http_read_timeout, http_write_timeout=args.http_write_timeout,
         max_stream_backlog=args.max_stream_backlog,
+        stream_pause_backlog=args.stream_pause_backlog, http_send_buffer=args.http_send_buffer,
         max_connections=args.max_connections,
         timeout_keep_alive=args.timeout_keep_alive,
         log_requests=args.enable_log_requests or args.log_prompts,

@@ -169,7 +169,9 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
                   build: Callable[[list[Choice]], dict]) -> Response:
     """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
     stream = await start(request, engine, requests)
-    stream.max_backlog = request.app.state.settings.max_stream_backlog
+    settings = request.app.state.settings
+    stream.max_backlog = settings.max_stream_backlog
+    stream.pause_backlog = settings.stream_pause_backlog or None
     admission: Admission = request.app.state.admission
     if streaming:
         return EventStreamResponse(_ended(events(stream)),

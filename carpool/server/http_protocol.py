@@ -15,6 +15,11 @@ failed accept. So:
   seconds in a row is disconnected; its stream ends like any disconnect, so its
   engine requests are aborted and their KV blocks and queued outputs freed.
   A slow reader that keeps reading is never cut off: each resume resets the clock.
+- **Send buffer.** Each client socket's SO_SNDBUF, and asyncio's write
+  buffer high-water mark, are set to `send_buffer` bytes: left to itself the
+  kernel grows its buffer to megabytes, which a client that
+  stopped reading fills for many seconds before the server can notice (and
+  pause its requests, see `OutputStream`).
 - **Connection cap.** At most `max_connections` are open. A new connection
   over the cap evicts the oldest one that has still not delivered a whole
   request (that is where a slowloris flood sits); only if every open
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,6 +46,7 @@ logger = logging.getLogger("carpool.server")
 DEFAULT_READ_TIMEOUT_S = 20.0
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_SEND_BUFFER_BYTES = 32 * 1024
 # File descriptors kept for everything but client sockets (model files, logs, pipes).
 _RESERVED_FDS = 64
 _LOG_INTERVAL_S = 10.0
@@ -53,6 +60,7 @@ class ConnectionGuard:
     read_timeout: float
     max_connections: int
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
+    send_buffer: int = DEFAULT_SEND_BUFFER_BYTES  # 0: the kernel's
     # Connections still waiting for a whole request, oldest first.
     pending: OrderedDict = None  # type: ignore[assignment]
     num_timed_out: int = 0
@@ -78,9 +86,10 @@ class ConnectionGuard:
 
 
 def guarded_protocol(read_timeout: float, max_connections: int,
-                     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S) -> type[H11Protocol]:
+                     write_timeout: float = DEFAULT_WRITE_TIMEOUT_S,
+                     send_buffer: int = DEFAULT_SEND_BUFFER_BYTES) -> type[H11Protocol]:
     """An H11Protocol subclass sharing one `ConnectionGuard` (pass it as uvicorn's `http`)."""
-    guard = ConnectionGuard(read_timeout, max_connections, write_timeout)
+    guard = ConnectionGuard(read_timeout, max_connections, write_timeout, send_buffer)
 
     class GuardedH11Protocol(_GuardedH11Protocol):
         pass
@@ -102,8 +111,22 @@ class _GuardedH11Protocol(H11Protocol):
             return
         self._deadline = None
         self._write_deadline = None
+        if guard.send_buffer:
+            self._limit_send_buffers(transport, guard.send_buffer)
         super().connection_made(transport)
         self._await_request()
+
+    @staticmethod
+    def _limit_send_buffers(transport, size: int) -> None:
+        """The kernel's send buffer and asyncio's (whose high-water mark pauses writing) at
+        `size` bytes each: a client that stops reading is noticed after ~3x `size` of output."""
+        transport.set_write_buffer_limits(high=size)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            except OSError:
+                pass  # not a socket that has one: the kernel's default
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

@@ -77,7 +77,8 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        http=guarded_protocol(settings.http_read_timeout, max_connections,
-                                             settings.http_write_timeout),
+                                             settings.http_write_timeout,
+                                             settings.http_send_buffer),
                        timeout_keep_alive=settings.timeout_keep_alive,
                        timeout_graceful_shutdown=settings.shutdown_timeout + _CANCEL_GRACE_S),
         app.state.admission, settings.shutdown_timeout)

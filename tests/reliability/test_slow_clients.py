@@ -173,8 +173,10 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off_and_its_requests_free
 
 def test_a_stream_whose_reader_falls_too_far_behind_is_ended(llama_checkpoint,
                                                              tmp_path_factory):
-    """By --max-stream-backlog, long before the write timeout would."""
-    flags = [*FLAGS, "--http-write-timeout", "1000", "--max-stream-backlog", "64"]
+    """By --max-stream-backlog, long before the write timeout would (with flow control off:
+    paused requests would send no more outputs to fall behind by)."""
+    flags = [*FLAGS, "--http-write-timeout", "1000", "--max-stream-backlog", "64",
+             "--stream-pause-backlog", "0"]
     with live_server(llama_checkpoint, flags,
                      tmp_path_factory.mktemp("backlog") / "server.log") as live:
         _cut_off_non_reader(live)
