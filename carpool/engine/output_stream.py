@@ -78,7 +78,7 @@ class OutputStream:
         # Outputs that may wait unread before the stream is ended and its requests aborted
         # (a client that stops reading); None: no limit. The server sets it.
         self.max_backlog: int | None = None
-        # Unread outputs at which the stream pauses its requests (at least two steps' worth:
+        # Unread outputs at which the stream pauses its requests (at least one step's worth:
         # one output per unfinished request per step); None: never pauses. The server sets it.
         self.pause_backlog: int | None = None
         self._paused = False
@@ -143,7 +143,7 @@ class OutputStream:
                 f"this response's reader fell {self.max_backlog} outputs behind "
                 "(--max-stream-backlog): it was ended and its requests aborted"))
         elif (self.pause_backlog is not None and not self._paused and self._unfinished
-              and self._queue.qsize() >= max(self.pause_backlog, 2 * len(self._unfinished))):
+              and self._queue.qsize() >= max(self.pause_backlog, len(self._unfinished))):
             self._paused = True
             self._engine.set_paused(sorted(self._unfinished), True)
 

@@ -57,7 +57,7 @@ class ServerSettings:
     http_read_timeout: float = DEFAULT_READ_TIMEOUT_S
     http_write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
     max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG
-    # Flow control: unread outputs (at least two steps' worth) at which a stream's requests
+    # Flow control: unread outputs (at least one step's worth) at which a stream's requests
     # are paused until its reader catches up; 0: never paused.
     stream_pause_backlog: int = DEFAULT_STREAM_PAUSE_BACKLOG
     # SO_SNDBUF of each client socket in bytes (0: the kernel's, which grows to megabytes),

@@ -95,7 +95,7 @@ def _add_robustness_arguments(group) -> None:
     group.add_argument("--stream-pause-backlog", type=int, default=DEFAULT_STREAM_PAUSE_BACKLOG,
                        metavar="OUTPUTS",
                        help="Flow control: a streamed response whose reader leaves this many "
-                            "outputs unread (at least two steps' worth) has its requests paused "
+                            "outputs unread (at least one step's worth) has its requests paused "
                             "- not scheduled, their seats given to others - until it catches "
                             f"up; 0 never pauses (default {DEFAULT_STREAM_PAUSE_BACKLOG}).")
     group.add_argument("--http-send-buffer", type=int, default=DEFAULT_SEND_BUFFER_BYTES,
