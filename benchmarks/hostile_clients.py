@@ -134,10 +134,45 @@ ATTACKS: dict[str, tuple[int, Callable]] = {
 }
 
 
-def run_attack(base_url: str, model: str, name: str | None) -> tuple[float, float, float]:
+def rss_mib(pids: list[int]) -> float:
+    """Resident memory of these processes together, in MiB."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            direct = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return direct + [g for c in direct for g in _children(c)]
+
+
+def rss_sampler(groups: list[list[int]], stop: threading.Event, peaks: list[float]) -> None:
+    while not stop.is_set():
+        for i, pids in enumerate(groups):
+            peaks[i] = max(peaks[i], rss_mib(pids))
+        stop.wait(0.1)
+
+
+def run_attack(base_url: str, model: str, name: str | None,
+               server_pid: int) -> tuple[float, float, float, list[float]]:
+    """The victim's total time and largest gap, the slowest /health, and how much the
+    resident memory of the front end and of the engine process(es) grew at its peak, MiB."""
     stop = threading.Event()
     worst_health = [0.0]
-    threads = [threading.Thread(target=health_prober, args=(base_url, stop, worst_health))]
+    groups = [[server_pid], _children(server_pid)]
+    base = [rss_mib(pids) for pids in groups]
+    peaks = list(base)
+    threads = [threading.Thread(target=health_prober, args=(base_url, stop, worst_health)),
+               threading.Thread(target=rss_sampler, args=(groups, stop, peaks))]
     if name is not None:
         count, attack = ATTACKS[name]
         threads += [threading.Thread(target=attack, args=(base_url, model, stop))
@@ -151,7 +186,7 @@ def run_attack(base_url: str, model: str, name: str | None) -> tuple[float, floa
         stop.set()
         for t in threads:
             t.join(60)
-    return total, gap, worst_health[0]
+    return total, gap, worst_health[0], [p - b for p, b in zip(peaks, base)]
 
 
 def main() -> None:
@@ -163,14 +198,16 @@ def main() -> None:
     from carpool.default_model_path import default_model_path
     model_path = args.model or str(default_model_path())
     log = Path(tempfile.mkdtemp()) / "server.log"
-    with LocalServer(model_path, ["--served-model-name", "m", *args.flags.split()],
-                     log) as base_url:
+    server = LocalServer(model_path, ["--served-model-name", "m", *args.flags.split()], log)
+    with server as base_url:
         victim(base_url, "m")  # warm-up
-        print("| attack | victim total s | largest gap s | slowest /health s |")
-        print("| --- | --- | --- | --- |")
+        print("| attack | victim total s | largest gap s | slowest /health s "
+              "| front-end RSS growth MiB | engine RSS growth MiB |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for name in [None, *args.attacks.split(",")]:
-            total, gap, health = run_attack(base_url, "m", name)
-            print(f"| {name or 'none'} | {total:.2f} | {gap:.2f} | {health:.2f} |", flush=True)
+            total, gap, health, rss = run_attack(base_url, "m", name, server.process.pid)
+            print(f"| {name or 'none'} | {total:.2f} | {gap:.2f} | {health:.2f} | {rss[0]:.0f} "
+                  f"| {rss[1]:.0f} |", flush=True)
             time.sleep(2.0)
 
 
