@@ -41,6 +41,7 @@ from carpool.engine.core_messages import (
     UtilityResult,
 )
 from carpool.engine.core_process import run_engine_core
+from carpool.engine.dp_routing import OutstandingWork
 from carpool.engine.output_processor import OutputProcessor
 from carpool.engine.output_stream import (
     EngineDeadError,
@@ -77,6 +78,7 @@ class EngineProcessClient(EngineClientBase):
         self._processor: OutputProcessor | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
+        self.work = OutstandingWork()  # what it was sent and has not finished: a router's load
 
     # ---- the event loop's side -------------------------------------------------------
     def start(self) -> None:
@@ -86,7 +88,7 @@ class EngineProcessClient(EngineClientBase):
             target=run_engine_core, args=(self._config, child_conn, self._log_level),
             # Not a daemon, so that it may start processes of its own (tensor-parallel
             # workers); `shutdown`, which `serve` always reaches, ends it.
-            name="carpool-engine-core", daemon=False)
+            name=_process_name(self._config), daemon=False)
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF
         self._threads = [threading.Thread(target=target, name=name, daemon=True)
@@ -107,6 +109,7 @@ class EngineProcessClient(EngineClientBase):
             if self._dead is None:
                 batch_id = next(self._ids)
                 self._pending[batch_id] = (stream, list(requests))
+                self.work.add(requests, self._config.max_model_len or 0)
                 self._outbox.put(SubmitRequests(batch_id, tuple(requests), time.monotonic()))
                 return stream
         stream._set_admitted(EngineDeadError(f"the engine has stopped: {self._dead!r}"))
@@ -213,10 +216,13 @@ class EngineProcessClient(EngineClientBase):
             for r in requests:
                 self._processor.add(r.request_id, r.prompt, r.sampling_params)
                 self._streams[r.request_id] = stream
+        else:
+            self.work.finish(r.request_id for r in requests)
         notify(stream.loop, stream._set_admitted, admitted.error)
 
     def _on_step(self, batch: StepBatch) -> None:
         step = self._processor.process(batch.outputs)
+        self.work.finish(out.request_id for out in batch.outputs if out.finished)
         if step.to_abort:
             self.abort(step.to_abort)
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
@@ -260,3 +266,9 @@ class EngineProcessClient(EngineClientBase):
         for stream in {id(s): s for s in self._streams.values()}.values():
             notify(stream.loop, stream._put, error)
         self._streams.clear()
+
+
+def _process_name(config: EngineConfig) -> str:
+    if config.data_parallel_size == 1:
+        return "carpool-engine-core"
+    return f"carpool-engine-core-{config.data_parallel_rank}"

@@ -18,6 +18,27 @@ def resolve_for_model(config: EngineConfig):
     return config.for_model(load_model_config(path).max_position_embeddings), path
 
 
+def place_replica(config: EngineConfig) -> EngineConfig:
+    """A data-parallel replica's share of the machine, set in its own engine process before
+    the model loads: 1/N of this process's torch threads (its tensor-parallel ranks inherit
+    the count), and on CUDA card r of replica r. Changes torch's thread count; returns the
+    config with the replica's device. A config of one replica is returned as is."""
+    size, rank = config.data_parallel_size, config.data_parallel_rank
+    if size == 1:
+        return config
+    import dataclasses
+
+    import torch
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    if config.device not in ("auto", "cuda") or not torch.cuda.is_available():
+        return config  # CPU (or a card the user named for every replica)
+    if config.tensor_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not "
+                         "supported on CUDA yet (each replica's ranks would share cards); "
+                         "it runs on CPU")
+    return dataclasses.replace(config, device=f"cuda:{rank % torch.cuda.device_count()}")
+
+
 def runner_arguments(config: EngineConfig, path) -> dict:
     """`ModelRunner`'s keyword arguments for a resolved config (every rank gets the same)."""
     sched_config = config.scheduler
