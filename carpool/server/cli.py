@@ -47,12 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="One log line per request (id, size, sampling; the prompt only "
                              "with --log-prompts). Off by default, as in vLLM.")
     _add_robustness_arguments(server)
-    engine = parser.add_argument_group("engine")
-    add_engine_arguments(engine)
-    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+    server.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="Engine replicas behind this server, each its own process with its "
                              "own KV cache (and its own CUDA card, or 1/N of the CPU threads); "
                              "requests go to the least loaded (default 1).")
+    add_engine_arguments(parser.add_argument_group("engine"))
     add_scheduler_arguments(parser.add_argument_group("scheduler"))
 
 
