@@ -4,6 +4,7 @@ the config resolved against the model, and the `ModelRunner` arguments every ran
 
 from __future__ import annotations
 
+import logging
 from typing import NoReturn
 
 from carpool.config import EngineConfig, model_or_default
@@ -36,7 +37,12 @@ def place_replica(config: EngineConfig) -> EngineConfig:
         raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not "
                          "supported on CUDA yet (each replica's ranks would share cards); "
                          "it runs on CPU")
-    return dataclasses.replace(config, device=f"cuda:{rank % torch.cuda.device_count()}")
+    num_cards = torch.cuda.device_count()
+    if size > num_cards:
+        logging.getLogger(__name__).warning(
+            "%d data-parallel replicas on %d CUDA card(s): replicas share cards, so lower "
+            "--gpu-memory-utilization to leave room for each", size, num_cards)
+    return dataclasses.replace(config, device=f"cuda:{rank % num_cards}")
 
 
 def runner_arguments(config: EngineConfig, path) -> dict:

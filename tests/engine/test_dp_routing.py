@@ -127,3 +127,33 @@ def test_replicas_share_one_registry_under_their_engine_label():
 def test_one_engine_has_no_engine_label():
     text = ServerMetrics("m").render().decode()
     assert 'engine="' not in text and "carpool:num_requests_running{model_name=" in text
+
+
+def test_a_replica_takes_its_share_of_the_threads_on_cpu():
+    import dataclasses
+
+    import torch
+
+    from carpool.config import EngineConfig
+    from carpool.engine.runner_setup import place_replica
+
+    one = EngineConfig(device="cpu")
+    assert place_replica(one) is one
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        replica = dataclasses.replace(one, data_parallel_size=2, data_parallel_rank=1)
+        assert place_replica(replica).device == "cpu"
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("fields, name", [({"data_parallel_size": 0}, "data_parallel_size"),
+                                          ({"data_parallel_rank": 2, "data_parallel_size": 2},
+                                           "data_parallel_rank")])
+def test_replica_fields_are_checked(fields, name):
+    from carpool.config import EngineConfig
+
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**fields)

@@ -5,8 +5,8 @@ replica's (the offline `LLM`) and both replicas served some (their `engine`
 labels in /metrics); two streams dropped mid-way are aborted each on its own
 replica (one abort per engine label, every block free again by both replicas'
 integrity checks); SIGTERM drains and exits 0 with no engine process left.
-Another: a replica killed mid-stream fails its stream, turns /health 503, and
-the server exits 1 without leaving the other replica behind. And `-dp 2` with
+Another, with `-tp 2` too (2 × 2 processes): a replica killed mid-stream fails its
+stream, turns /health 503, and the server exits 1 leaving no replica or rank behind. And `-dp 2` with
 `--no-engine-process` is refused before any port is bound.
 """
 
@@ -45,8 +45,8 @@ def one_replica_texts(llama_checkpoint) -> list[str]:
     return [o.outputs[0].text for o in outputs]
 
 
-def dp_server(checkpoint: Path, log_path: Path) -> LocalServer:
-    return LocalServer(checkpoint, FLAGS, log_path, env={"OMP_NUM_THREADS": "1"})
+def dp_server(checkpoint: Path, log_path: Path, *flags: str) -> LocalServer:
+    return LocalServer(checkpoint, [*FLAGS, *flags], log_path, env={"OMP_NUM_THREADS": "1"})
 
 
 def test_dp2_serves_one_replicas_text_on_both_aborts_on_the_right_one_and_drains(
@@ -113,10 +113,13 @@ def _wait_idle(http: httpx.Client, timeout: float = 60.0) -> dict:
 
 def test_a_killed_replica_fails_its_stream_turns_health_503_and_ends_the_server(
         llama_checkpoint, tmp_path):
-    local = dp_server(llama_checkpoint, tmp_path / "server.log")
+    """With -tp 2: four processes, two ranks per replica; none may outlive the server."""
+    local = dp_server(llama_checkpoint, tmp_path / "server.log", "--tensor-parallel-size", "2")
     with local as base_url:
         replicas = sorted(engine_pids(local.process.pid))  # replica 0 was spawned first
         assert len(replicas) == 2, replicas
+        ranks = [pid for replica in replicas for pid in engine_pids(replica)]
+        assert len(ranks) == 2, ranks  # each replica's rank 1
         body = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 200,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as http:
@@ -136,7 +139,7 @@ def test_a_killed_replica_fails_its_stream_turns_health_503_and_ends_the_server(
     assert exit_code == 1, log[-2000:]
     assert health in (503, None)
     assert "engine replica" in log and "engine process exited" in log
-    assert all(wait_gone(pid, 15) for pid in replicas), replicas
+    assert all(wait_gone(pid, 15) for pid in replicas + ranks), (replicas, ranks)
     assert rest[-1] == "data: [DONE]" and '"code":"engine_dead"' in rest[-2], rest[-3:]
 
 
