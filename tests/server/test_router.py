@@ -2,7 +2,8 @@
 the `router` extra), as docs/DATA_PARALLEL.md's multi-node recipe runs them: the router
 registers both (reading /server_info and /model_info), the openai client's greedy
 completions and a streamed chat through it equal what one server answers directly, and
-both servers served some."""
+both servers served some. The servers keep their --api-key: the router forwards the
+client's key, and a request without it gets the server's 401."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import httpx
 import pytest
 
 from carpool.bench.local_server import LocalServer, free_port
-from tests.server.live import MODEL_NAME, metric_value
+from tests.server.live import API_KEY, MODEL_NAME, metric_value
 
 pytest.importorskip("sglang_router", reason="the router extra (sglang-router) is not installed")
 pytestmark = pytest.mark.slow  # live servers (still run in CI)
 
 FLAGS = ["--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "8",
-         "--served-model-name", MODEL_NAME]
+         "--served-model-name", MODEL_NAME, "--api-key", API_KEY]
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "x = ["]
 
 
@@ -66,7 +67,7 @@ def test_two_servers_behind_sglangs_router(llama_checkpoint, tmp_path):
     env = {"OMP_NUM_THREADS": "1"}
     with LocalServer(llama_checkpoint, FLAGS, tmp_path / "a.log", env=env) as a, \
             LocalServer(llama_checkpoint, FLAGS, tmp_path / "b.log", env=env) as b:
-        direct = openai.OpenAI(base_url=f"{a}/v1", api_key="none", max_retries=0, timeout=60)
+        direct = openai.OpenAI(base_url=f"{a}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         expected = [direct.completions.create(model=MODEL_NAME, prompt=p, max_tokens=8,
                                               temperature=0).choices[0].text for p in PROMPTS]
         chat = [{"role": "user", "content": "Print the first ten squares."}]
@@ -75,13 +76,16 @@ def test_two_servers_behind_sglangs_router(llama_checkpoint, tmp_path):
         served_before = [_num_served(url) for url in (a, b)]
 
         with router([a, b], tmp_path / "router.log") as routed_url:
-            routed = openai.OpenAI(base_url=f"{routed_url}/v1", api_key="none",
+            routed = openai.OpenAI(base_url=f"{routed_url}/v1", api_key=API_KEY,
                                    max_retries=0, timeout=60)
             texts = [routed.completions.create(model=MODEL_NAME, prompt=p, max_tokens=8,
                                                temperature=0).choices[0].text for p in PROMPTS]
             stream = routed.chat.completions.create(model=MODEL_NAME, messages=chat,
                                                     max_tokens=8, temperature=0, stream=True)
             chunks = list(stream)
+            keyless = httpx.post(f"{routed_url}/v1/completions", timeout=60,
+                                 json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1})
+        assert keyless.status_code == 401, keyless.text
         assert texts == expected
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
             expected_chat.message.content
