@@ -28,7 +28,12 @@ from carpool.config import EngineConfig
 from carpool.engine.commands import EngineSnapshot
 from carpool.engine.core_client import EngineProcessClient
 from carpool.engine.dp_routing import ReplicaRouter
-from carpool.engine.output_stream import EngineInfo, GenerationRequest, OutputStream
+from carpool.engine.output_stream import (
+    EngineDeadError,
+    EngineInfo,
+    GenerationRequest,
+    OutputStream,
+)
 from carpool.outputs import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -110,10 +115,10 @@ class DataParallelClient:
         self._router = ReplicaRouter(self.num_replicas, info.kv_cache_info["block_size"])
         self.metrics = first.metrics  # one registry: it renders every replica's series
         self.info = first.info
+        for rank, replica in enumerate(self.replicas):
+            logger.info("engine replica %d of %d ready: pid %s", rank, self.num_replicas,
+                        replica.pid)
         if self.on_ready is not None:
-            for rank, replica in enumerate(self.replicas):
-                logger.info("engine replica %d of %d: pid %s", rank, self.num_replicas,
-                            replica.pid)
             self.on_ready(self.info)
 
     def _fatal_hook(self, rank: int) -> Callable[[BaseException], None]:
@@ -121,7 +126,7 @@ class DataParallelClient:
             with self._lock:
                 first = self._fatal is None
                 if first:
-                    self._fatal = type(exc)(f"engine replica {rank}: {exc}")
+                    self._fatal = EngineDeadError(f"engine replica {rank}: {exc}")
             if first and self.on_fatal is not None:
                 self.on_fatal(self._fatal)
         return on_replica_fatal
