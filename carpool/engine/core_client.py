@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import queue
 import threading
 import time
@@ -141,13 +142,15 @@ class EngineProcessClient(EngineClientBase):
                 self._outbox.put(Stop())
         if self._process is None:
             return
-        self._process.join(timeout)
-        if self._process.is_alive():
+        # Wait on its sentinel, not join(): the receiver thread reaps the process once the
+        # pipe closes, and of two threads in waitpid the one that loses sees a live process
+        # (ECHILD reads as "not exited"), which would be killed and warned about for nothing.
+        if not multiprocessing.connection.wait([self._process.sentinel], timeout):
             logger.warning("the engine process did not stop within %.0fs; killing it", timeout)
             self._process.kill()
-            self._process.join()
         for thread in self._threads:
             thread.join(timeout)
+        self._process.join()
 
     # ---- the connection's threads ----------------------------------------------------
     def _send_loop(self) -> None:

@@ -84,6 +84,7 @@ def test_dp2_serves_one_replicas_text_on_both_aborts_on_the_right_one_and_drains
         assert local.process.wait(timeout=60) == 0, local.log()[-2000:]
     assert all(wait_gone(pid, 15) for pid in replicas), replicas
     assert "2 data-parallel replicas" in local.log()
+    assert "did not stop" not in local.log()  # each replica exited on Stop, none was killed
 
 
 def _drop_two_streams(base_url: str) -> None:
