@@ -66,6 +66,11 @@ class EngineConfig:
     # torch.distributed's env:// rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
     # read by torch), each started by its own command (multi-node); rank 0 runs the engine.
     distributed_init_method: str | None = None
+    # Data parallelism: this engine is replica `data_parallel_rank` of `data_parallel_size`
+    # behind one server (set by the server's data-parallel client, `carpool serve -dp N`); a
+    # replica takes 1/N of the CPU threads, or its own CUDA card(s).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -87,6 +92,15 @@ class EngineConfig:
                 or self.tensor_parallel_size < 1):
             raise ValueError(f"tensor_parallel_size must be a positive integer, "
                              f"got {self.tensor_parallel_size!r}")
+        if (isinstance(self.data_parallel_size, bool)
+                or not isinstance(self.data_parallel_size, int)
+                or self.data_parallel_size < 1):
+            raise ValueError(f"data_parallel_size must be a positive integer, "
+                             f"got {self.data_parallel_size!r}")
+        if not (isinstance(self.data_parallel_rank, int)
+                and 0 <= self.data_parallel_rank < self.data_parallel_size):
+            raise ValueError(f"data_parallel_rank must be in [0, data_parallel_size "
+                             f"{self.data_parallel_size}), got {self.data_parallel_rank!r}")
         if self.distributed_init_method is not None and not (
                 isinstance(self.distributed_init_method, str)
                 and self.distributed_init_method.startswith(INIT_METHOD_SCHEMES)):

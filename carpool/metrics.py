@@ -5,7 +5,10 @@ step; counters and histograms are recorded on the loop thread from each step's
 outputs, the per-request histograms from each finishing output's
 `RequestMetrics` (`FinishedRequestStats.of`), and `request_params_n` by the
 front end, which alone knows `n`. Each `ServerMetrics` has its own registry,
-so several servers can live in one process (tests) without clashing.
+so several servers can live in one process (tests) without clashing, except
+the replicas of one data-parallel server: they share a `MetricFamilies` (one
+registry), and each records its series under its own `engine` label ("0",
+"1", ... as vLLM's), all but the front end's `request_params_n`.
 """
 
 from __future__ import annotations
@@ -99,6 +102,23 @@ _REQUEST_HISTOGRAMS = {
 }
 
 
+class MetricFamilies:
+    """One registry's metric families, created on first use and shared by the `ServerMetrics`
+    of every replica that records into it (each under its own `engine` label)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._families: dict[str, object] = {}
+
+    def get(self, kind, name: str, documentation: str, labelnames: list[str], **kwargs):
+        """The family `name`, made now if this registry has none yet."""
+        family = self._families.get(name)
+        if family is None:
+            family = kind(name, documentation, labelnames, registry=self.registry, **kwargs)
+            self._families[name] = family
+        return family
+
+
 def _span(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else max(0.0, end - start)
 
@@ -107,10 +127,15 @@ class ServerMetrics:
     """The server's metrics for one served model; see the module docstring."""
 
     def __init__(self, model_name: str, log_interval_s: float = 5.0,
-                 log_stats: bool = True, max_model_len: int = 8192) -> None:
-        self.registry = CollectorRegistry()
+                 log_stats: bool = True, max_model_len: int = 8192, *,
+                 engine: str | None = None, families: MetricFamilies | None = None) -> None:
+        self._families = families or MetricFamilies()
+        self.registry = self._families.registry
         self._log_stats = log_stats
-        self._labels = {"model_name": model_name}
+        self._engine = engine
+        self._front_end_labels = {"model_name": model_name}
+        # A replica of a data-parallel server labels its series with its index.
+        self._labels = {**self._front_end_labels, **({} if engine is None else {"engine": engine})}
         self._log_interval_s = log_interval_s
         gauge = self._make(Gauge)
         counter = self._make(Counter)
@@ -130,9 +155,9 @@ class ServerMetrics:
         self.prompt_tokens_cached = counter(
             "prompt_tokens_cached",
             "Prompt tokens of started requests served from the prefix cache.")
-        self.request_success = Counter(
-            "carpool:request_success", "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry)
+        self.request_success = self._families.get(
+            Counter, "carpool:request_success", "Finished requests, by finish reason.",
+            [*self._labels, "finished_reason"])
         histogram = self._make(Histogram)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
                               buckets=_LATENCY_BUCKETS)
@@ -152,11 +177,13 @@ class ServerMetrics:
         self._request_histograms = {
             field: histogram(name, documentation, buckets=buckets or token_buckets)
             for field, (name, documentation, buckets) in _REQUEST_HISTOGRAMS.items()}
-        self.request_params_n = histogram(
-            "request_params_n", "The n (choices per prompt) of each request.", buckets=_N_BUCKETS)
-        self._cache_config_info = Gauge(
-            "carpool:cache_config_info", "The KV cache's configuration (labels; value 1).",
-            ["model_name", *CACHE_CONFIG_LABELS], registry=self.registry)
+        # Recorded by the front end before a request has a replica: no engine label.
+        self.request_params_n = self._families.get(
+            Histogram, "carpool:request_params_n", "The n (choices per prompt) of each request.",
+            ["model_name"], buckets=_N_BUCKETS).labels(**self._front_end_labels)
+        self._cache_config_info = self._families.get(
+            Gauge, "carpool:cache_config_info", "The KV cache's configuration (labels; value 1).",
+            [*self._labels, *CACHE_CONFIG_LABELS])
         self._last_token_time: dict[str, float] = {}
         self._num_preemptions_seen = 0
         self._num_steps_seen = 0
@@ -168,9 +195,9 @@ class ServerMetrics:
 
     def _make(self, kind):
         def make(name: str, documentation: str, **kwargs):
-            metric = kind(f"carpool:{name}", documentation, ["model_name"],
-                          registry=self.registry, **kwargs)
-            return metric.labels(**self._labels)
+            family = self._families.get(kind, f"carpool:{name}", documentation,
+                                        list(self._labels), **kwargs)
+            return family.labels(**self._labels)
         return make
 
     @classmethod
@@ -271,6 +298,7 @@ class ServerMetrics:
         hit_rate = (hits - self._prefix_cache_logged[1]) / num_queries if num_queries else 0.0
         self._prefix_cache_logged = (queries, hits)
         logger.info(
+            ("" if self._engine is None else f"Engine {self._engine}: ") +
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
             "Prefix cache hit rate: %.1f%%",

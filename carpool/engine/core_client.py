@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import queue
 import threading
 import time
@@ -42,6 +43,7 @@ from carpool.engine.core_messages import (
     UtilityResult,
 )
 from carpool.engine.core_process import run_engine_core
+from carpool.engine.dp_routing import OutstandingWork
 from carpool.engine.output_processor import OutputProcessor
 from carpool.engine.output_stream import (
     EngineDeadError,
@@ -78,6 +80,7 @@ class EngineProcessClient(EngineClientBase):
         self._processor: OutputProcessor | None = None
         self._stopping = False
         self._threads: list[threading.Thread] = []
+        self.work = OutstandingWork()  # what it was sent and has not finished: a router's load
 
     # ---- the event loop's side -------------------------------------------------------
     def start(self) -> None:
@@ -87,7 +90,7 @@ class EngineProcessClient(EngineClientBase):
             target=run_engine_core, args=(self._config, child_conn, self._log_level),
             # Not a daemon, so that it may start processes of its own (tensor-parallel
             # workers); `shutdown`, which `serve` always reaches, ends it.
-            name="carpool-engine-core", daemon=False)
+            name=_process_name(self._config), daemon=False)
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its exit is our EOF
         self._threads = [threading.Thread(target=target, name=name, daemon=True)
@@ -108,6 +111,7 @@ class EngineProcessClient(EngineClientBase):
             if self._dead is None:
                 batch_id = next(self._ids)
                 self._pending[batch_id] = (stream, list(requests))
+                self.work.add(requests, self._config.max_model_len or 0)
                 self._outbox.put(SubmitRequests(batch_id, tuple(requests), time.monotonic()))
                 return stream
         stream._set_admitted(EngineDeadError(f"the engine has stopped: {self._dead!r}"))
@@ -145,13 +149,15 @@ class EngineProcessClient(EngineClientBase):
                 self._outbox.put(Stop())
         if self._process is None:
             return
-        self._process.join(timeout)
-        if self._process.is_alive():
+        # Wait on its sentinel, not join(): the receiver thread reaps the process once the
+        # pipe closes, and of two threads in waitpid the one that loses sees a live process
+        # (ECHILD reads as "not exited"), which would be killed and warned about for nothing.
+        if not multiprocessing.connection.wait([self._process.sentinel], timeout):
             logger.warning("the engine process did not stop within %.0fs; killing it", timeout)
             self._process.kill()
-            self._process.join()
         for thread in self._threads:
             thread.join(timeout)
+        self._process.join()
 
     # ---- the connection's threads ----------------------------------------------------
     def _send_loop(self) -> None:
@@ -220,10 +226,13 @@ class EngineProcessClient(EngineClientBase):
             for r in requests:
                 self._processor.add(r.request_id, r.prompt, r.sampling_params)
                 self._streams[r.request_id] = stream
+        else:
+            self.work.finish(r.request_id for r in requests)
         notify(stream.loop, stream._set_admitted, admitted.error)
 
     def _on_step(self, batch: StepBatch) -> None:
         step = self._processor.process(batch.outputs)
+        self.work.finish(out.request_id for out in batch.outputs if out.finished)
         if step.to_abort:
             self.abort(step.to_abort)
         deliveries: dict[asyncio.AbstractEventLoop, list] = {}
@@ -267,3 +276,9 @@ class EngineProcessClient(EngineClientBase):
         for stream in {id(s): s for s in self._streams.values()}.values():
             notify(stream.loop, stream._put, error)
         self._streams.clear()
+
+
+def _process_name(config: EngineConfig) -> str:
+    if config.data_parallel_size == 1:
+        return "carpool-engine-core"
+    return f"carpool-engine-core-{config.data_parallel_rank}"

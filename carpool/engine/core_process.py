@@ -54,7 +54,8 @@ class FrontEndGone(Exception):
 
 def load_engine(config: EngineConfig) -> EngineCore:
     from carpool.engine.llm_engine import LLMEngine
-    return LLMEngine.from_config(config, detokenize=False)
+    from carpool.engine.runner_setup import place_replica
+    return LLMEngine.from_config(place_replica(config), detokenize=False)
 
 
 def run_engine_core(config: EngineConfig, conn: Connection, log_level: str = "INFO",

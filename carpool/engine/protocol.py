@@ -6,7 +6,7 @@ once the engine is loaded (to build `EngineInfo` / `EngineReady`) and then only
 calls its methods, between steps, on that one thread. `EngineClient` is offered
 by `core_client.EngineProcessClient` (one engine-core process, the server's
 default) and by `async_engine.AsyncEngine` (the engine on a thread of the
-HTTP process); a data-parallel client would offer it over several of the former.
+HTTP process); `dp_client.DataParallelClient` offers it over several of the former.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class EngineClient(Protocol):
 
     info: EngineInfo | None  # set once ready
     metrics: Any  # the server's ServerMetrics once ready, fed from the engine's steps
+    num_replicas: int  # data-parallel engines behind it (each with info.max_num_seqs seats)
 
     def start(self) -> None: ...
 
@@ -102,6 +103,8 @@ def close_engine(engine: EngineCore) -> None:
 class EngineClientBase:
     """The state both engine clients keep the same way: the server's hooks, readiness,
     death, and the latest published stats snapshot (set by their own threads)."""
+
+    num_replicas = 1
 
     def __init__(self, metrics_factory: Callable[[EngineInfo], Any] | None,
                  on_ready: Callable[[EngineInfo], None] | None,

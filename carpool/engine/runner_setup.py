@@ -4,6 +4,7 @@ the config resolved against the model, and the `ModelRunner` arguments every ran
 
 from __future__ import annotations
 
+import logging
 from typing import NoReturn
 
 from carpool.config import EngineConfig, model_or_default
@@ -16,6 +17,32 @@ def resolve_for_model(config: EngineConfig):
 
     path = resolve_model_path(model_or_default(config.model))
     return config.for_model(load_model_config(path).max_position_embeddings), path
+
+
+def place_replica(config: EngineConfig) -> EngineConfig:
+    """A data-parallel replica's share of the machine, set in its own engine process before
+    the model loads: 1/N of this process's torch threads (its tensor-parallel ranks inherit
+    the count), and on CUDA card r of replica r. Changes torch's thread count; returns the
+    config with the replica's device. A config of one replica is returned as is."""
+    size, rank = config.data_parallel_size, config.data_parallel_rank
+    if size == 1:
+        return config
+    import dataclasses
+
+    import torch
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    if config.device not in ("auto", "cuda") or not torch.cuda.is_available():
+        return config  # CPU (or a card the user named for every replica)
+    if config.tensor_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not "
+                         "supported on CUDA yet (each replica's ranks would share cards); "
+                         "it runs on CPU")
+    num_cards = torch.cuda.device_count()
+    if size > num_cards:
+        logging.getLogger(__name__).warning(
+            "%d data-parallel replicas on %d CUDA card(s): replicas share cards, so lower "
+            "--gpu-memory-utilization to leave room for each", size, num_cards)
+    return dataclasses.replace(config, device=f"cuda:{rank % num_cards}")
 
 
 def runner_arguments(config: EngineConfig, path) -> dict:

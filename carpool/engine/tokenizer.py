@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,11 @@ logger = logging.getLogger(__name__)
 # A chat message as the OpenAI API and the templates see it: {"role": ..., "content": ...}.
 Message = dict[str, Any]
 
+# transformers resolves its names lazily and not thread-safely: two threads loading their
+# first tokenizer at once (the receiver threads of data-parallel replicas) can see
+# "cannot import name 'AutoTokenizer'". One load at a time.
+_LOAD_LOCK = threading.Lock()
+
 
 def load_tokenizer(model_path: str | os.PathLike, chat_template: str | None = None):
     """Load the tokenizer saved beside the weights (`tokenizer.json` / `tokenizer_config.json`),
@@ -24,13 +30,13 @@ def load_tokenizer(model_path: str | os.PathLike, chat_template: str | None = No
 
     Raises FileNotFoundError naming the folder when it holds no tokenizer files.
     """
-    from transformers import AutoTokenizer
-
     path = Path(model_path)
     if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"no tokenizer in model folder {path} (expected one of {', '.join(_TOKENIZER_FILES)})")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    with _LOAD_LOCK:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     logger.info("tokenizer %s: %d tokens, eos %r", type(tokenizer).__name__, len(tokenizer),

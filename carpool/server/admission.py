@@ -34,9 +34,10 @@ class Admission:
         self.closing_reason: str | None = None
 
     def limit(self, engine: EngineClient) -> int:
+        """The most engine requests that may wait: the flag's, or 4 x every replica's seats."""
         if self._max_num_waiting is not None:
             return self._max_num_waiting
-        return DEFAULT_WAITING_PER_SEAT * engine.info.max_num_seqs
+        return DEFAULT_WAITING_PER_SEAT * engine.info.max_num_seqs * engine.num_replicas
 
     def check(self, engine: EngineClient, num_requests: int) -> None:
         """Raise the APIError that turns these requests away, if any."""

@@ -72,6 +72,8 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # Run the engine in its own process (the default) rather than on a thread of this one.
     engine_process: bool = True
+    # Engine replicas behind this front end, each its own process (vLLM's -dp).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -101,6 +103,12 @@ class ServerSettings:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if isinstance(self.max_connections, bool) or self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+        if isinstance(self.data_parallel_size, bool) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1 and not self.engine_process:
+            raise ValueError(f"data_parallel_size (--data-parallel-size) "
+                             f"{self.data_parallel_size} runs each replica in its own process: "
+                             "it cannot be combined with --no-engine-process")
 
 
 class APIKeyMiddleware:

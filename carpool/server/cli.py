@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="One log line per request (id, size, sampling; the prompt only "
                              "with --log-prompts). Off by default, as in vLLM.")
     _add_robustness_arguments(server)
+    server.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="Engine replicas behind this server, each its own process with its "
+                             "own KV cache (and its own CUDA card, or 1/N of the CPU threads); "
+                             "requests go to the least loaded (default 1).")
     add_engine_arguments(parser.add_argument_group("engine"))
     add_scheduler_arguments(parser.add_argument_group("scheduler"))
 
@@ -148,7 +152,7 @@ def server_settings_from_args(args: argparse.Namespace):
         log_stats=not args.disable_log_stats,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
-        engine_process=args.engine_process)
+        engine_process=args.engine_process, data_parallel_size=args.data_parallel_size)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,6 +41,39 @@ async def load(request: Request) -> dict:
     return {"server_load": len(request.app.state.admission.streams)}
 
 
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict]:
+    """SGLang's load report, which its router polls (one entry: a carpool server is one worker
+    to it, whatever its --data-parallel-size): requests running and waiting, and the tokens
+    their KV blocks hold."""
+    snapshot = ready_engine(request).snapshot()
+    stats = snapshot.stats
+    block_size = request.app.state.engine.info.kv_cache_info["block_size"]
+    return [{"dp_rank": 0, "num_reqs": stats.num_running + stats.num_waiting,
+             "num_waiting_reqs": stats.num_waiting,
+             "num_tokens": (stats.num_total_blocks - stats.num_free_blocks) * block_size}]
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict:
+    """What a router asks of a worker when it registers it (SGLang's route): the model's name
+    and limits, and the engine replicas behind this server."""
+    engine = ready_engine(request)
+    info = engine.info
+    return {"served_model_name": info.served_model_name, "max_model_len": info.max_model_len,
+            "max_num_seqs": info.max_num_seqs, "dp_size": engine.num_replicas,
+            "version": carpool.__version__}
+
+
+@router.get("/model_info")
+async def model_info(request: Request) -> dict:
+    """SGLang's model card, which its router reads on registration. No model or tokenizer
+    path: the router would try to load that tokenizer itself, from a path of this machine."""
+    info = ready_engine(request).info
+    return {"served_model_name": info.served_model_name, "is_generation": True,
+            "max_context_length": info.max_model_len, "vocab_size": info.vocab_size}
+
+
 @router.get("/version")
 async def version() -> dict:
     return {"version": carpool.__version__}

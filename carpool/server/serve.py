@@ -2,7 +2,8 @@
 
 By default the engine runs in its own process (`engine.core_client`), started
 before the port is bound and stopped after uvicorn has drained; with
-`--no-engine-process` it runs on a thread of this one (`engine.async_engine`).
+`--data-parallel-size N`, N such processes behind one client (`engine.dp_client`);
+with `--no-engine-process` it runs on a thread of this one (`engine.async_engine`).
 Either way /health is 503 until the model is loaded and the KV cache sized.
 """
 
@@ -40,14 +41,17 @@ def describe_kv_cache(info: EngineInfo) -> str:
 def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: int,
           log_level: str = "info") -> int:
     """Run the server until it is stopped (0, also on SIGTERM) or the engine dies (1)."""
-    from carpool.metrics import ServerMetrics
+    from carpool.metrics import MetricFamilies, ServerMetrics
     from carpool.server.app import build_app
 
     exit_code = 0
     server: uvicorn.Server | None = None
 
     def on_ready(info: EngineInfo) -> None:
-        logger.info("model %r loaded; %s", info.served_model_name, describe_kv_cache(info))
+        replicas = (f"{settings.data_parallel_size} data-parallel replicas, each with its "
+                    if settings.data_parallel_size > 1 else "")
+        logger.info("model %r loaded; %s%s", info.served_model_name, replicas,
+                    describe_kv_cache(info))
         logger.info("serving on http://%s:%d (max_model_len %d, max_num_seqs %d)",
                     host, port, info.max_model_len, info.max_num_seqs)
 
@@ -61,10 +65,16 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
     if host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use "
                        "the model", host)
-    hooks = dict(metrics_factory=lambda info: ServerMetrics.for_engine(
-                     info, log_stats=settings.log_stats),
+    families = MetricFamilies()  # data-parallel replicas share it, each under its engine label
+    hooks = dict(metrics_factory=lambda info, engine=None: ServerMetrics.for_engine(
+                     info, log_stats=settings.log_stats, engine=engine, families=families),
                  on_ready=on_ready, on_fatal=on_fatal)
-    if settings.engine_process:
+    if settings.data_parallel_size > 1:
+        from carpool.engine.dp_client import DataParallelClient
+        _openmp_threads_sleep_when_waiting()
+        engine = DataParallelClient(config, settings.data_parallel_size, log_level=log_level,
+                                    **hooks)
+    elif settings.engine_process:
         from carpool.engine.core_client import EngineProcessClient
         _openmp_threads_sleep_when_waiting()
         engine = EngineProcessClient(config, log_level=log_level, **hooks)
