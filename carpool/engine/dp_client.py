@@ -144,6 +144,13 @@ class DataParallelClient:
             if held:
                 replica.abort(held)
 
+    def set_paused(self, request_ids: list[str], paused: bool) -> None:
+        """Flow control, forwarded like `abort` (a stream pauses through its own replica)."""
+        for replica in self.replicas:
+            held = [rid for rid in request_ids if replica.work.holds(rid)]
+            if held:
+                replica.set_paused(held, paused)
+
     def snapshot(self) -> EngineSnapshot | None:
         """The replicas' latest snapshots summed (None while any is loading)."""
         snapshots = [r.snapshot() for r in self.replicas]
