@@ -7,12 +7,15 @@ the ratio on / off of each round is the number to trust on a shared machine. Wor
 issue 8's shape scaled down: N requests added at once, prompt lengths uniform in
 [16, --max-prompt] of random token ids, output lengths half uniform in [16, 32] and half in
 [--long-output / 2, --long-output], exactly that many tokens out, greedy, prefix caching off.
-Timing covers `generate` only (the model loads before the clock starts); one untimed round
-of both modes first warms oneDNN's primitive cache (one JIT-compiled kernel per row count,
-process-wide), which the default mode's many row buckets would otherwise pay inside its
-first timed run.
+Timed by the process's CPU time (`time.process_time`: on a shared, loaded machine the wall
+clock mostly measures waits for a core; run with OMP_NUM_THREADS=1 so that a spinning second
+thread does not count), wall time printed beside it. Timing covers `generate` only (the
+model loads before the clock starts); one untimed round of both modes first warms oneDNN's
+primitive cache (one JIT-compiled kernel per row count, process-wide), which the default
+mode's many row buckets would otherwise pay inside its first timed run.
 
-    python benchmarks/batch_invariance_cost.py /tmp/vs-vllm/135m-bfloat16 /tmp/vs-vllm/tiny-float32
+    OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py \
+        /tmp/vs-vllm/tiny-float32 /tmp/vs-vllm/135m-bfloat16
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ def workload(seed: int, num_requests: int, max_prompt: int, long_output: int,
     return prompts, params
 
 
-def output_throughput(model: str, invariant: bool, prompts, params) -> float:
-    """Output tokens per second of one `generate` over the workload."""
+def output_throughput(model: str, invariant: bool, prompts, params) -> tuple[float, float]:
+    """Output tokens per CPU second and per wall second of one `generate` over the workload."""
     with LLM(model, batch_invariant=invariant, enable_prefix_caching=False) as llm:
-        start = time.perf_counter()
+        cpu, wall = time.process_time(), time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return num_tokens / cpu, num_tokens / wall
 
 
 def main() -> int:
@@ -73,10 +77,12 @@ def main() -> int:
         for round_index in range(args.rounds):
             order = (False, True) if round_index % 2 == 0 else (True, False)
             figures = {mode: output_throughput(model, mode, prompts, params) for mode in order}
-            ratios.append(figures[True] / figures[False])
-            print(f"{model} round {round_index + 1}: off {figures[False]:.1f} tok/s, "
-                  f"on {figures[True]:.1f} tok/s, on/off {ratios[-1]:.3f}", flush=True)
-        print(f"{model}: on/off median {statistics.median(ratios):.3f} "
+            (off_cpu, off_wall), (on_cpu, on_wall) = figures[False], figures[True]
+            ratios.append(on_cpu / off_cpu)
+            print(f"{model} round {round_index + 1}: output tok per CPU s off {off_cpu:.1f}, "
+                  f"on {on_cpu:.1f}, on/off {ratios[-1]:.3f} (wall: off {off_wall:.1f}, "
+                  f"on {on_wall:.1f} tok/s, on/off {on_wall / off_wall:.3f})", flush=True)
+        print(f"{model}: CPU-time on/off median {statistics.median(ratios):.3f} "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f})", flush=True)
     return 0
 

@@ -16,12 +16,16 @@ from carpool.engine.llm_engine import LLMEngine
 from carpool.testing.checkpoints import random_prompt
 from carpool.testing.op_trace import OpTrace, first_difference
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
-                                reason="batch-invariant mode needs the compiled C++ kernels")
-
 NUM_PROMPTS = 40
 NUM_TARGETS = 6  # requests also run alone
 MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The mode needs the compiled C++ kernels (it refuses to start without them)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("batch-invariant mode needs the compiled C++ kernels")
 
 
 def prompts_of(seed: int, vocab_size: int = 512) -> list[list[int]]:
@@ -65,7 +69,8 @@ def assert_same(reference: dict[int, tuple], batch: dict[int, tuple], label: str
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_alone_equals_batched_chunked_preempted_and_cached(make_checkpoint, arch, dtype):
+def test_alone_equals_batched_chunked_preempted_and_cached(kernels, make_checkpoint, arch,
+                                                           dtype):
     checkpoint = make_checkpoint(arch)
     prompts = prompts_of(len(arch) * 10 + len(dtype))
     with LLM(str(checkpoint), dtype=dtype, batch_invariant=True) as llm:
@@ -88,7 +93,7 @@ def test_alone_equals_batched_chunked_preempted_and_cached(make_checkpoint, arch
         assert_same(reference, batch, "preempted")
 
 
-def test_a_100m_model_alone_equals_batched_at_every_op(make_checkpoint):
+def test_a_100m_model_alone_equals_batched_at_every_op(kernels, make_checkpoint):
     """SmolLM2-135M's shape (~100M parameters here, vocabulary 49152), where by default
     every request's logprobs differ alone vs batched (the issue's finding): invariant, the
     per-op trace of a request alone and inside a batch of mixed prompts finds no op whose
@@ -108,7 +113,7 @@ def test_a_100m_model_alone_equals_batched_at_every_op(make_checkpoint):
     assert batched_out == alone_out
 
 
-def test_op_trace_names_the_first_differing_op(make_checkpoint):
+def test_op_trace_names_the_first_differing_op(kernels, make_checkpoint):
     """Default mode, a prompt alone vs chunked at 7 tokens beside others: wherever the
     logprobs differ, the trace names an op (on AVX-512 builds the attention kernel's
     transposed scoring, taken by tiles of 4+ rows, differs from a 1-query tile's); invariant,
@@ -160,3 +165,19 @@ def test_batch_invariant_refuses_what_it_cannot_guarantee(llama_checkpoint):
                             (dict(tensor_parallel_size=2), "tensor_parallel_size")):
         with pytest.raises(ValueError, match=f"batch_invariant.*{word}"):
             EngineConfig.from_args(str(llama_checkpoint), batch_invariant=True, **arguments)
+
+
+def test_batch_invariant_is_a_flag_and_a_config_field(llama_checkpoint):
+    import argparse
+
+    from carpool.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    model = ["--model", str(llama_checkpoint)]
+    assert EngineConfig.from_cli_args(parser.parse_args([*model, "--batch-invariant"])
+                                      ).batch_invariant is True
+    assert EngineConfig.from_cli_args(parser.parse_args(model)).batch_invariant is False
+    with pytest.raises(ValueError, match="--batch-invariant is CPU-only"):
+        EngineConfig.from_cli_args(parser.parse_args([*model, "--batch-invariant",
+                                                      "--attention-backend", "sdpa"]))
