@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from carpool import SamplingParams
 from carpool.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
-from carpool.platform.cpu_linear import INVARIANT_ROWS, PackedLinear
+from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.testing.op_trace import OpTrace, first_difference
 
 
@@ -33,9 +33,7 @@ def engine_for(model: str, dtype: str, variant: str, budget: int) -> LLMEngine:
                                     enable_prefix_caching=False, max_num_batched_tokens=budget)
     engine = LLMEngine.from_config(config, detokenize=False)
     if variant == "linears only":
-        for module in engine.runner.model.modules():
-            if isinstance(module, PackedLinear):
-                module.fixed_rows = INVARIANT_ROWS
+        tile_linears(engine.runner.model)
     if variant == "attention only":
         engine.runner.attention.batch_invariant = True
         engine.runner.attention.kernel_fresh_max_tokens = None

@@ -4,8 +4,8 @@ switch (`cpu_malloc_tuning`, `cpu_packed_linears`, `cpu_kernels`), on by default
 because each helps here. The C++ kernels (paged attention, fused RoPE) are built on
 first use; without a compiler the PyTorch paths run, after one warning line.
 
-`batch_invariant` (off by default) makes every linear multiply a fixed number of rows per
-call (`cpu_linear.INVARIANT_ROWS`), packed or not, so a row's result never depends on how
+`batch_invariant` (off by default) makes every linear, packed or not, multiply only a few
+fixed row counts per call (`cpu_invariant_linear`), so a row's result never depends on how
 many rows its step has."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from torch import nn
 
 from carpool.models.rope import Rotary
 from carpool.platform.base import Platform
-from carpool.platform.cpu_linear import INVARIANT_ROWS, can_pack, pack_linears, tile_linears
+from carpool.platform.cpu_invariant_linear import tile_linears
+from carpool.platform.cpu_linear import can_pack, pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
 from carpool.platform.cpu_rotary import FusedRotary
 
@@ -38,11 +39,10 @@ class CpuPlatform(Platform):
             keep_freed_memory_in_heap()
 
     def prepare_model(self, model: nn.Module) -> None:
-        fixed_rows = INVARIANT_ROWS if self.batch_invariant else None
         if self.packed_linears and can_pack(model):
-            pack_linears(model, fixed_rows)
-        elif fixed_rows is not None:
-            tile_linears(model, fixed_rows)
+            pack_linears(model)
+        if self.batch_invariant:
+            tile_linears(model)
         kernels = self.compiled_kernels()
         if kernels is not None:
             for module in list(model.modules()):

@@ -17,14 +17,8 @@ a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
 and memory stops growing once they have all been seen. Padding costs at most
 7 rows per call up to 128 rows, 15 above.
 
-Batch-invariant mode (`fixed_rows`) gives up the buckets: every call multiplies exactly
-`INVARIANT_ROWS` rows (the step's rows cut into tiles, the last one zero-padded), because a
-GEMM library may pick another kernel for another row count, and with it another summation
-order per row: here oneDNN's single-row path (K=1536) differs in the last bits from its
-2+ row kernels, and MKL's float32 sgemm differs at every row count. With one shape, every
-row goes through the same kernel at a position that does not matter (measured; the
-invariance tests hold it). 16 rows is where oneDNN's cost per row stops falling on this
-machine's 135M shapes (31 us per row at 16 vs 23 at 512 in bfloat16, flat in float32).
+Batch-invariant mode calls `packed_matmul` on fixed row counts instead
+(`cpu_invariant_linear`).
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 # Powers of two up to 8 (single decodes stay cheap), multiples of 8 up to 128 (decode
 # batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
-INVARIANT_ROWS = 16  # rows of every matmul call in batch-invariant mode
 
 
 def padded_rows(rows: int) -> int:
@@ -48,37 +41,18 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def in_row_tiles(x: torch.Tensor, rows: int, matmul) -> torch.Tensor:
-    """matmul over x [n, in] in calls of exactly `rows` rows -> [n, out]: full tiles are
-    views of x, the last partial one a zero-padded copy. A row's result then does not depend
-    on n, as long as it does not depend on the row's place within a call (true of oneDNN
-    here: measured, and held by the invariance tests)."""
-    num_rows = x.shape[0]
-    num_full = num_rows - num_rows % rows
-    pieces = [matmul(x[start:start + rows]) for start in range(0, num_full, rows)]
-    if num_full < num_rows:
-        pieces.append(matmul(F.pad(x[num_full:], (0, 0, 0, rows - (num_rows - num_full))))
-                      [:num_rows - num_full])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-
-
 class PackedLinear(nn.Module):
-    """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight; with
-    `fixed_rows`, always that many rows per call (batch-invariant mode)."""
+    """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight."""
 
-    def __init__(self, linear: nn.Linear, fixed_rows: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # kept: tied embeddings, inspection
         self.bias = linear.bias
-        self.fixed_rows = fixed_rows
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.fixed_rows is not None:
-            out = in_row_tiles(flat, self.fixed_rows, self._onednn)
-            return out.view(*x.shape[:-1], self.out_features)
         pieces = [self._matmul(flat[start:start + MAX_ROWS])
                   for start in range(0, flat.shape[0], MAX_ROWS)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -90,26 +64,12 @@ class PackedLinear(nn.Module):
         padding = padded_rows(num_rows) - num_rows
         if padding:
             rows = F.pad(rows, (0, 0, 0, padding))
-        out = self._onednn(rows)
+        out = self.packed_matmul(rows)
         return out[:num_rows] if padding else out
 
-    def _onednn(self, rows: torch.Tensor) -> torch.Tensor:
+    def packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in] -> [n, out] in one oneDNN call of exactly n rows."""
         return torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
-
-
-class TiledLinear(nn.Module):
-    """An `nn.Linear` (`F.linear`, weights as they are) in calls of exactly `rows` rows: the
-    batch-invariant mode's linear where oneDNN cannot pack the weights (float16)."""
-
-    def __init__(self, linear: nn.Linear, rows: int) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias, self.rows = linear.weight, linear.bias, rows
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = in_row_tiles(flat, self.rows, lambda tile: F.linear(tile, self.weight, self.bias))
-        return out.view(*x.shape[:-1], self.out_features)
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -122,20 +82,10 @@ def can_pack(model: nn.Module) -> bool:
     return param.dtype == torch.float32
 
 
-def pack_linears(model: nn.Module, fixed_rows: int | None = None) -> int:
-    """Replace every `nn.Linear` inside `model` with a `PackedLinear` (of `fixed_rows` rows per
-    call, if given); returns how many."""
-    return _replace_linears(model, lambda linear: PackedLinear(linear, fixed_rows))
-
-
-def tile_linears(model: nn.Module, rows: int) -> int:
-    """Replace every `nn.Linear` inside `model` with a `TiledLinear`; returns how many."""
-    return _replace_linears(model, lambda linear: TiledLinear(linear, rows))
-
-
-def _replace_linears(model: nn.Module, make) -> int:
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` inside `model` with a `PackedLinear`; returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, make(child))
+        setattr(parent, name, PackedLinear(child))
     return len(targets)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from carpool.platform.cpu_linear import (INVARIANT_ROWS, MAX_ROWS, ROW_BUCKETS, PackedLinear,
-                                       TiledLinear, can_pack, pack_linears, padded_rows)
+from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, PackedLinear, can_pack, pack_linears,
+                                       padded_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -71,23 +70,3 @@ def test_packing_is_a_flag_and_a_config_field():
     assert config.cpu_packed_linears is False and config.cpu_malloc_tuning is False
     default = EngineConfig.from_cli_args(parser.parse_args([]))
     assert default.cpu_packed_linears is True and default.cpu_malloc_tuning is True
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("make", [lambda linear: PackedLinear(linear, fixed_rows=INVARIANT_ROWS),
-                                  lambda linear: TiledLinear(linear, INVARIANT_ROWS)],
-                         ids=["packed", "tiled"])
-def test_fixed_row_tiles_make_a_row_independent_of_the_row_count(make, dtype):
-    """Batch-invariant mode's linears: a row's output is bitwise the same in calls of 1 to
-    70 rows and at any place among them (K = 1536: oneDNN's 1-row path differs from its
-    many-row one here, and MKL's float32 sgemm differs at every row count)."""
-    torch.manual_seed(0)
-    linear = make(nn.Linear(1536, 96, bias=True).to(dtype))
-    x = torch.randn(70, 1536, dtype=dtype)
-    with torch.inference_mode():
-        alone = linear(x[:1])
-        for rows in (2, 3, 16, 17, 70):
-            batch = torch.cat([x[1:rows], x[:1]])  # the row last, after rows - 1 others
-            assert torch.equal(linear(batch)[-1:], alone)
-        torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias),
-                                   atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=1e-2)
