@@ -4,18 +4,18 @@ A GEMM library picks its kernel, and with it the order in which a row's products
 summed, from the call's shape: on this project's machine oneDNN's 1-row path (K = 1536,
 the 135M model's down_proj) differs in the last bits from its many-row kernel, and MKL's
 float32 sgemm differs at every row count. So in batch-invariant mode every call has one of
-a few fixed row counts: the step's rows are cut into tiles of `LARGER_TILES` rows while
-they last, then of `BASE_ROWS`, the last one zero-padded (`in_row_tiles`). A row's place
-within a call does not change its sums (measured; the invariance tests hold it).
+a few fixed row counts: the step's rows are cut into tiles of the largest `TILES` while they
+fill, the last one zero-padded to the smallest (`in_row_tiles`). A row's place within a
+call does not change its sums (measured; the invariance tests hold it).
 
-A larger tile is used only where it was shown to agree: at load, each layer shape's
-larger tile multiplies a random input, and it is kept only if every row equals bitwise
-what `BASE_ROWS`-row calls give (`agreeing_tiles`). A kernel's summation order depends on
-the shape, never on the values, and two orders differ on random data at some of the
-tile's thousands of outputs, so one check per shape settles it; a shape whose larger tiles
-disagree keeps `BASE_ROWS`-row calls only. `BASE_ROWS` = 16 is where oneDNN's cost per row
-stops falling on the 135M shapes (31 us per row at 16, 23 at 512 in bfloat16; flat in
-float32); the larger tiles win back most of the rest on prefills (BENCHMARKS.md §15).
+Which tiles: at load, each layer shape multiplies a random input in calls of every size in
+`TILES`, and keeps the sizes whose calls give every row bitwise what `REFERENCE_ROWS`-row
+calls give (`agreeing_tiles`). A kernel's summation order depends on the shape, never on
+the values, and two orders differ on random data at some of a call's thousands of outputs,
+so one check per shape settles it. Here every size from 2 rows up agrees, so a lone decode
+is padded to 2 rows, not 16, and prefills go in 256-row calls; a machine whose small calls
+sum otherwise keeps the sizes from 16 up (16 is where oneDNN's cost per row stops falling
+on the 135M shapes: 31 us per row at 16, 23 at 512 in bfloat16).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from torch import nn
 
 from carpool.platform.cpu_linear import PackedLinear
 
-BASE_ROWS = 16  # every step's last, padded call; and every call of a shape nothing else matches
-LARGER_TILES = (256, 64)  # largest first, each a multiple of BASE_ROWS
+REFERENCE_ROWS = 16  # the call size every other one must agree with (always used)
+TILES = (256, 64, 16, 8, 4, 2)  # the candidates, largest first
+MIN_CHECKED_ROWS = 64  # rows of random input a small tile size is checked over
 
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
@@ -50,13 +51,18 @@ def in_row_tiles(x: torch.Tensor, tiles: tuple[int, ...], matmul: Matmul) -> tor
 
 
 def agreeing_tiles(matmul: Matmul, in_features: int, dtype: torch.dtype) -> tuple[int, ...]:
-    """LARGER_TILES whose calls give every row of a random input bitwise what BASE_ROWS-row
-    calls give, then BASE_ROWS."""
+    """The sizes in TILES (largest first) whose calls give every row of a random input
+    bitwise what REFERENCE_ROWS-row calls give; REFERENCE_ROWS among them."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(max(LARGER_TILES), in_features, generator=gen).to(dtype)
-    expected = in_row_tiles(x, (BASE_ROWS,), matmul)
-    return tuple(rows for rows in LARGER_TILES
-                 if torch.equal(in_row_tiles(x, (rows,), matmul), expected)) + (BASE_ROWS,)
+    x = torch.randn(max(TILES), in_features, generator=gen).to(dtype)
+    expected = in_row_tiles(x, (REFERENCE_ROWS,), matmul)
+    agreeing = []
+    for rows in TILES:
+        checked = max(rows, MIN_CHECKED_ROWS)
+        if rows == REFERENCE_ROWS or torch.equal(in_row_tiles(x[:checked], (rows,), matmul),
+                                                 expected[:checked]):
+            agreeing.append(rows)
+    return tuple(agreeing)
 
 
 class RowTiledLinear(nn.Module):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from carpool.platform.cpu_invariant_linear import (BASE_ROWS, LARGER_TILES, RowTiledLinear,
+from carpool.platform.cpu_invariant_linear import (REFERENCE_ROWS, TILES, RowTiledLinear,
                                                    agreeing_tiles, in_row_tiles, tile_linears)
 from carpool.platform.cpu_linear import pack_linears
 
@@ -29,7 +29,7 @@ def test_a_row_is_the_same_whatever_the_row_count(packed, dtype):
     x = torch.randn(300, 1536, dtype=dtype)
     with torch.inference_mode():
         alone = model(x[:1])
-        for rows in (2, 3, 16, 17, 63, 64, 65, 255, 256, 257, 300):
+        for rows in (2, 3, 5, 9, 16, 17, 63, 64, 65, 255, 256, 257, 300):
             batch = torch.cat([x[1:rows], x[:1]])  # the row last, after rows - 1 others
             assert torch.equal(model(batch)[-1:], alone), rows
         expected = x.float() @ reference[0].T + reference[1]
@@ -48,17 +48,21 @@ def test_row_tiles_are_cut_largest_first_and_the_last_padded():
     out = in_row_tiles(x, (256, 64, 16), matmul)
     assert calls == [256, 16, 16, 16]  # 256 + 2 x 16 + 12 rows padded to 16
     torch.testing.assert_close(out, x @ weight.T)
-    assert BASE_ROWS == 16 and all(rows % BASE_ROWS == 0 for rows in LARGER_TILES)
+    assert REFERENCE_ROWS in TILES and list(TILES) == sorted(TILES, reverse=True)
 
 
-def test_a_larger_tile_that_sums_in_another_order_is_not_used():
-    """A kernel that sums over K backwards for 64-row calls only: that tile is dropped."""
-    weight = torch.randn(96, 512)
+def test_a_tile_size_that_sums_in_another_order_is_not_used():
+    """A matmul exact to float32 at every row count (float64, rounded) keeps every size; one
+    that sums over K backwards in float32 for 64- and 2-row calls loses those two."""
+    weight = torch.randn(96, 512, dtype=torch.float64)
+
+    def exact(rows):
+        return (rows.double() @ weight.T).float()
 
     def matmul(rows):
-        if rows.shape[0] == 64:
-            return rows.flip(-1) @ weight.flip(-1).T
-        return rows @ weight.T
+        if rows.shape[0] in (64, 2):
+            return rows.flip(-1) @ weight.float().flip(-1).T
+        return exact(rows)
 
-    assert agreeing_tiles(lambda rows: rows @ weight.T, 512, torch.float32) == (256, 64, 16)
-    assert agreeing_tiles(matmul, 512, torch.float32) == (256, 16)
+    assert agreeing_tiles(exact, 512, torch.float32) == TILES
+    assert agreeing_tiles(matmul, 512, torch.float32) == tuple(r for r in TILES if r not in (64, 2))
