@@ -5,8 +5,9 @@ summed, from the call's shape: on this project's machine oneDNN's 1-row path (K 
 the 135M model's down_proj) differs in the last bits from its many-row kernel, and MKL's
 float32 sgemm differs at every row count. So in batch-invariant mode every call has one of
 a few fixed row counts: the step's rows are cut into tiles of the largest `TILES` while they
-fill, the last one zero-padded to the smallest (`in_row_tiles`). A row's place within a
-call does not change its sums (measured; the invariance tests hold it).
+fill, the rest in one call zero-padded to the smallest size that holds it (`in_row_tiles`).
+A row's place within a call does not change its sums (measured; the invariance tests hold
+it).
 
 Which tiles: at load, each layer shape multiplies a random input in calls of every size in
 `TILES`, and keeps the sizes whose calls give every row bitwise what `REFERENCE_ROWS`-row
@@ -36,18 +37,26 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
 def in_row_tiles(x: torch.Tensor, tiles: tuple[int, ...], matmul: Matmul) -> torch.Tensor:
-    """matmul over x [n, in] in calls of exactly one of `tiles` rows (largest first while
-    they fill; the last call, of tiles[-1] rows, zero-padded) -> [n, out]."""
+    """matmul over x [n, in] -> [n, out] in calls of exactly one of `tiles` rows: calls of
+    the sizes from REFERENCE_ROWS up while they fill (largest first), then one call for the
+    rest, zero-padded to the smallest size that holds it (small calls cost more per row, so
+    the rest is never cut further)."""
     num_rows = x.shape[0]
     pieces, start = [], 0
     for rows in tiles:
-        while num_rows - start >= rows:
+        while rows >= REFERENCE_ROWS and num_rows - start >= rows:
             pieces.append(matmul(x[start:start + rows]))
             start += rows
     if start < num_rows:
-        padding = tiles[-1] - (num_rows - start)
-        pieces.append(matmul(F.pad(x[start:], (0, 0, 0, padding)))[:num_rows - start])
+        rest = num_rows - start
+        rows = min(size for size in tiles if size >= rest)
+        pieces.append(matmul(F.pad(x[start:], (0, 0, 0, rows - rest)))[:rest])
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _calls_of(x: torch.Tensor, rows: int, matmul: Matmul) -> torch.Tensor:
+    """matmul over x in calls of exactly `rows` rows (x's rows a multiple of it)."""
+    return torch.cat([matmul(x[start:start + rows]) for start in range(0, x.shape[0], rows)])
 
 
 def agreeing_tiles(matmul: Matmul, in_features: int, dtype: torch.dtype) -> tuple[int, ...]:
@@ -55,11 +64,11 @@ def agreeing_tiles(matmul: Matmul, in_features: int, dtype: torch.dtype) -> tupl
     bitwise what REFERENCE_ROWS-row calls give; REFERENCE_ROWS among them."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(max(TILES), in_features, generator=gen).to(dtype)
-    expected = in_row_tiles(x, (REFERENCE_ROWS,), matmul)
+    expected = _calls_of(x, REFERENCE_ROWS, matmul)
     agreeing = []
     for rows in TILES:
         checked = max(rows, MIN_CHECKED_ROWS)
-        if rows == REFERENCE_ROWS or torch.equal(in_row_tiles(x[:checked], (rows,), matmul),
+        if rows == REFERENCE_ROWS or torch.equal(_calls_of(x[:checked], rows, matmul),
                                                  expected[:checked]):
             agreeing.append(rows)
     return tuple(agreeing)

@@ -36,7 +36,7 @@ def test_a_row_is_the_same_whatever_the_row_count(packed, dtype):
         torch.testing.assert_close(model(x).float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_row_tiles_are_cut_largest_first_and_the_last_padded():
+def test_row_tiles_are_cut_largest_first_and_the_rest_padded_once():
     weight = torch.randn(8, 4)
     calls = []
 
@@ -44,10 +44,14 @@ def test_row_tiles_are_cut_largest_first_and_the_last_padded():
         calls.append(rows.shape[0])
         return rows @ weight.T
 
-    x = torch.randn(300, 4)
-    out = in_row_tiles(x, (256, 64, 16), matmul)
-    assert calls == [256, 16, 16, 16]  # 256 + 2 x 16 + 12 rows padded to 16
-    torch.testing.assert_close(out, x @ weight.T)
+    for num_rows, expected in ((300, [256, 16, 16, 16]),  # 256 + 2 x 16 + 12 padded to 16
+                               (261, [256, 8]),  # 5 rows padded to 8, not cut into 4 + 1
+                               (1, [2]), (80, [64, 16]), (143, [64, 64, 16])):
+        calls.clear()
+        x = torch.randn(num_rows, 4)
+        out = in_row_tiles(x, (256, 64, 16, 8, 4, 2), matmul)
+        assert calls == expected, num_rows
+        torch.testing.assert_close(out, x @ weight.T)
     assert REFERENCE_ROWS in TILES and list(TILES) == sorted(TILES, reverse=True)
 
 
