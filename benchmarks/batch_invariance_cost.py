@@ -16,6 +16,8 @@ mode's many row buckets would otherwise pay inside its first timed run.
 
     OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py \
         /tmp/vs-vllm/tiny-float32 /tmp/vs-vllm/135m-bfloat16
+    OMP_NUM_THREADS=1 python benchmarks/batch_invariance_cost.py /tmp/vs-vllm/135m-bfloat16 \
+        --alone   # one request at a time: a 64-token prompt, 64 tokens out, twice
 """
 
 from __future__ import annotations
@@ -47,11 +49,20 @@ def workload(seed: int, num_requests: int, max_prompt: int, long_output: int,
     return prompts, params
 
 
+def alone_workload(vocab_size: int) -> tuple[list[dict], list[SamplingParams]]:
+    """One request of a 64-token prompt and 64 tokens out, sent twice (one after the other)."""
+    prompt = {"prompt_token_ids": [10 + i % (vocab_size - 10) for i in range(64)]}
+    return [prompt], [SamplingParams(max_tokens=64, min_tokens=64, temperature=0.0,
+                                     ignore_eos=True)]
+
+
 def output_throughput(model: str, invariant: bool, prompts, params) -> tuple[float, float]:
     """Output tokens per CPU second and per wall second of one `generate` over the workload."""
     with LLM(model, batch_invariant=invariant, enable_prefix_caching=False) as llm:
         cpu, wall = time.process_time(), time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
+        if len(prompts) == 1:  # --alone: a second time, one after the other
+            outputs += llm.generate(prompts, params, use_tqdm=False)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return num_tokens / cpu, num_tokens / wall
@@ -65,12 +76,15 @@ def main() -> int:
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--long-output", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alone", action="store_true",
+                        help="one request at a time instead of the batch workload")
     parser.add_argument("--vocab-limit", type=int, default=4000,
                         help="prompt token ids are drawn below this (within every model's)")
     args = parser.parse_args()
     for model in args.models:
-        prompts, params = workload(args.seed, args.num_requests, args.max_prompt,
-                                   args.long_output, args.vocab_limit)
+        prompts, params = (alone_workload(args.vocab_limit) if args.alone else
+                           workload(args.seed, args.num_requests, args.max_prompt,
+                                    args.long_output, args.vocab_limit))
         for mode in (False, True):  # warm-up, untimed
             output_throughput(model, mode, prompts, params)
         ratios = []
