@@ -15,6 +15,7 @@ import inspect
 import os
 import re
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from carpool.core.config import SchedulerConfig
 
@@ -55,6 +56,9 @@ class EngineConfig:
     cpu_packed_linears: bool = True  # linear layers through oneDNN on weights packed once
     cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
     cpu_kernels: bool = True  # the C++ kernels (paged attention, fused RoPE), built on first use
+    # Every token's logits bitwise the same whatever else shares its steps (linears over fixed
+    # row tiles, every query through the C++ kernel in one key order); CPU only, costs speed.
+    batch_invariant: bool = False
     tokenizer: str | None = None  # folder or hub id; None: the model's
     chat_template: str | None = None  # the Jinja text itself; None: the tokenizer's
     # GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE, or a folder with generation_config.json
@@ -109,6 +113,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if self.batch_invariant:
+            check_batch_invariant_supported(self)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
@@ -131,7 +137,8 @@ class EngineConfig:
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
                   cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
-                  tokenizer: str | None = None, chat_template: str | None = None,
+                  batch_invariant: bool = False, tokenizer: str | None = None,
+                  chat_template: str | None = None,
                   generation_config: str = GENERATION_CONFIG_AUTO,
                   max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                   enforce_eager: bool = False) -> EngineConfig:
@@ -171,7 +178,8 @@ class EngineConfig:
                    scheduler=scheduler_config, max_model_len=max_model_len,
                    attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
                    cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
-                   tokenizer=tokenizer, chat_template=read_chat_template(chat_template),
+                   batch_invariant=batch_invariant, tokenizer=tokenizer,
+                   chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,
                    tensor_parallel_size=tensor_parallel_size,
                    distributed_init_method=distributed_init_method)
@@ -194,6 +202,24 @@ class EngineConfig:
         max_model_len = resolve_max_model_len(self.max_model_len, max_position_embeddings)
         scheduler = dataclasses.replace(self.scheduler, max_model_len=max_model_len)
         return dataclasses.replace(self, scheduler=scheduler, max_model_len=max_model_len)
+
+
+def check_batch_invariant_supported(config: EngineConfig) -> None:
+    """ValueError naming batch_invariant where the mode cannot hold its promise: it is built
+    from the CPU's fixed-order kernels (the C++ paged attention, oneDNN linears over fixed row
+    tiles) and one rank (an all-reduce over three or more ranks sums in an order that depends
+    on the tensor's size). On CUDA the sdpa backend's paths differ per step shape, so the mode
+    refuses rather than run silently non-invariant."""
+    def refuse(reason: str) -> NoReturn:
+        raise ValueError(f"batch_invariant is CPU-only for now and needs {reason}")
+    if config.device.startswith("cuda"):
+        refuse(f"device cpu (got device {config.device!r})")
+    if config.attention_backend == "sdpa":
+        refuse("attention_backend cpu or auto (got 'sdpa')")
+    if not config.cpu_kernels:
+        refuse("the C++ kernels (cpu_kernels on)")
+    if config.tensor_parallel_size != 1:
+        refuse(f"tensor_parallel_size 1 (got {config.tensor_parallel_size})")
 
 
 def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:

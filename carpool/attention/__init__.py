@@ -38,9 +38,19 @@ def resolve_backend_name(name: str, device_type: str) -> str:
 
 
 def create_backend(name: str, shape: AttentionShape, device: torch.device,
-                   kernels: ModuleType | None = None) -> AttentionBackend:
+                   kernels: ModuleType | None = None,
+                   batch_invariant: bool = False) -> AttentionBackend:
     """The backend `name` ("auto" resolved for `device`), built for layers of `shape`, using
-    the compiled `kernels` where it has a use for them."""
-    module_name, _, class_name = _REGISTRY[resolve_backend_name(name, device.type)].partition(":")
+    the compiled `kernels` where it has a use for them. `batch_invariant` asks for one fixed
+    reduction order per query row whatever the step holds: only the cpu backend with the
+    kernels offers it (ValueError otherwise)."""
+    resolved = resolve_backend_name(name, device.type)
+    module_name, _, class_name = _REGISTRY[resolved].partition(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls(shape, device, kernels)
+    if not batch_invariant:
+        return backend_cls(shape, device, kernels)
+    if resolved != "cpu" or kernels is None:
+        raise ValueError(f"batch_invariant needs the cpu attention backend with the C++ "
+                         f"kernels (got {resolved!r}, kernels "
+                         f"{'on' if kernels is not None else 'off'})")
+    return backend_cls(shape, device, kernels, batch_invariant=True)

@@ -13,6 +13,12 @@
   by batched matmul over (kv head x request) with the query heads sharing a kv
   head as rows, then `F.embedding_bag` sums the value rows weighted by the
   probabilities straight from the cache; chunks by SDPA over gathered blocks.
+
+Batch-invariant mode (`batch_invariant=True`, kernels required): every query row, fresh
+prompt or not, goes through the kernel, told to score every row the same way (no
+transposed-block scoring for tiles of 4+ rows). A row then reduces its keys block by block
+in position order with its own online softmax, whatever its neighbours, its tile or its
+prompt's chunking: its output depends on its query and its keys alone.
 """
 
 from __future__ import annotations
@@ -67,20 +73,30 @@ class CpuBackend(AttentionBackend):
     name = "cpu"
 
     def __init__(self, shape: AttentionShape, device: torch.device,
-                 kernels: ModuleType | None = None) -> None:
+                 kernels: ModuleType | None = None, batch_invariant: bool = False) -> None:
         # The kernel keeps a query row in registers: it takes head_dim up to 256 (AVX-512
         # builds) or 128; above that this backend keeps its PyTorch paths.
         if kernels is not None and shape.head_dim > kernels.max_head_dim():
+            if batch_invariant:
+                raise ValueError(f"batch_invariant needs the C++ attention kernel, which takes "
+                                 f"head_dim up to {kernels.max_head_dim()} in this build "
+                                 f"(the model's is {shape.head_dim})")
             kernels = None
         super().__init__(shape, device, kernels)
+        self.batch_invariant = batch_invariant
+        # Fresh prompts longer than this take `causal_in_query_blocks`; none when invariant.
+        self.kernel_fresh_max_tokens = (None if batch_invariant else KERNEL_FRESH_MAX_TOKENS)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         fast_path = self.shape.sliding_window is None
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
         common = dict(slot_mapping=slots, num_tokens=layout.num_tokens)
         if self.kernels is not None:  # the kernel takes all but long fresh prompts
-            is_fresh = paged.fresh_mask(layout, fast_path) & (
-                layout.query_lens > KERNEL_FRESH_MAX_TOKENS)
+            is_fresh = paged.fresh_mask(layout, fast_path)
+            if self.kernel_fresh_max_tokens is None:
+                is_fresh[:] = False
+            else:
+                is_fresh &= layout.query_lens > self.kernel_fresh_max_tokens
             rows = np.flatnonzero(~is_fresh)
             return CpuMetadata(
                 **common, fresh_spans=paged.fresh_spans(layout, np.flatnonzero(is_fresh)),
@@ -104,7 +120,8 @@ class CpuBackend(AttentionBackend):
             rows = meta.kernel_rows
             self.kernels.paged_attention(out, q, kv_cache, rows.block_tables, rows.query_starts,
                                          rows.query_lens, rows.seq_lens, scale,
-                                         self.shape.sliding_window or 0)
+                                         self.shape.sliding_window or 0,
+                                         batch_invariant=self.batch_invariant)
         else:
             out = torch.zeros_like(q)
         for group, bags in zip(meta.decode_groups, meta.decode_bags):

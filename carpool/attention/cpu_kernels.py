@@ -10,14 +10,15 @@ returns None, and callers keep the PyTorch path.
 `paged_attention_reference` has the same signature: the test oracle and the fallback.
 
     module.paged_attention(out, q, kv_cache, block_tables, query_starts, query_lens,
-                           seq_lens, scale, sliding_window) -> None
+                           seq_lens, scale, sliding_window, batch_invariant=False) -> None
 
 out, q [T, H, D] (same dtype: float32, bfloat16 or float16; head_dim contiguous, token and
 head strides free); kv_cache [2, Hkv, num_blocks, block_size, D] contiguous, same dtype;
 block_tables [S, max_blocks], query_starts/query_lens/seq_lens [S]: contiguous int32 CPU
-tensors; sliding_window 0 = none. Writes only the rows some request covers; bad shapes,
-dtypes, lengths or block ids raise RuntimeError. It releases the GIL and runs on torch's
-intra-op threads (`torch.set_num_threads`).
+tensors; sliding_window 0 = none; batch_invariant: every row summed in one fixed order, so a
+row's output does not depend on the other rows of its call (a little slower). Writes only
+the rows some request covers; bad shapes, dtypes, lengths or block ids raise RuntimeError.
+It releases the GIL and runs on torch's intra-op threads (`torch.set_num_threads`).
 """
 
 from __future__ import annotations

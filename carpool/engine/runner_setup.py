@@ -58,7 +58,8 @@ def runner_arguments(config: EngineConfig, path) -> dict:
         max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
         attention_backend=config.attention_backend,
         cpu_packed_linears=config.cpu_packed_linears,
-        cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels)
+        cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels,
+        batch_invariant=config.batch_invariant)
 
 
 def run_tensor_parallel_worker(config: EngineConfig) -> NoReturn:

@@ -20,9 +20,10 @@ __all__ = ["CpuPlatform", "CudaMemory", "CudaPlatform", "Platform", "TorchCudaMe
 
 
 def platform_for(device: torch.device, *, cpu_packed_linears: bool = True,
-                 cpu_malloc_tuning: bool = True, cpu_kernels: bool = True) -> Platform:
+                 cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
+                 batch_invariant: bool = False) -> Platform:
     """The platform of `device`, with the CPU switches applied where they matter."""
     if device.type == "cuda":
         return CudaPlatform(device)
     return CpuPlatform(packed_linears=cpu_packed_linears, malloc_tuning=cpu_malloc_tuning,
-                       kernels=cpu_kernels)
+                       kernels=cpu_kernels, batch_invariant=batch_invariant)

@@ -2,7 +2,11 @@
 kernels for the model, and a modest share of RAM for the KV cache. Each is a config
 switch (`cpu_malloc_tuning`, `cpu_packed_linears`, `cpu_kernels`), on by default
 because each helps here. The C++ kernels (paged attention, fused RoPE) are built on
-first use; without a compiler the PyTorch paths run, after one warning line."""
+first use; without a compiler the PyTorch paths run, after one warning line.
+
+`batch_invariant` (off by default) makes every linear, packed or not, multiply only a few
+fixed row counts per call (`cpu_invariant_linear`), so a row's result never depends on how
+many rows its step has."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from torch import nn
 
 from carpool.models.rope import Rotary
 from carpool.platform.base import Platform
+from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_linear import can_pack, pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
 from carpool.platform.cpu_rotary import FusedRotary
@@ -27,6 +32,7 @@ class CpuPlatform(Platform):
     packed_linears: bool = True
     malloc_tuning: bool = True
     kernels: bool = True
+    batch_invariant: bool = False
 
     def prepare_process(self) -> None:
         if self.malloc_tuning:
@@ -35,6 +41,8 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> None:
         if self.packed_linears and can_pack(model):
             pack_linears(model)
+        if self.batch_invariant:
+            tile_linears(model)
         kernels = self.compiled_kernels()
         if kernels is not None:
             for module in list(model.modules()):
@@ -57,7 +65,8 @@ class CpuPlatform(Platform):
             return "on" if on else "off"
         kernels = self.kernels and self.compiled_kernels() is not None
         return (f"cpu (oneDNN-packed linears {state(self.packed_linears)}, malloc tuning "
-                f"{state(self.malloc_tuning)}, C++ kernels {state(kernels)})")
+                f"{state(self.malloc_tuning)}, C++ kernels {state(kernels)}, batch-invariant "
+                f"{state(self.batch_invariant)})")
 
 
 def available_ram_bytes() -> int:

@@ -16,6 +16,9 @@ about 0.9 MiB per row count, for good. So rows are cut into pieces of at most
 a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
 and memory stops growing once they have all been seen. Padding costs at most
 7 rows per call up to 128 rows, 15 above.
+
+Batch-invariant mode calls `packed_matmul` on fixed row counts instead
+(`cpu_invariant_linear`).
 """
 
 from __future__ import annotations
@@ -61,8 +64,12 @@ class PackedLinear(nn.Module):
         padding = padded_rows(num_rows) - num_rows
         if padding:
             rows = F.pad(rows, (0, 0, 0, padding))
-        out = torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
+        out = self.packed_matmul(rows)
         return out[:num_rows] if padding else out
+
+    def packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in] -> [n, out] in one oneDNN call of exactly n rows."""
+        return torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
 
 
 def can_pack(model: nn.Module) -> bool:

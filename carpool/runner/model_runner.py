@@ -61,7 +61,8 @@ class ModelRunner:
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                  seed: int = 0, attention_backend: str = "auto", cpu_packed_linears: bool = True,
                  cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
-                 platform: Platform | None = None, tp: TensorParallelGroup = SINGLE) -> None:
+                 batch_invariant: bool = False, platform: Platform | None = None,
+                 tp: TensorParallelGroup = SINGLE) -> None:
         path = resolve_model_path(model_path)
         self.model_config: ModelConfig = load_model_config(path)
         max_position_embeddings = self.model_config.max_position_embeddings
@@ -69,9 +70,13 @@ class ModelRunner:
             raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({max_position_embeddings})")
         self.device = resolve_device(device)
+        if batch_invariant and self.device.type != "cpu":
+            raise ValueError(f"batch_invariant is CPU-only for now (the device resolved to "
+                             f"{self.device}); run with device cpu or without it")
         self.platform = platform if platform is not None else platform_for(
             self.device, cpu_packed_linears=cpu_packed_linears,
-            cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels)
+            cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
+            batch_invariant=batch_invariant)
         self.platform.prepare_process()
         self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
         self.block_size = block_size
@@ -81,10 +86,14 @@ class ModelRunner:
         config = self.model_config
         self.tp = tp
         layout = ShardLayout.of(config, tp.rank, tp.world_size)
+        kernels = self.platform.compiled_kernels()
+        if batch_invariant and kernels is None:
+            raise ValueError("batch_invariant needs the C++ CPU kernels, which could not be "
+                             "built here (see the warning above: a compiler and ninja)")
         self.attention = create_backend(
             attention_backend, AttentionShape(layout.num_heads, layout.num_kv_heads,
                                               config.head_dim, config.sliding_window),
-            self.device, kernels=self.platform.compiled_kernels())
+            self.device, kernels=kernels, batch_invariant=batch_invariant)
         self.model = load_model(path, config, self.dtype, self.device, tp)
         self.platform.prepare_model(self.model)
         self.sampler = Sampler(self.device, config.eos_token_ids, seed)

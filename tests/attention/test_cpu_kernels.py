@@ -212,3 +212,37 @@ def test_concurrent_loads_build_once(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert results == ["module", "module"] and len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (4, 1)])
+def test_batch_invariant_rows_do_not_depend_on_the_chunking(kernels, dtype, num_heads,
+                                                           num_kv_heads):
+    """One prompt of 37 queries attended whole, in chunks of 7 (so tiles of 7 and 2
+    queries), and one query at a time, beside another request: with batch_invariant every
+    row is bitwise the same however its prompt was cut (without it, tiles of 4+ rows score
+    transposed blocks on AVX-512 builds, another summation order)."""
+    seq_len, head_dim = 37, 64
+    case = make_case([seq_len, 5], [seq_len, 20], num_heads, num_kv_heads, head_dim, dtype)
+    q, cache, tables = case["q"], case["kv_cache"], case["block_tables"]
+    start = int(case["query_starts"][0])
+    prompt_q = q[start:start + seq_len]
+
+    def attend(cuts: list[int]) -> torch.Tensor:
+        """The prompt's rows, attended chunk by chunk at `cuts`, each chunk beside request 1."""
+        out = torch.empty_like(prompt_q)
+        for begin, end in zip([0, *cuts], [*cuts, seq_len]):
+            chunk = torch.cat([prompt_q[begin:end], q[:5]])  # then 5 rows of request 1
+            chunk_out = torch.zeros_like(chunk)
+            as_int = dict(dtype=torch.int32)
+            kernels.paged_attention(chunk_out, chunk, cache, tables,
+                                    torch.tensor([0, end - begin], **as_int),
+                                    torch.tensor([end - begin, 5], **as_int),
+                                    torch.tensor([end, 20], **as_int), 0.125, 0,
+                                    batch_invariant=True)
+            out[begin:end] = chunk_out[:end - begin]
+        return out
+
+    whole = attend([])
+    assert torch.equal(attend(list(range(7, seq_len, 7))), whole)
+    assert torch.equal(attend(list(range(1, seq_len))), whole)

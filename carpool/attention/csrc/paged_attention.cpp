@@ -16,6 +16,13 @@
 // register pass covers the item's rows, else into a float32 copy of the block; items of 4+
 // rows score a transposed copy of the block (AVX512 builds). The inner loops are in
 // block_ops.h. Threads take work items dynamically, longest context first.
+//
+// batch_invariant: every row is scored one key row at a time (block_scores), never from a
+// transposed block, whose sums over head_dim run in another order: the transposed path is
+// taken by items of 4+ rows, so without this a query's scores would depend on how many
+// queries share its tile (its chunk) and on the number of query heads per kv head. Every
+// other step is already per row: the block order (by position), the online softmax, the
+// value sums (another row's keys outside a row's range get probability 0 and add exactly 0).
 
 // Narrow headers on purpose: <torch/extension.h> takes about 3x longer to compile.
 #include <ATen/Parallel.h>
@@ -295,7 +302,7 @@ void check_index(const at::Tensor& t, const char* name, int64_t dim) {
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window) {
+                     int64_t sliding_window, bool batch_invariant) {
   TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && kv_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: q and out must be [T, H, D]");
@@ -337,7 +344,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   s.padded_dim = s.num_vecs * Vec::size();
   s.score_stride = round_up(s.block_size, Vec::size());
 #if defined(CPU_CAPABILITY_AVX512)
-  s.transposed_scores = s.score_stride <= kMaxKeyVecs * Vec::size();
+  s.transposed_scores = !batch_invariant && s.score_stride <= kMaxKeyVecs * Vec::size();
 #else
   s.transposed_scores = false;  // ATen's run-time-size transpose is scalar below AVX512
 #endif
@@ -404,6 +411,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("query_starts"), py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("sliding_window"),
+        py::arg("sliding_window"), py::arg("batch_invariant") = false,
         py::call_guard<py::gil_scoped_release>());  // like torch's own ops: other threads run
 }
