@@ -17,9 +17,12 @@ under one token budget per step. `schedule()` plans a step in three passes:
 
 Paused requests (their client stopped reading: `pause_requests`) are left out
 of every pass and do not hold a seat; they keep their blocks until a running
-request needs one. A running request that needs a KV block when none is free
-preempts a paused request first, then the
-victim named by `preemption_policy` (possibly itself): the victim's blocks
+request needs one. A resumed request whose seat was taken meanwhile runs again
+oldest first: a step never schedules more than `max_num_seqs` requests.
+
+A running request that needs a KV block when none is free preempts a paused
+request first, then the victim named by `preemption_policy` (possibly
+itself): the victim's blocks
 are freed and it goes back to the front of the queue to be recomputed.
 No waiting request is admitted in a step that preempted one.
 `update()` then takes the sampled tokens back and finishes requests.
@@ -72,7 +75,10 @@ class Scheduler(RequestTable):
         return request.num_computed_tokens < self._prefills[request.request_id].stop
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        active = [r for r in self._running if r.request_id not in self._paused]
+        # A resumed request may find its seat taken: at most max_num_seqs run in a step (oldest
+        # first); the rest keep their blocks and wait for a seat.
+        active = [r for r in self._running
+                  if r.request_id not in self._paused][:self.config.max_num_seqs]
         decoding = [r for r in active if not self._is_prefilling(r)]
         prefilling = [r for r in active if self._is_prefilling(r)]
         for request in decoding + prefilling:

@@ -35,9 +35,10 @@ def test_a_paused_request_gives_its_seat_to_a_waiting_one_and_keeps_its_blocks()
     assert scheduler.get_request("a").num_output_tokens == 1
 
     scheduler.resume_requests(["a"])
+    assert _ids(step(scheduler)) == {"a", "b"}  # a, older, takes a seat back; c waits
     while scheduler.has_unfinished_requests():
         output = step(scheduler)
-        assert len(output.scheduled) <= 3  # a is running again, over the seat count
+        assert len(output.scheduled) <= 2
     assert scheduler.num_paused == 0
     assert scheduler.block_manager.num_free_blocks == 64
 
@@ -112,8 +113,7 @@ def test_pausing_at_random_keeps_every_invariant(scenario, pauses):
         output = scheduler.schedule()
         scheduled = _ids(output)
         assert not scheduled & set(resume_at), "a paused request was scheduled"
-        seated = [r for r in scheduler._running if r.request_id not in resume_at]
-        assert len(seated) <= config.max_num_seqs
+        assert len(output.scheduled) <= config.max_num_seqs
         assert output.scheduled or resume_at or not scheduler.has_unfinished_requests()
         scheduler.block_manager.check_integrity()
         sampled = {s.request_id: _fake_token(requests[s.request_id][0],
