@@ -22,8 +22,9 @@ def resolve_for_model(config: EngineConfig):
 def place_replica(config: EngineConfig) -> EngineConfig:
     """A data-parallel replica's share of the machine, set in its own engine process before
     the model loads: 1/N of this process's torch threads (its tensor-parallel ranks inherit
-    the count), and on CUDA card r of replica r. Changes torch's thread count; returns the
-    config with the replica's device. A config of one replica is returned as is."""
+    the count), and on CUDA cards r*T .. r*T+T-1 for replica r of T ranks (its ranks count
+    from its first card, `device_for_rank`). Changes torch's thread count; returns the
+    config with the replica's first card. A config of one replica is returned as is."""
     size, rank = config.data_parallel_size, config.data_parallel_rank
     if size == 1:
         return config
@@ -33,16 +34,14 @@ def place_replica(config: EngineConfig) -> EngineConfig:
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     if config.device not in ("auto", "cuda") or not torch.cuda.is_available():
         return config  # CPU (or a card the user named for every replica)
-    if config.tensor_parallel_size > 1:
-        raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not "
-                         "supported on CUDA yet (each replica's ranks would share cards); "
-                         "it runs on CPU")
+    num_ranks = config.tensor_parallel_size
     num_cards = torch.cuda.device_count()
-    if size > num_cards:
+    if size * num_ranks > num_cards:
         logging.getLogger(__name__).warning(
-            "%d data-parallel replicas on %d CUDA card(s): replicas share cards, so lower "
-            "--gpu-memory-utilization to leave room for each", size, num_cards)
-    return dataclasses.replace(config, device=f"cuda:{rank % num_cards}")
+            "%d data-parallel replica(s) x %d tensor-parallel rank(s) on %d CUDA card(s): "
+            "processes share cards, so lower --gpu-memory-utilization to leave room for each",
+            size, num_ranks, num_cards)
+    return dataclasses.replace(config, device=f"cuda:{(rank * num_ranks) % num_cards}")
 
 
 def runner_arguments(config: EngineConfig, path) -> dict:

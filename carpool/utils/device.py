@@ -44,8 +44,9 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> to
 
 
 def device_for_rank(device: torch.device, rank: int) -> torch.device:
-    """A tensor-parallel rank's device: CUDA rank r takes card r of this machine (unless the
-    device names its card); CPU is CPU."""
-    if device.type != "cuda" or device.index is not None:
+    """A tensor-parallel rank's device: CUDA rank r takes card r of this machine, or card
+    k + r when the device names card k (a data-parallel replica's ranks start at its first
+    card); CPU is CPU."""
+    if device.type != "cuda":
         return device
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cuda", ((device.index or 0) + rank) % torch.cuda.device_count())

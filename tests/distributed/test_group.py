@@ -77,7 +77,8 @@ def test_backend_and_device_per_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # the one torch.cuda call
     assert device_for_rank(torch.device("cuda"), 1) == torch.device("cuda", 1)
     assert device_for_rank(torch.device("cuda"), 3) == torch.device("cuda", 1)
-    assert device_for_rank(torch.device("cuda", 0), 1) == torch.device("cuda", 0)
+    assert device_for_rank(torch.device("cuda", 0), 1) == torch.device("cuda", 1)
+    assert device_for_rank(torch.device("cuda", 1), 1) == torch.device("cuda", 0)  # from card 1
 
 
 def test_a_world_of_the_wrong_size_is_refused(monkeypatch):

@@ -149,6 +149,35 @@ def test_a_replica_takes_its_share_of_the_threads_on_cpu():
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("num_cards, tp, cards", [(4, 2, [0, 2]), (2, 1, [0, 1]),
+                                                   (2, 2, [0, 0])])
+def test_replicas_take_consecutive_cards_for_their_ranks_on_cuda(monkeypatch, num_cards, tp,
+                                                                  cards):
+    """Replica r of T ranks starts at card r*T and its ranks count from there; with too few
+    cards they wrap (and share, with a warning). Only torch.cuda's queries are stubbed."""
+    import dataclasses
+
+    import torch
+
+    from carpool.config import EngineConfig
+    from carpool.engine.runner_setup import place_replica
+    from carpool.utils.device import device_for_rank
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_cards)
+    saved = torch.get_num_threads()
+    try:
+        devices = [place_replica(dataclasses.replace(
+            EngineConfig(device="cuda"), data_parallel_size=2, data_parallel_rank=r,
+            tensor_parallel_size=tp)).device for r in range(2)]
+    finally:
+        torch.set_num_threads(saved)
+    assert devices == [f"cuda:{c}" for c in cards]
+    ranks = [device_for_rank(torch.device(d), t).index for d in devices for t in range(tp)]
+    if 2 * tp <= num_cards:
+        assert sorted(ranks) == list(range(2 * tp))  # every process on its own card
+
+
 @pytest.mark.parametrize("fields, name", [({"data_parallel_size": 0}, "data_parallel_size"),
                                           ({"data_parallel_rank": 2, "data_parallel_size": 2},
                                            "data_parallel_rank")])
