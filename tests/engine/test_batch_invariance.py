@@ -93,24 +93,38 @@ def test_alone_equals_batched_chunked_preempted_and_cached(kernels, make_checkpo
         assert_same(reference, batch, "preempted")
 
 
-def test_a_100m_model_alone_equals_batched_at_every_op(kernels, make_checkpoint):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_100m_model_alone_equals_batched_at_every_op(kernels, make_checkpoint, dtype):
     """SmolLM2-135M's shape (~100M parameters here, vocabulary 49152), where by default
     every request's logprobs differ alone vs batched (the issue's finding): invariant, the
-    per-op trace of a request alone and inside a batch of mixed prompts finds no op whose
-    rows differ, and its logprobs are equal."""
+    per-op trace of a request alone and inside a batch of 40 mixed prompts finds no op whose
+    rows differ; its logprobs, and a seeded sampled request's, are equal alone, in the batch,
+    and in the batch with prompts chunked at 16 tokens beside decodes."""
     checkpoint = make_checkpoint("llama", hidden_size=576, intermediate_size=1536,
                                  num_hidden_layers=30, num_attention_heads=9,
                                  num_key_value_heads=3, vocab_size=49152,
                                  tie_word_embeddings=True)
     rng = random.Random(7)
-    prompts = [random_prompt(rng, rng.randrange(3, 40), 49152) for _ in range(8)]
-    config = EngineConfig.from_args(str(checkpoint), dtype="bfloat16", batch_invariant=True,
-                                    enable_prefix_caching=False)
-    engine = LLMEngine.from_config(config, detokenize=False)
-    alone, alone_out = traced_run(engine, prompts, [0], target=0)
-    batched, batched_out = traced_run(engine, prompts, range(len(prompts)), target=0)
+    prompts = [random_prompt(rng, rng.randrange(3, 40), 49152) for _ in range(NUM_PROMPTS)]
+
+    def engine(**arguments) -> LLMEngine:
+        return LLMEngine.from_config(EngineConfig.from_args(
+            str(checkpoint), dtype=dtype, batch_invariant=True, enable_prefix_caching=False,
+            **arguments), detokenize=False)
+
+    default = engine()
+    alone, alone_out = traced_run(default, prompts, [0], target=0)
+    default.add_request("r1", prompts[1], params_for(1))  # seeded sampling, alone
+    alone_sampled = drain(default)["r1"]
+    batched, batched_out = traced_run(default, prompts, range(NUM_PROMPTS), target=0)
     assert first_difference(alone, batched) is None
     assert batched_out == alone_out
+    chunked = engine(max_num_batched_tokens=16, long_prefill_token_threshold=16,
+                     max_num_partial_prefills=3)
+    for i in range(NUM_PROMPTS):
+        chunked.add_request(f"r{i}", prompts[i], params_for(i))
+    outputs = drain(chunked)
+    assert outputs["r0"] == alone_out and outputs["r1"] == alone_sampled
 
 
 def test_op_trace_names_the_first_differing_op(kernels, make_checkpoint):
