@@ -15,7 +15,7 @@ maximum output, so it never needs preemption.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig
@@ -96,7 +96,7 @@ class StaticScheduler(RequestTable):
                 num_real += request.num_tokens - request.num_computed_tokens
         return row_width * len(self._batch) - num_real
 
-    def pause_requests(self, request_ids) -> None:
+    def pause_requests(self, request_ids: Iterable[str]) -> None:
         """Ignored: the baseline runs its batch to the end, as static batching does."""
 
     def _remove(self, request: Request) -> None:

@@ -189,11 +189,8 @@ class AsyncEngine(EngineClientBase):
             if live:
                 engine.abort_request(live)
         elif isinstance(command, PauseRequests):
-            live = [rid for rid in command.request_ids if rid in self._streams]
-            if command.paused:
-                engine.pause_requests(live)
-            else:
-                engine.resume_requests(live)
+            engine.set_paused([rid for rid in command.request_ids if rid in self._streams],
+                              command.paused)
         elif isinstance(command, CallEngine):
             try:
                 result, error = command.fn(engine), None

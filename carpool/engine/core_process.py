@@ -151,10 +151,7 @@ class EngineCoreLoop:
         elif isinstance(command, AbortRequests):
             self.engine.abort_request(command.request_ids)
         elif isinstance(command, PauseRequests):
-            if command.paused:
-                self.engine.pause_requests(command.request_ids)
-            else:
-                self.engine.resume_requests(command.request_ids)
+            self.engine.set_paused(command.request_ids, command.paused)
         elif isinstance(command, UtilityCall):
             try:
                 result, error = UTILITIES[command.name](self.engine), None

@@ -204,13 +204,12 @@ class LLMEngine:
             state = self._states.pop(rid)
             self._aborted_outputs.append(self._final_output(state, "abort"))
 
-    def pause_requests(self, request_ids: Iterable[str]) -> None:
-        """Stop scheduling these requests until `resume_requests` (flow control: their reader
-        is behind); they keep their KV blocks but give up their seats. Unknown ids are ignored."""
-        self.scheduler.pause_requests(request_ids)
-
-    def resume_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.resume_requests(request_ids)
+    def set_paused(self, request_ids: Iterable[str], paused: bool) -> None:
+        """Flow control: hold these requests back (their reader is behind) or let them run."""
+        if paused:
+            self.scheduler.pause_requests(request_ids)
+        else:
+            self.scheduler.resume_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states) or bool(self._aborted_outputs)

@@ -22,9 +22,10 @@ FLAGS = ["--max-num-seqs", "8", "--max-model-len", "2048", "--num-kv-blocks", "1
          "--http-write-timeout", "1000", "--max-stream-backlog", "100000"]
 
 
-@pytest.fixture(scope="module")
-def flow_server(llama_checkpoint, tmp_path_factory):
-    with live_server(llama_checkpoint, FLAGS,
+@pytest.fixture(scope="module", params=[[], ["--no-engine-process"]],
+                ids=["engine-process", "engine-thread"])
+def flow_server(request, llama_checkpoint, tmp_path_factory):
+    with live_server(llama_checkpoint, FLAGS + request.param,
                      tmp_path_factory.mktemp("flow") / "server.log") as live:
         yield live
 
