@@ -1,0 +1,50 @@
+// The Python module: every kernel of csrc/ bound in one place, so each kernel file stays
+// free of pybind. Kernels that run long release the GIL, like torch's own ops.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "block_ops.h"
+
+#include <atomic>
+#include <cstdint>
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale,
+                     int64_t sliding_window, bool batch_invariant);
+
+namespace {
+using Vec = at::vec::Vectorized<float>;
+// How many threads one at::parallel_for spreads over (a build check: 1 without OpenMP).
+int64_t parallel_width() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() % 64));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
+}  // namespace
+
+namespace carpool_fused {  // fused_ops.cpp
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("max_head_dim", [] { return static_cast<int64_t>(carpool_cpu::kMaxVecs * Vec::size()); },
+        "The largest head_dim paged_attention takes in this build (callers fall back above).");
+  m.def("parallel_width", &parallel_width,
+        "Threads one at::parallel_for runs on (1 means the build lost OpenMP).");
+  m.def("rotary_", &carpool_fused::rotary_,
+        "q [T, H, D] and k [T, Hkv, D] rotated in place by cos/sin [T, D] (apply_rope's bits).",
+        py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention", &paged_attention,
+        "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
+        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
+        py::arg("query_starts"), py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("batch_invariant") = false,
+        py::call_guard<py::gil_scoped_release>());  // like torch's own ops: other threads run
+}
