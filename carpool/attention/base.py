@@ -94,13 +94,17 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta, scale: float) -> torch.Tensor:
         """Store this step's k, v in the cache, then attend every query."""
-        write_kv(kv_cache, meta.slot_mapping, k, v)
+        write_kv(kv_cache, meta.slot_mapping, k, v, self.kernels)
         return self.attend(q, k, v, kv_cache, meta, scale)
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> None:
-    """Store new k, v [T, num_kv_heads, head_dim] at their slots of `kv_cache` (in place)."""
+             v: torch.Tensor, kernels: ModuleType | None = None) -> None:
+    """Store new k, v [T, num_kv_heads, head_dim] at their slots of `kv_cache` (in place);
+    in one pass of the compiled `write_kv_` when `kernels` has it and the cache is on CPU."""
+    if kernels is not None and kv_cache.device.type == "cpu":
+        kernels.write_kv_(kv_cache, slot_mapping, k, v)
+        return
     slots = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[-1])  # (2, Hkv, slots, D)
     slots[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
     slots[1].index_copy_(1, slot_mapping, v.transpose(0, 1))

@@ -1,8 +1,9 @@
 """The CPU platform: malloc tuning for the process, oneDNN-packed linears and the C++
 kernels for the model, and a modest share of RAM for the KV cache. Each is a config
 switch (`cpu_malloc_tuning`, `cpu_packed_linears`, `cpu_kernels`), on by default
-because each helps here. The C++ kernels (paged attention, fused RoPE) are built on
-first use; without a compiler the PyTorch paths run, after one warning line.
+because each helps here. The C++ kernels (paged attention, the KV write, fused RoPE,
+residual add + RMSNorm, SiLU x up) are built on first use; without a compiler the
+PyTorch paths run, after one warning line.
 
 `batch_invariant` (off by default) makes every linear, packed or not, multiply only a few
 fixed row counts per call (`cpu_invariant_linear`), so a row's result never depends on how
@@ -16,12 +17,13 @@ from types import ModuleType
 
 from torch import nn
 
+from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.rope import Rotary
 from carpool.platform.base import Platform
+from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMul
 from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_linear import can_pack, pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
-from carpool.platform.cpu_rotary import FusedRotary
 
 CPU_DEFAULT_FRACTION = 0.10  # of available RAM
 CPU_DEFAULT_MAX_BYTES = 4 * 1024**3
@@ -45,10 +47,13 @@ class CpuPlatform(Platform):
             tile_linears(model)
         kernels = self.compiled_kernels()
         if kernels is not None:
+            fused = {Rotary: lambda _: FusedRotary(kernels),
+                     SiluAndMul: lambda _: FusedSiluAndMul(kernels),
+                     RMSNorm: lambda norm: FusedRMSNorm(norm, kernels)}
             for module in list(model.modules()):
                 for name, child in module.named_children():
-                    if type(child) is Rotary:
-                        setattr(module, name, FusedRotary(kernels))
+                    if type(child) in fused:
+                        setattr(module, name, fused[type(child)](child))
 
     def compiled_kernels(self) -> ModuleType | None:
         if not self.kernels:

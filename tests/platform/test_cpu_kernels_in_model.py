@@ -1,5 +1,7 @@
-"""The CPU platform's compiled kernels: fused RoPE gives `apply_rope`'s bits, the platform
-swaps it into the model only when the kernels are on, and the switch is a flag."""
+"""The CPU platform's compiled kernels: fused RoPE and SiLU x up give the eager ops' bits,
+the fused residual add + RMSNorm gives the eager add's bits and F.rms_norm's up to a last
+bit, the KV write equals `index_copy_`'s, the platform swaps them into the model only when
+the kernels are on, and the switch is a flag."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import torch
 from carpool.attention import cpu_kernels
 from carpool.models.rope import Rotary
 from carpool.platform import CpuPlatform
-from carpool.platform.cpu_rotary import FusedRotary
+import torch.nn.functional as F
+
+from carpool.attention.base import write_kv
+from carpool.models.llama import RMSNorm, SiluAndMul
+from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMul
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,67 @@ def test_fused_rotary_equals_apply_rope_bitwise(kernels, dtype, heads, kv_heads,
     assert torch.equal(got_q, expected_q) and torch.equal(got_k, expected_k)
 
 
-def test_platform_swaps_rotary_only_with_kernels(llama_checkpoint):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inner", [1536, 100, 37, 8])
+def test_fused_silu_and_mul_equals_eager_bitwise(kernels, dtype, inner):
+    gen = torch.Generator().manual_seed(inner)
+    gate_up = (torch.randn(33, 2 * inner, generator=gen) * 30).to(dtype)
+    gate_up[0, :3] = torch.tensor([float("inf"), float("-inf"), -0.0])
+    expected = SiluAndMul()(gate_up)
+    got = FusedSiluAndMul(kernels)(gate_up)
+    assert got.shape == (33, inner)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)  # silu(-inf) is nan
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (40, 576), (700, 64), (5, 37)])
+def test_fused_rms_norm_adds_bitwise_and_normalises_like_rms_norm(kernels, dtype, rows, dim):
+    gen = torch.Generator().manual_seed(rows * dim)
+    eager = RMSNorm(dim, 1e-5)
+    with torch.no_grad():
+        eager.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+    eager = eager.to(dtype)
+    fused = FusedRMSNorm(eager, kernels)
+    # x is a view with a row stride, as a projection's output slice would be.
+    x = torch.randn(rows, dim + 3, generator=gen).to(dtype)[:, :dim]
+    residual = torch.randn(rows, dim, generator=gen).to(dtype)
+    out, summed = fused(x, residual)
+    expected_out, expected_sum = eager(x, residual)
+    assert torch.equal(summed, expected_sum)  # the eager add, to the bit
+    reference = F.rms_norm(expected_sum.float(), (dim,), eager.weight.float(), 1e-5)
+    ulp = torch.finfo(dtype).eps
+    assert ((out.float() - reference) / reference.abs().clamp_min(1e-3)).abs().max() <= ulp
+    assert (out != expected_out).float().mean() < 0.01  # differs in a last bit, rarely
+    alone = fused(x)
+    assert ((alone.float() - eager(x).float()).abs() <= ulp * eager(x).float().abs()).all()
+
+
+def test_fused_rms_norm_keeps_eager_float32(kernels):
+    eager = RMSNorm(16, 1e-6)
+    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+    fused = FusedRMSNorm(eager, kernels)
+    for got, expected in zip(fused(x, residual), eager(x, residual)):
+        assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        kernels.rms_norm(x, None, eager.weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kv_write_equals_index_copy(kernels, dtype):
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 3, 10, 16, 64, generator=gen).to(dtype)
+    kv = torch.randn(7, 2 * 3 * 64, generator=gen).to(dtype)
+    k, v = (t.view(7, 3, 64) for t in kv.split(3 * 64, dim=-1))  # strided views
+    slots = torch.randperm(160, generator=gen)[:7]
+    expected, got = cache.clone(), cache.clone()
+    write_kv(expected, slots, k, v)
+    write_kv(got, slots, k, v, kernels)
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="slot 160 of token 0 is outside the cache"):
+        kernels.write_kv_(got, torch.tensor([160, 0]), k[:2], v[:2])
+
+
+def test_platform_swaps_fused_modules_only_with_kernels(llama_checkpoint):
     from carpool.models.config import load_model_config
     from carpool.models.loader import load_model
 
@@ -44,10 +110,11 @@ def test_platform_swaps_rotary_only_with_kernels(llama_checkpoint):
         model = load_model(llama_checkpoint, load_model_config(llama_checkpoint),
                            torch.float32, torch.device("cpu"))
         platform.prepare_model(model)
-        return {type(m) for m in model.modules() if isinstance(m, (Rotary, FusedRotary))}
+        return {type(m) for m in model.modules()
+                if isinstance(m, (Rotary, FusedRotary, RMSNorm, SiluAndMul))}
 
-    assert rotaries(CpuPlatform(kernels=True)) == {FusedRotary}
-    assert rotaries(CpuPlatform(kernels=False)) == {Rotary}
+    assert rotaries(CpuPlatform(kernels=True)) == {FusedRotary, FusedRMSNorm, FusedSiluAndMul}
+    assert rotaries(CpuPlatform(kernels=False)) == {Rotary, RMSNorm, SiluAndMul}
     assert "C++ kernels off" in CpuPlatform(kernels=False).describe()
 
 

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <tuple>
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
@@ -30,6 +31,12 @@ int64_t parallel_width() {
 
 namespace carpool_fused {  // fused_ops.cpp
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
+                                            const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k,
+               const at::Tensor& v);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -40,6 +47,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &carpool_fused::rotary_,
         "q [T, H, D] and k [T, Hkv, D] rotated in place by cos/sin [T, D] (apply_rope's bits).",
         py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &carpool_fused::rms_norm,
+        "(x + residual or x) normalised, times weight; returns (out, x + residual or None). "
+        "bfloat16/float16 rows only.",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &carpool_fused::silu_and_mul,
+        "silu(gate) * up for gate_up = [gate | up] [T, 2I] -> [T, I]; bfloat16/float16 only.",
+        py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
+  m.def("write_kv_", &carpool_fused::write_kv_,
+        "k, v [T, Hkv, D] stored at their slots of kv_cache [2, Hkv, blocks, block_size, D].",
+        py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("k"), py::arg("v"),
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",

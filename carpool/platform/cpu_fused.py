@@ -1,0 +1,60 @@
+"""A decoder layer's elementwise passes through the compiled kernels, one pass each.
+
+Drop-ins for the model's `Rotary`, `RMSNorm` and `SiluAndMul` modules that
+`CpuPlatform.prepare_model` swaps in when the C++ kernels are built
+(`csrc/fused_ops.cpp`). At decode sizes the eager versions are mostly per-op
+overhead (a bfloat16 `F.rms_norm` alone is six ATen ops; 61 norms a step on the
+135M model), and at prefill sizes each extra op is another pass over the rows.
+
+- `FusedRotary`: `apply_rope`'s results to the bit, in every dtype.
+- `FusedSiluAndMul`: the eager `F.silu(gate) * up` to the bit, in every dtype.
+- `FusedRMSNorm`: reduced precision only (the residual add and the norm in one pass;
+  `F.rms_norm`'s results up to the last bit of some rows, as its sum of squares runs in
+  another order); float32 keeps Hugging Face's eager ops, bitwise.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from carpool.models.llama import RMSNorm, SiluAndMul
+
+
+class FusedRotary(nn.Module):
+    def __init__(self, kernels: ModuleType) -> None:
+        super().__init__()
+        self.kernels = kernels
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kernels.rotary_(q, k, cos.contiguous(), sin.contiguous())
+        return q, k
+
+
+class FusedSiluAndMul(SiluAndMul):
+    def __init__(self, kernels: ModuleType) -> None:
+        super().__init__()
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return super().forward(x)
+        return self.kernels.silu_and_mul(x)
+
+
+class FusedRMSNorm(RMSNorm):
+    """An `RMSNorm` (same weight, same eps) whose reduced-precision calls take the kernel."""
+
+    def __init__(self, norm: RMSNorm, kernels: ModuleType) -> None:
+        nn.Module.__init__(self)
+        self.weight, self.eps = norm.weight, norm.eps
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dtype == torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+            return super().forward(x, residual)
+        out, summed = self.kernels.rms_norm(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, summed)
