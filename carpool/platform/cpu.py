@@ -41,11 +41,11 @@ class CpuPlatform(Platform):
             keep_freed_memory_in_heap()
 
     def prepare_model(self, model: nn.Module) -> None:
+        kernels = self.compiled_kernels()
         if self.packed_linears and can_pack(model):
-            pack_linears(model)
+            pack_linears(model, None if self.batch_invariant else kernels)
         if self.batch_invariant:
             tile_linears(model)
-        kernels = self.compiled_kernels()
         if kernels is not None:
             fused = {Rotary: lambda _: FusedRotary(kernels),
                      SiluAndMul: lambda _: FusedSiluAndMul(kernels),

@@ -17,11 +17,22 @@ a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
 and memory stops growing once they have all been seen. Padding costs at most
 7 rows per call up to 128 rows, 15 above.
 
+bfloat16 calls of at most `SMALL_GEMM_MAX_ROWS` rows (decodes, the LM head's sampled
+rows) take the compiled `small_gemm_bf16` instead when the CPU has AVX512-BF16
+(`csrc/small_gemm.cpp`): it streams the weight once at close to the memory bandwidth,
+where oneDNN's matmul ran the 135M model's 120 layers 2x slower at 1-4 rows and
+1.2-1.5x slower at 8-32 (1 thread, a microbenchmark of those layers); from about 64 rows
+up the two are even and oneDNN stays. The cost is a second packed copy of each bfloat16
+weight (the model's weight bytes again). No row buckets are needed there: it builds
+nothing per shape.
+
 Batch-invariant mode calls `packed_matmul` on fixed row counts instead
 (`cpu_invariant_linear`).
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +42,7 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 # Powers of two up to 8 (single decodes stay cheap), multiples of 8 up to 128 (decode
 # batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
+SMALL_GEMM_MAX_ROWS = 64  # bfloat16 calls up to this many rows take small_gemm_bf16
 
 
 def padded_rows(rows: int) -> int:
@@ -42,17 +54,28 @@ def padded_rows(rows: int) -> int:
 
 
 class PackedLinear(nn.Module):
-    """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight."""
+    """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight (and,
+    given the compiled kernels on an AVX512-BF16 CPU, a bfloat16 weight's few-row calls by
+    `small_gemm_bf16`'s packed copy)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # kept: tied embeddings, inspection
         self.bias = linear.bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self._small_gemm = self._small_packed = None
+        if (kernels is not None and linear.weight.dtype == torch.bfloat16
+                and linear.in_features % 2 == 0 and kernels.has_bf16_gemm()):
+            self._small_gemm = kernels.small_gemm_bf16
+            self._small_packed = kernels.pack_bf16_weight(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if self._small_gemm is not None and flat.shape[0] <= SMALL_GEMM_MAX_ROWS:
+            out = self._small_gemm(flat if flat.stride(-1) == 1 else flat.contiguous(),
+                                   self._small_packed, self.out_features, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         pieces = [self._matmul(flat[start:start + MAX_ROWS])
                   for start in range(0, flat.shape[0], MAX_ROWS)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -82,10 +105,11 @@ def can_pack(model: nn.Module) -> bool:
     return param.dtype == torch.float32
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` inside `model` with a `PackedLinear`; returns how many."""
+def pack_linears(model: nn.Module, kernels: ModuleType | None = None) -> int:
+    """Replace every `nn.Linear` inside `model` with a `PackedLinear` (given `kernels`, the
+    compiled module, bfloat16 ones also take `small_gemm_bf16`); returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, kernels))
     return len(targets)

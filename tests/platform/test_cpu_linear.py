@@ -1,4 +1,6 @@
-"""oneDNN-packed float32 linears compute what nn.Linear does, and replace every one of them."""
+"""oneDNN-packed float32 linears compute what nn.Linear does, and replace every one of them;
+bfloat16 few-row calls through the compiled small GEMM do too, with each row's result
+independent of its batch."""
 
 from __future__ import annotations
 
@@ -6,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, PackedLinear, can_pack, pack_linears,
-                                       padded_rows)
+from carpool.attention import cpu_kernels
+from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_MAX_ROWS, PackedLinear,
+                                         can_pack, pack_linears, padded_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -24,6 +27,44 @@ def test_packed_linear_matches_linear(bias, rows, dtype):
         torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=tolerance,
                                    rtol=tolerance)
         assert PackedLinear(linear)(x.view(1, rows, 96)).shape == (1, rows, 160)
+
+
+@pytest.fixture(scope="module")
+def bf16_kernels():
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.has_bf16_gemm():
+        pytest.skip("no compiled kernels or no AVX512-BF16 on this CPU")
+    return kernels
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features,out_features", [(96, 160), (576, 577), (2, 17)])
+def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias, in_features,
+                                                              out_features):
+    torch.manual_seed(in_features)
+    linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear, bf16_kernels)
+    x = torch.randn(SMALL_GEMM_MAX_ROWS, in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        reference = nn.functional.linear(x.float(), linear.weight.float(),
+                                         None if linear.bias is None else linear.bias.float())
+        out = packed(x)  # SMALL_GEMM_MAX_ROWS rows: the small GEMM's largest call
+        torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=1e-2)
+        for rows in (1, 5, 13, 40):  # every row, whatever its batch, gives the same bits
+            assert torch.equal(packed(x[-rows:]), out[-rows:])
+        assert packed(x[:3].view(3, 1, in_features)).shape == (3, 1, out_features)
+        assert packed(x.t().contiguous().t()[:4]).shape == (4, out_features)  # strided rows
+
+
+def test_small_bf16_gemm_checks_its_arguments(bf16_kernels):
+    weight = torch.randn(8, 6, dtype=torch.bfloat16)
+    packed = bf16_kernels.pack_bf16_weight(weight)
+    with pytest.raises(RuntimeError, match="K even"):
+        bf16_kernels.pack_bf16_weight(torch.randn(8, 5, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        bf16_kernels.small_gemm_bf16(torch.randn(2, 4, dtype=torch.bfloat16), packed, 8)
+    with pytest.raises(RuntimeError, match="bfloat16 CPU"):
+        bf16_kernels.small_gemm_bf16(torch.randn(2, 6), packed, 8)
 
 
 def test_row_counts_reach_onednn_as_a_few_buckets_only():

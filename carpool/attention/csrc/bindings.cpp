@@ -29,6 +29,13 @@ int64_t parallel_width() {
 
 }  // namespace
 
+namespace carpool_gemm {  // small_gemm.cpp
+bool has_bf16_gemm();
+at::Tensor pack_bf16_weight(const at::Tensor& weight);
+at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                           const c10::optional<at::Tensor>& bias);
+}
+
 namespace carpool_fused {  // fused_ops.cpp
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
@@ -59,6 +66,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_", &carpool_fused::write_kv_,
         "k, v [T, Hkv, D] stored at their slots of kv_cache [2, Hkv, blocks, block_size, D].",
         py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("k"), py::arg("v"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_bf16_gemm", &carpool_gemm::has_bf16_gemm,
+        "Whether this CPU runs small_gemm_bf16 (AVX512-BF16).");
+  m.def("pack_bf16_weight", &carpool_gemm::pack_bf16_weight,
+        "weight [N, K] bfloat16 -> the layout small_gemm_bf16 reads.", py::arg("weight"));
+  m.def("small_gemm_bf16", &carpool_gemm::small_gemm_bf16,
+        "x [M, K] @ weight.T (+ bias) for a packed bfloat16 weight of n rows -> [M, n].",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",

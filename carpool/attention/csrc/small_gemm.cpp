@@ -1,0 +1,182 @@
+// bfloat16 linear layers for a few rows: y = x @ w.T (+ bias), streaming the weight once.
+//
+// At decode sizes (1 to a few dozen rows) a linear layer is a pass over its weight, and
+// oneDNN's bfloat16 matmul streamed the 135M model's weights at well under the memory
+// bandwidth this machine has (about half of it for one row, by a microbenchmark of the 120
+// layers). Here the weight is repacked once (`pack_bf16_weight`) into blocks of 16 output
+// columns whose rows hold (k, k + 1) pairs: [ceil(N / 16)][K / 2][16][2]. One AVX512-BF16
+// `vdpbf16ps` then multiplies a 16-column register of weight pairs by a broadcast pair of
+// one input row and accumulates in float32; a tile of up to kMaxRows rows x kBlocks blocks
+// keeps its accumulators in registers while the weight streams past once. The result is
+// rounded to bfloat16 once (after the bias), as oneDNN does.
+//
+// A row's sums run over k in the same order whatever the number of rows or the tile it
+// falls in, and threads split the columns only: a row's result does not depend on its batch.
+//
+// Needs AVX512-BF16 at run time (`has_bf16_gemm()`; the functions carry it as a target
+// attribute, so the rest of the extension still runs on AVX512 CPUs without it). Elsewhere
+// the callers keep oneDNN.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace carpool_gemm {
+
+namespace {
+
+constexpr int64_t kBlock = 16;  // output columns per register
+constexpr int kBlocks = 2;      // blocks per tile
+constexpr int kMaxRows = 12;    // rows per tile: 24 accumulators + 2 weight registers
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define CARPOOL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// Rows [0, R) of x times blocks [0, B) starting at `w` (block stride `block_stride`), into
+// y columns [col0, col0 + B * 16) clipped at n.
+template <int R, int B>
+CARPOOL_BF16_TARGET void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w,
+                              int64_t pairs, int64_t block_stride, const float* bias,
+                              uint16_t* y, int64_t y_stride, int64_t col0, int64_t n) {
+  __m512 acc[R][B];
+  for (int b = 0; b < B; ++b) {
+    const __m512 init = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kBlock);
+    for (int r = 0; r < R; ++r) acc[r][b] = init;
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_si512(w + b * block_stride + p * 2 * kBlock);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
+      const __m512i xv = _mm512_set1_epi32(pair);
+      for (int b = 0; b < B; ++b) {
+        acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)wv[b], (__m512bh)xv);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < B; ++b) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[r][b]);
+      const int64_t col = col0 + b * kBlock;
+      uint16_t* dst = y + r * y_stride + col;
+      if (col + kBlock <= n) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), out);
+      } else if (col < n) {
+        alignas(32) uint16_t tail[kBlock];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tail), out);
+        std::memcpy(dst, tail, (n - col) * sizeof(uint16_t));
+      }
+    }
+  }
+}
+
+template <int B>
+void rows_tile(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* w,
+               int64_t pairs, int64_t block_stride, const float* bias, uint16_t* y,
+               int64_t y_stride, int64_t col0, int64_t n) {
+  switch (rows) {
+#define CARPOOL_ROWS(R) \
+  case R: tile<R, B>(x, x_stride, w, pairs, block_stride, bias, y, y_stride, col0, n); break;
+    CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5)
+    CARPOOL_ROWS(6) CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10)
+    CARPOOL_ROWS(11) CARPOOL_ROWS(12)
+#undef CARPOOL_ROWS
+    default: TORCH_CHECK(false, "small_gemm_bf16: bad tile height ", rows);
+  }
+}
+#endif
+
+}  // namespace
+
+bool has_bf16_gemm() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_bf16_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&
+                  weight.dim() == 2 && weight.size(1) % 2 == 0,
+              "pack_bf16_weight: weight must be a bfloat16 CPU [N, K] tensor with K even");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
+  at::Tensor packed = at::zeros({blocks, k / 2, kBlock, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.const_data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
+        const uint16_t* row = src + (blk * kBlock + c) * k;
+        uint16_t* out = dst + blk * k * kBlock + c * 2;
+        for (int64_t p = 0; p < k / 2; ++p) {
+          out[p * 2 * kBlock] = row[2 * p];
+          out[p * 2 * kBlock + 1] = row[2 * p + 1];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                           const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_bf16_gemm(), "small_gemm_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "small_gemm_bf16: x must be a bfloat16 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kBlock && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1) &&
+                  packed.size(0) == (n + kBlock - 1) / kBlock,
+              "small_gemm_bf16: packed weight does not match x's K or n (use pack_bf16_weight)");
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "small_gemm_bf16: bias must be [n]");
+    bias_f = at::zeros({packed.size(0) * kBlock}, x.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, n).copy_(*bias);
+  }
+  const int64_t m = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+#if defined(CPU_CAPABILITY_AVX512)
+  const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.const_data_ptr());
+  const float* bd = bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr;
+  uint16_t* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t x_stride = x.stride(0), block_stride = pairs * 2 * kBlock;
+  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t blk = g * kBlocks;
+      const uint16_t* w = wd + blk * block_stride;
+      const float* b = bd == nullptr ? nullptr : bd + blk * kBlock;
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
+        if (blk + kBlocks <= blocks) {
+          rows_tile<kBlocks>(rows, xd + r0 * x_stride, x_stride, w, pairs, block_stride, b,
+                             yd + r0 * n, n, blk * kBlock, n);
+        } else {
+          rows_tile<1>(rows, xd + r0 * x_stride, x_stride, w, pairs, block_stride, b,
+                       yd + r0 * n, n, blk * kBlock, n);
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace carpool_gemm
