@@ -56,6 +56,7 @@ class AttentionShape:
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None  # keys older than this many positions are not attended
+    dtype: torch.dtype | None = None  # of q, k, v and the cache (None: not known up front)
 
     @property
     def group_size(self) -> int:

@@ -84,8 +84,14 @@ class CpuBackend(AttentionBackend):
             kernels = None
         super().__init__(shape, device, kernels)
         self.batch_invariant = batch_invariant
-        # Fresh prompts longer than this take `causal_in_query_blocks`; none when invariant.
-        self.kernel_fresh_max_tokens = (None if batch_invariant else KERNEL_FRESH_MAX_TOKENS)
+        # Fresh bfloat16 prompts take `prefill_attention_bf16` where the CPU has AVX512-BF16.
+        self.bf16_prefill = (kernels is not None and not batch_invariant
+                             and shape.dtype == torch.bfloat16 and kernels.has_bf16_gemm()
+                             and kernels.prefill_head_dim_ok(shape.head_dim))
+        # Fresh prompts longer than this take `causal_in_query_blocks` (or the bfloat16 prefill
+        # kernel: all of them); none when invariant.
+        self.kernel_fresh_max_tokens = (None if batch_invariant else
+                                        0 if self.bf16_prefill else KERNEL_FRESH_MAX_TOKENS)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         fast_path = self.shape.sliding_window is None
@@ -129,6 +135,11 @@ class CpuBackend(AttentionBackend):
         if meta.chunk_group is not None:
             group = meta.chunk_group
             out[group.valid_tokens] = paged.attend_group_sdpa(q, kv_cache, group, scale)
+        if meta.fresh_spans and self.bf16_prefill and q.dtype == torch.bfloat16:
+            starts, lengths = (torch.tensor(column, dtype=torch.int32)
+                               for column in zip(*meta.fresh_spans))
+            self.kernels.prefill_attention_bf16(out, q, k, v, starts, lengths, scale)
+            return out
         for start, length in meta.fresh_spans:
             span = slice(start, start + length)
             out[span] = causal_in_query_blocks(q[span], k[span], v[span], scale)

@@ -92,7 +92,8 @@ class ModelRunner:
                              "built here (see the warning above: a compiler and ninja)")
         self.attention = create_backend(
             attention_backend, AttentionShape(layout.num_heads, layout.num_kv_heads,
-                                              config.head_dim, config.sliding_window),
+                                              config.head_dim, config.sliding_window,
+                                              dtype=self.dtype),
             self.device, kernels=kernels, batch_invariant=batch_invariant)
         self.model = load_model(path, config, self.dtype, self.device, tp)
         self.platform.prepare_model(self.model)

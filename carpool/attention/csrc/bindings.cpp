@@ -36,6 +36,13 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
                            const c10::optional<at::Tensor>& bias);
 }
 
+namespace carpool_prefill {  // prefill_attention.cpp
+bool prefill_head_dim_ok(int64_t head_dim);
+void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& starts,
+                            const at::Tensor& lengths, double scale);
+}
+
 namespace carpool_fused {  // fused_ops.cpp
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
@@ -75,6 +82,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ weight.T (+ bias) for a packed bfloat16 weight of n rows -> [M, n].",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,
+        "Whether prefill_attention_bf16 takes this head_dim (a multiple of 16 up to 256).");
+  m.def("prefill_attention_bf16", &carpool_prefill::prefill_attention_bf16,
+        "Causal attention of fresh bfloat16 prompts (rows starts[i] .. + lengths[i]) into out.",
+        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("starts"),
+        py::arg("lengths"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),

@@ -1,0 +1,330 @@
+// Causal attention of fresh bfloat16 prompts (prefilled from position 0 in this step), with
+// both products on AVX512-BF16 `vdpbf16ps`, as small matrix multiplications.
+//
+// prefill_attention_bf16(out, q, k, v, starts, lengths, scale): prompt i's rows are
+// [starts[i], starts[i] + lengths[i]) of q [T, H, D], k, v [T, Hkv, D] (this step's keys and
+// values, head_dim contiguous, other strides free); query j attends keys 0..j of its prompt.
+// out [T, H, D] gets those rows. D a multiple of 16 (callers check `prefill_head_dim_ok`).
+//
+// First every (prompt, kv head)'s keys and values are packed once into the pair layout
+// `vdpbf16ps` reads (as small_gemm.cpp packs a weight): keys as 16-key blocks of
+// (d, d + 1) pairs, so scores = Q . K^T is a GEMM over head_dim; values as 16-column blocks
+// of (key, key + 1) pairs, so out = P . V is a GEMM over keys. Then a work item is
+// (prompt, kv head, block of kQueryBlock queries); its rows are the queries times the
+// G = H / Hkv query heads sharing the kv head. It walks the keys up to its last query in
+// chunks of kKeyChunk: scores in float32, the causal mask on the diagonal chunk only, an
+// online softmax per row (running max and sum, the output accumulator rescaled), the
+// probabilities rounded to bfloat16 (as bfloat16 SDPA kernels do) for the second product.
+// Threads take items dynamically, longest first.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace carpool_prefill {
+
+namespace {
+
+constexpr int64_t kBlock = 16;        // keys per score block / head_dim columns per block
+constexpr int64_t kQueryBlock = 32;   // queries per work item
+constexpr int64_t kKeyChunk = 64;     // keys per online-softmax step (4 blocks)
+constexpr int kScoreRows = 12;        // rows per score tile (x 2 key blocks)
+constexpr int kValueRows = 6;         // rows per value tile (x 4 head_dim blocks)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t prompt, kv_head, q_begin, q_end, cost;
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define CARPOOL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// acc[r][b] (+)= sum_p a[r][2p..2p+1] . w[b][p] over pairs [0, pairs): rows of `a` (stride
+// a_stride, bf16) times B packed 16-column blocks (block stride w_stride, pair stride 32).
+template <int R, int B>
+CARPOOL_BF16_TARGET inline void dot_tile(const uint16_t* a, int64_t a_stride, const uint16_t* w,
+                                         int64_t w_stride, int64_t pairs, __m512 (&acc)[R][B]) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_si512(w + b * w_stride + p * 2 * kBlock);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * a_stride + 2 * p, sizeof(pair));
+      const __m512i av = _mm512_set1_epi32(pair);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)wv[b], (__m512bh)av);
+    }
+  }
+}
+
+// scores[r][0..kKeyChunk) = q[r] . keys of the chunk (nblocks 16-key blocks), R rows.
+template <int R>
+CARPOOL_BF16_TARGET void score_rows(const uint16_t* q, int64_t q_stride, const uint16_t* kp,
+                                    int64_t k_block_stride, int64_t d_pairs, int64_t nblocks,
+                                    float* scores) {
+  for (int64_t b0 = 0; b0 < nblocks; b0 += 2) {
+    if (b0 + 2 <= nblocks) {
+      __m512 acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      dot_tile<R, 2>(q, q_stride, kp + b0 * k_block_stride, k_block_stride, d_pairs, acc);
+      for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(scores + r * kKeyChunk + b0 * kBlock, acc[r][0]);
+        _mm512_storeu_ps(scores + r * kKeyChunk + (b0 + 1) * kBlock, acc[r][1]);
+      }
+    } else {
+      __m512 acc[R][1];
+      for (int r = 0; r < R; ++r) acc[r][0] = _mm512_setzero_ps();
+      dot_tile<R, 1>(q, q_stride, kp + b0 * k_block_stride, k_block_stride, d_pairs, acc);
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * kKeyChunk + b0 * kBlock, acc[r][0]);
+    }
+  }
+}
+
+// o[r][0..D) = o[r] * correction[r] + p[r] . V chunk (key pairs), R rows, D / 16 blocks.
+template <int R>
+CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64_t v_block_stride,
+                                    int64_t key_pairs, int64_t d_blocks, const float* correction,
+                                    float* o, int64_t o_stride) {
+  for (int64_t b0 = 0; b0 < d_blocks; b0 += 4) {
+    const int64_t nb = std::min<int64_t>(4, d_blocks - b0);
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r) {
+      const __m512 c = _mm512_set1_ps(correction[r]);
+      for (int b = 0; b < 4; ++b) {
+        acc[r][b] = b < nb ? _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + (b0 + b) * kBlock), c)
+                           : _mm512_setzero_ps();
+      }
+    }
+    if (nb == 4) {
+      dot_tile<R, 4>(p, kKeyChunk, vp + b0 * v_block_stride, v_block_stride, key_pairs, acc);
+    } else {
+      for (int64_t b = 0; b < nb; ++b) {
+        __m512 one[R][1];
+        for (int r = 0; r < R; ++r) one[r][0] = acc[r][b];
+        dot_tile<R, 1>(p, kKeyChunk, vp + (b0 + b) * v_block_stride, v_block_stride, key_pairs, one);
+        for (int r = 0; r < R; ++r) acc[r][b] = one[r][0];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int64_t b = 0; b < nb; ++b) _mm512_storeu_ps(o + r * o_stride + (b0 + b) * kBlock, acc[r][b]);
+    }
+  }
+}
+
+struct Shapes {
+  int64_t num_heads, num_kv_heads, group, head_dim, d_pairs, d_blocks;
+  float scale;
+};
+
+struct Packed {
+  std::vector<int64_t> offset;  // per (prompt, kv head): start in the packed buffers
+  std::vector<int64_t> blocks;  // per prompt: 16-key blocks
+};
+
+CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const uint16_t* q,
+                                     int64_t q_tok, int64_t q_head, const uint16_t* k_packed,
+                                     const uint16_t* v_packed, int64_t pack_offset,
+                                     int64_t key_blocks, int64_t start, uint16_t* out,
+                                     int64_t o_tok, int64_t o_head) {
+  const int64_t G = s.group, D = s.head_dim;
+  const int64_t nq = item.q_end - item.q_begin, rows = nq * G;
+  thread_local std::vector<uint16_t> qbuf, pbuf;
+  thread_local std::vector<float> scores, obuf, row_max, row_sum, corr;
+  qbuf.resize(rows * D);
+  pbuf.resize(rows * kKeyChunk);
+  scores.resize(rows * kKeyChunk);
+  obuf.assign(rows * D, 0.f);
+  row_max.assign(rows, kNegInf);
+  row_sum.assign(rows, 0.f);
+  corr.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = start + item.q_begin + r / G, head = item.kv_head * G + r % G;
+    std::memcpy(qbuf.data() + r * D, q + tok * q_tok + head * q_head, D * sizeof(uint16_t));
+  }
+  const int64_t k_block_stride = s.d_pairs * 2 * kBlock;  // one 16-key block of keys
+  const uint16_t* kp = k_packed + pack_offset;
+  const int64_t padded_keys = key_blocks * kBlock;
+  const int64_t v_block_stride = padded_keys / 2 * 2 * kBlock;  // one 16-column block of values
+  const uint16_t* vp = v_packed + pack_offset;
+  const int64_t keys_end = item.q_end;  // keys [0, last query]
+  for (int64_t c0 = 0; c0 < keys_end; c0 += kKeyChunk) {
+    const int64_t chunk_keys = std::min(kKeyChunk, keys_end - c0);
+    const int64_t nblocks = (chunk_keys + kBlock - 1) / kBlock;
+    for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+      const int64_t n = std::min<int64_t>(kScoreRows, rows - r0);
+      const uint16_t* qa = qbuf.data() + r0 * D;
+      const uint16_t* kb = kp + (c0 / kBlock) * k_block_stride;
+      float* sc = scores.data() + r0 * kKeyChunk;
+      switch (n) {
+#define CARPOOL_SCORE(R) case R: score_rows<R>(qa, D, kb, k_block_stride, s.d_pairs, nblocks, sc); break;
+        CARPOOL_SCORE(1) CARPOOL_SCORE(2) CARPOOL_SCORE(3) CARPOOL_SCORE(4) CARPOOL_SCORE(5)
+        CARPOOL_SCORE(6) CARPOOL_SCORE(7) CARPOOL_SCORE(8) CARPOOL_SCORE(9) CARPOOL_SCORE(10)
+        CARPOOL_SCORE(11) CARPOOL_SCORE(12)
+#undef CARPOOL_SCORE
+      }
+    }
+    // Online softmax per row; keys past the row's position (and past the chunk) masked.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = item.q_begin + r / G;
+      const int64_t allowed = std::min<int64_t>(chunk_keys, pos - c0 + 1);  // may be <= 0
+      float* sc = scores.data() + r * kKeyChunk;
+      uint16_t* pr = pbuf.data() + r * kKeyChunk;
+      if (allowed <= 0) {
+        std::memset(pr, 0, kKeyChunk * sizeof(uint16_t));
+        corr[r] = 1.f;
+        continue;
+      }
+      const __m512 scale = _mm512_set1_ps(s.scale);
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int64_t t = 0; t < kKeyChunk; t += kBlock) {
+        const __mmask16 live = t >= allowed ? 0 : (allowed - t >= 16 ? 0xFFFF : (__mmask16)((1u << (allowed - t)) - 1));
+        __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), live, _mm512_loadu_ps(sc + t), scale);
+        _mm512_storeu_ps(sc + t, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float chunk_max = _mm512_reduce_max_ps(mx);
+      const float new_max = std::max(row_max[r], chunk_max);
+      corr[r] = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
+      row_max[r] = new_max;
+      __m512 sum = _mm512_setzero_ps();
+      const __m512 shift = _mm512_set1_ps(new_max);
+      for (int64_t t = 0; t < kKeyChunk; t += kBlock) {
+        // exp(x - max) with x = -inf -> 0; the bf16 probabilities feed the value product.
+        const __m512 e = at::vec::Vectorized<float>(_mm512_sub_ps(_mm512_loadu_ps(sc + t), shift)).exp_u20();
+        const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + t), pb);
+        // the sum of what the value product uses: the rounded probabilities
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+      }
+      row_sum[r] = row_sum[r] * corr[r] + _mm512_reduce_add_ps(sum);
+    }
+    const int64_t key_pairs = (nblocks * kBlock) / 2;
+    const uint16_t* vchunk = vp + (c0 / 2) * 2 * kBlock;
+    for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
+      const int64_t n = std::min<int64_t>(kValueRows, rows - r0);
+      const uint16_t* pa = pbuf.data() + r0 * kKeyChunk;
+      float* o = obuf.data() + r0 * D;
+      switch (n) {
+#define CARPOOL_VALUE(R) case R: value_rows<R>(pa, vchunk, v_block_stride, key_pairs, s.d_blocks, corr.data() + r0, o, D); break;
+        CARPOOL_VALUE(1) CARPOOL_VALUE(2) CARPOOL_VALUE(3) CARPOOL_VALUE(4) CARPOOL_VALUE(5) CARPOOL_VALUE(6)
+#undef CARPOOL_VALUE
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = start + item.q_begin + r / G, head = item.kv_head * G + r % G;
+    uint16_t* dst = out + tok * o_tok + head * o_head;
+    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+    for (int64_t d = 0; d < D; d += kBlock) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(obuf.data() + r * D + d), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)v);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool prefill_head_dim_ok(int64_t head_dim) { return head_dim % kBlock == 0 && head_dim <= 256; }
+
+void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& starts,
+                            const at::Tensor& lengths, double scale) {
+#if defined(CPU_CAPABILITY_AVX512)
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prefill_attention_bf16: no AVX512-BF16");
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 &&
+                    t->stride(2) == 1,
+                "prefill_attention_bf16: out, q, k, v must be bfloat16 CPU [T, heads, D] with "
+                "head_dim contiguous");
+  }
+  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
+              "prefill_attention_bf16: shapes disagree");
+  TORCH_CHECK(prefill_head_dim_ok(q.size(2)), "prefill_attention_bf16: head_dim ", q.size(2),
+              " is not a multiple of 16 up to 256");
+  TORCH_CHECK(starts.scalar_type() == at::kInt && lengths.scalar_type() == at::kInt &&
+                  starts.dim() == 1 && starts.sizes() == lengths.sizes() &&
+                  starts.is_contiguous() && lengths.is_contiguous(),
+              "prefill_attention_bf16: starts and lengths must be contiguous int32 [S]");
+  Shapes s;
+  s.num_heads = q.size(1);
+  s.num_kv_heads = k.size(1);
+  s.group = s.num_heads / s.num_kv_heads;
+  s.head_dim = q.size(2);
+  s.d_pairs = s.head_dim / 2;
+  s.d_blocks = s.head_dim / kBlock;
+  s.scale = static_cast<float>(scale);
+  const int64_t num_prompts = starts.size(0), D = s.head_dim, Hkv = s.num_kv_heads;
+  const int32_t* st = starts.const_data_ptr<int32_t>();
+  const int32_t* len = lengths.const_data_ptr<int32_t>();
+  // Pack offsets: per (prompt, kv head) padded_keys * D values in each of the two buffers.
+  std::vector<int64_t> offset(num_prompts * Hkv + 1, 0), blocks(num_prompts);
+  std::vector<Item> items;
+  for (int64_t i = 0; i < num_prompts; ++i) {
+    TORCH_CHECK(len[i] >= 1 && st[i] >= 0 && st[i] + len[i] <= q.size(0),
+                "prefill_attention_bf16: prompt ", i, "'s rows fall outside q");
+    blocks[i] = (len[i] + kBlock - 1) / kBlock;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      offset[i * Hkv + h + 1] = offset[i * Hkv + h] + blocks[i] * kBlock * D;
+      for (int64_t b = 0; b < len[i]; b += kQueryBlock) {
+        const int64_t e = std::min<int64_t>(len[i], b + kQueryBlock);
+        items.push_back({i, h, b, e, e * (e - b)});
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<uint16_t> k_packed(offset.back(), 0), v_packed(offset.back(), 0);
+  const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.const_data_ptr());
+  const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.const_data_ptr());
+  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.const_data_ptr());
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // Pack keys as [key block][d pair][16 keys][2] and values as [d block][key pair][16 d][2].
+  at::parallel_for(0, num_prompts * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ph = begin; ph < end; ++ph) {
+      const int64_t i = ph / Hkv, h = ph % Hkv, padded = blocks[i] * kBlock;
+      uint16_t* kp = k_packed.data() + offset[ph];
+      uint16_t* vp = v_packed.data() + offset[ph];
+      for (int64_t t = 0; t < len[i]; ++t) {
+        const uint16_t* krow = kd + (st[i] + t) * k.stride(0) + h * k.stride(1);
+        const uint16_t* vrow = vd + (st[i] + t) * v.stride(0) + h * v.stride(1);
+        uint16_t* kdst = kp + (t / kBlock) * (D / 2) * 2 * kBlock + (t % kBlock) * 2;
+        for (int64_t p = 0; p < D / 2; ++p) {
+          kdst[p * 2 * kBlock] = krow[2 * p];
+          kdst[p * 2 * kBlock + 1] = krow[2 * p + 1];
+        }
+        uint16_t* vdst = vp + (t / 2) * 2 * kBlock + (t % 2);
+        for (int64_t d = 0; d < D; ++d) vdst[(d / kBlock) * (padded / 2) * 2 * kBlock + (d % kBlock) * 2] = vrow[d];
+      }
+    }
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
+      const Item& it = items[n];
+      attend_item(s, it, qd, q.stride(0), q.stride(1), k_packed.data(), v_packed.data(),
+                  offset[it.prompt * Hkv + it.kv_head], blocks[it.prompt], st[it.prompt], od,
+                  out.stride(0), out.stride(1));
+    }
+  });
+#else
+  TORCH_CHECK(false, "prefill_attention_bf16: built without AVX512");
+#endif
+}
+
+}  // namespace carpool_prefill
