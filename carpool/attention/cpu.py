@@ -64,6 +64,7 @@ class CpuMetadata:
     fresh_spans: tuple[tuple[int, int], ...]
     num_tokens: int
     kernel_rows: KernelRows | None = None  # with the compiled kernels; else the groups below
+    prefill_rows: KernelRows | None = None  # bfloat16 chunks for `prefill_attention_bf16`
     decode_groups: tuple[paged.PagedGroup, ...] = ()
     decode_bags: tuple[ValueBags, ...] = ()  # one per decode group
     chunk_group: paged.PagedGroup | None = None
@@ -84,19 +85,26 @@ class CpuBackend(AttentionBackend):
             kernels = None
         super().__init__(shape, device, kernels)
         self.batch_invariant = batch_invariant
-        # Fresh bfloat16 prompts take `prefill_attention_bf16` where the CPU has AVX512-BF16.
+        # bfloat16 prompt chunks (every request of 2+ tokens) take `prefill_attention_bf16`
+        # where the CPU has AVX512-BF16; decodes stay with `paged_attention`.
         self.bf16_prefill = (kernels is not None and not batch_invariant
-                             and shape.dtype == torch.bfloat16 and kernels.has_bf16_gemm()
+                             and shape.dtype == torch.bfloat16 and shape.sliding_window is None
+                             and kernels.has_bf16_gemm()
                              and kernels.prefill_head_dim_ok(shape.head_dim))
-        # Fresh prompts longer than this take `causal_in_query_blocks` (or the bfloat16 prefill
-        # kernel: all of them); none when invariant.
-        self.kernel_fresh_max_tokens = (None if batch_invariant else
-                                        0 if self.bf16_prefill else KERNEL_FRESH_MAX_TOKENS)
+        # Fresh prompts longer than this take `causal_in_query_blocks`; none when invariant.
+        self.kernel_fresh_max_tokens = (None if batch_invariant else KERNEL_FRESH_MAX_TOKENS)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         fast_path = self.shape.sliding_window is None
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
         common = dict(slot_mapping=slots, num_tokens=layout.num_tokens)
+        if self.bf16_prefill:  # decodes to paged_attention, chunks to the prefill kernel
+            is_chunk = layout.query_lens > 1
+            decodes, chunks = np.flatnonzero(~is_chunk), np.flatnonzero(is_chunk)
+            return CpuMetadata(
+                **common, fresh_spans=(),
+                kernel_rows=_kernel_rows(layout, decodes) if len(decodes) else None,
+                prefill_rows=_kernel_rows(layout, chunks) if len(chunks) else None)
         if self.kernels is not None:  # the kernel takes all but long fresh prompts
             is_fresh = paged.fresh_mask(layout, fast_path)
             if self.kernel_fresh_max_tokens is None:
@@ -120,26 +128,27 @@ class CpuBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: CpuMetadata, scale: float) -> torch.Tensor:
-        if meta.kernel_rows is not None:
-            # Every row is written: by the kernel, or below as part of a fresh prompt.
+        if meta.kernel_rows is not None or meta.prefill_rows is not None:
+            # Every row is written: by a kernel, or below as part of a fresh prompt.
             out = torch.empty_like(q)
+        else:
+            out = torch.zeros_like(q)
+        if meta.prefill_rows is not None:
+            rows = meta.prefill_rows
+            self.kernels.prefill_attention_bf16(out, q, kv_cache, rows.block_tables,
+                                                rows.query_starts, rows.query_lens,
+                                                rows.seq_lens, scale)
+        if meta.kernel_rows is not None:
             rows = meta.kernel_rows
             self.kernels.paged_attention(out, q, kv_cache, rows.block_tables, rows.query_starts,
                                          rows.query_lens, rows.seq_lens, scale,
                                          self.shape.sliding_window or 0,
                                          batch_invariant=self.batch_invariant)
-        else:
-            out = torch.zeros_like(q)
         for group, bags in zip(meta.decode_groups, meta.decode_bags):
             out[group.valid_tokens] = attend_decodes(q, kv_cache, group, bags, scale)
         if meta.chunk_group is not None:
             group = meta.chunk_group
             out[group.valid_tokens] = paged.attend_group_sdpa(q, kv_cache, group, scale)
-        if meta.fresh_spans and self.bf16_prefill and q.dtype == torch.bfloat16:
-            starts, lengths = (torch.tensor(column, dtype=torch.int32)
-                               for column in zip(*meta.fresh_spans))
-            self.kernels.prefill_attention_bf16(out, q, k, v, starts, lengths, scale)
-            return out
         for start, length in meta.fresh_spans:
             span = slice(start, start + length)
             out[span] = causal_in_query_blocks(q[span], k[span], v[span], scale)

@@ -1,7 +1,9 @@
-"""The bfloat16 prefill kernel (fresh prompts, AVX512-BF16) against the PyTorch reference,
-and the cpu backend taking it for every fresh bfloat16 prompt and for nothing else."""
+"""The bfloat16 prefill kernel (prompt chunks, AVX512-BF16) against the PyTorch reference,
+and the cpu backend sending it every bfloat16 request of 2+ tokens and nothing else."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from carpool.attention.base import StepLayout
 from carpool.attention.cpu_kernels import load, paged_attention_reference
 
 UNTOUCHED = 7.0
+AS_INT = dict(dtype=torch.int32)
 
 
 @pytest.fixture(scope="module")
@@ -22,94 +25,93 @@ def kernels():
     return module
 
 
-def fresh_case(lengths, num_heads, num_kv_heads, head_dim, seed=0, spare_rows=3):
-    """q, k, v as strided views of one projection output; prompts packed after spare rows."""
+def chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
+    """bfloat16 q (a strided view), a cache whose slots no request owns are NaN, shuffled
+    block tables, and the requests' rows placed in q in a shuffled order after spare rows."""
     gen = torch.Generator().manual_seed(seed)
-    num_tokens = sum(lengths) + spare_rows
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 2
-    q, k, v = qkv.to(torch.bfloat16).split(
-        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    starts = np.cumsum([spare_rows // 2, *lengths[:-1]])
-    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-            v.view(num_tokens, num_kv_heads, head_dim), starts.astype(np.int32))
+    needed = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 3
+    cache = torch.full((2, num_kv_heads, num_blocks, block_size, head_dim), float("nan"))
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(needed) + 1, **AS_INT)
+    for i, (n, seq_len) in enumerate(zip(needed, seq_lens)):
+        ids = [order.pop() for _ in range(n)]
+        tables[i, :n] = torch.tensor(ids, **AS_INT)
+        for b, block in enumerate(ids):
+            rows = min(block_size, seq_len - b * block_size)
+            cache[:, :, block, :rows] = torch.randn(2, num_kv_heads, rows, head_dim,
+                                                    generator=gen) * 2
+    starts, row = [0] * len(q_lens), 2
+    for i in torch.randperm(len(q_lens), generator=gen).tolist():
+        starts[i], row = row, row + q_lens[i]
+    wide = torch.randn(row + 1, num_heads, head_dim + 8, generator=gen) * 2
+    q = wide[..., :head_dim].to(torch.bfloat16)  # token and head strides of a wider tensor
+    return dict(q=q, kv_cache=cache.to(torch.bfloat16), block_tables=tables,
+                query_starts=torch.tensor(starts, **AS_INT), query_lens=torch.tensor(q_lens, **AS_INT),
+                seq_lens=torch.tensor(seq_lens, **AS_INT))
 
 
-def reference(q, k, v, starts, lengths, scale):
-    """paged_attention_reference over a cache holding each prompt's k, v in blocks of 16."""
-    block_size, num_tokens = 16, q.shape[0]
-    blocks = [-(-n // block_size) for n in lengths]
-    cache = torch.zeros(2, k.shape[1], sum(blocks), block_size, k.shape[2], dtype=k.dtype)
-    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
-    first = 0
-    for i, (start, n) in enumerate(zip(starts, lengths)):
-        ids = torch.arange(first, first + blocks[i])
-        tables[i, :blocks[i]] = ids.int()
-        flat = cache.view(2, k.shape[1], -1, k.shape[2])
-        slots = first * block_size + torch.arange(n)
-        flat[0][:, slots] = k[start:start + n].transpose(0, 1)
-        flat[1][:, slots] = v[start:start + n].transpose(0, 1)
-        first += blocks[i]
-    out = torch.full_like(q, UNTOUCHED)
-    as_int = dict(dtype=torch.int32)
-    paged_attention_reference(out, q, cache, tables, torch.tensor(starts, **as_int),
-                              torch.tensor(lengths, **as_int), torch.tensor(lengths, **as_int),
-                              scale, 0)
-    assert out.shape[0] == num_tokens
-    return out
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,lengths", [
-    (9, 3, 64, [2, 37, 300, 65]),  # 135M's shape; prompt lengths around the 32/64 tiles
-    (4, 1, 16, [1, 16, 64, 97]),  # MQA, one-token prompt
-    (8, 8, 128, [130]),  # MHA, wide heads
-    (6, 2, 32, [513]),
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,q_lens,seq_lens", [
+    (9, 3, 64, [2, 37, 300, 65], [2, 37, 300, 65]),  # fresh prompts around the 32/64 tiles
+    (9, 3, 64, [32, 5, 100], [800, 21, 164]),  # chunks after cached tokens (prefix hits)
+    (4, 1, 16, [16, 97, 3], [16, 200, 64]),  # MQA
+    (8, 8, 128, [130], [130]),  # MHA, wide heads
+    (6, 2, 32, [513, 0], [513, 40]),  # a request with no queries is skipped
 ])
-def test_prefill_kernel_matches_reference(kernels, num_heads, num_kv_heads, head_dim, lengths):
-    q, k, v, starts = fresh_case(lengths, num_heads, num_kv_heads, head_dim)
-    out = torch.full_like(q, UNTOUCHED)
+def test_prefill_kernel_matches_reference(kernels, num_heads, num_kv_heads, head_dim, q_lens,
+                                          seq_lens):
+    case = chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim)
     scale = head_dim ** -0.5
-    kernels.prefill_attention_bf16(out, q, k, v, torch.from_numpy(starts),
-                                   torch.tensor(lengths, dtype=torch.int32), scale)
-    expected = reference(q, k, v, starts, lengths, scale)
+    out, expected = (torch.full_like(case["q"], UNTOUCHED) for _ in range(2))
+    kernels.prefill_attention_bf16(out, **case, scale=scale)
+    paged_attention_reference(expected, **case, scale=scale, sliding_window=0)
     covered = expected != UNTOUCHED
-    assert torch.equal(out[~covered], expected[~covered])  # rows outside the prompts untouched
+    assert torch.equal(out[~covered], expected[~covered])  # rows outside the requests untouched
     # bfloat16 inputs and probabilities: within a few bfloat16 steps of the float32 reference
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
 
 
 def test_prefill_kernel_checks_its_arguments(kernels):
-    q, k, v, starts = fresh_case([8], 4, 2, 16)
-    out = torch.zeros_like(q)
-    with pytest.raises(RuntimeError, match="fall outside q"):
-        kernels.prefill_attention_bf16(out, q, k, v, torch.tensor([5], dtype=torch.int32),
-                                       torch.tensor([100], dtype=torch.int32), 0.25)
+    case = chunk_case([8], [8], 4, 2, 16)
+    out = torch.zeros_like(case["q"])
+    bad_table = dict(case, block_tables=torch.full_like(case["block_tables"], 999))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.prefill_attention_bf16(out, **bad_table, scale=0.25)
+    with pytest.raises(RuntimeError, match="exceed"):
+        kernels.prefill_attention_bf16(out, **dict(case, seq_lens=torch.tensor([4], **AS_INT)),
+                                       scale=0.25)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        kernels.prefill_attention_bf16(out.float(), q.float(), k.float(), v.float(),
-                                       torch.from_numpy(starts), torch.tensor([8], dtype=torch.int32),
-                                       0.25)
+        kernels.prefill_attention_bf16(out.float(), **dict(case, q=case["q"].float()), scale=0.25)
     assert not kernels.prefill_head_dim_ok(40) and kernels.prefill_head_dim_ok(64)
 
 
-@pytest.mark.parametrize("dtype,takes_it", [(torch.bfloat16, True), (torch.float32, False)])
-def test_cpu_backend_sends_fresh_bfloat16_prompts_to_the_prefill_kernel(kernels, dtype, takes_it):
-    shape = AttentionShape(4, 2, 16, dtype=dtype)
-    backend = create_backend("cpu", shape, torch.device("cpu"), kernels=kernels)
+@pytest.mark.parametrize("dtype,window,takes_it", [(torch.bfloat16, None, True),
+                                                   (torch.float32, None, False),
+                                                   (torch.bfloat16, 8, False)])
+def test_cpu_backend_sends_bfloat16_chunks_to_the_prefill_kernel(kernels, dtype, window,
+                                                                 takes_it):
+    backend = create_backend("cpu", AttentionShape(4, 2, 16, window, dtype=dtype),
+                             torch.device("cpu"), kernels=kernels)
     assert backend.bf16_prefill is takes_it
-    # one fresh prompt of 40 tokens and one decode at position 20 (a cached request)
-    layout = StepLayout(query_starts=np.array([0, 40]), query_lens=np.array([40, 1]),
-                        num_computed=np.array([0, 20]),
-                        block_tables=(np.array([1, 2, 3]), np.array([4, 5])),
-                        slot_mapping=np.concatenate([np.arange(16, 56), [84]]),
-                        num_cache_blocks=6, block_size=16)
+    # a fresh prompt of 40 tokens, a decode at position 20, a 5-token chunk after 30 cached
+    layout = StepLayout(query_starts=np.array([0, 40, 41]), query_lens=np.array([40, 1, 5]),
+                        num_computed=np.array([0, 20, 30]),
+                        block_tables=(np.array([1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8])),
+                        slot_mapping=np.concatenate([np.arange(16, 56), [84], np.arange(126, 131)]),
+                        num_cache_blocks=9, block_size=16)
     meta = backend.build_metadata(layout)
-    assert (meta.fresh_spans == ((0, 40),)) is takes_it
+    if takes_it:
+        assert meta.prefill_rows.query_lens.tolist() == [40, 5]
+        assert meta.kernel_rows.query_lens.tolist() == [1]
+    else:
+        assert meta.prefill_rows is None
     gen = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(41, h, 16, generator=gen).to(dtype) for h in (4, 2, 2))
-    cache = torch.randn(2, 2, 6, 16, 16, generator=gen).to(dtype)
+    q, k, v = (torch.randn(46, h, 16, generator=gen).to(dtype) for h in (4, 2, 2))
+    cache = torch.randn(2, 2, 9, 16, 16, generator=gen).to(dtype)
     out = backend.forward(q, k, v, cache, meta, 0.25)
     expected = torch.full_like(q, UNTOUCHED)
-    as_int = dict(dtype=torch.int32)
-    paged_attention_reference(expected, q, cache, torch.tensor([[1, 2, 3], [4, 5, 0]], **as_int),
-                              torch.tensor([0, 40], **as_int), torch.tensor([40, 1], **as_int),
-                              torch.tensor([40, 21], **as_int), 0.25, 0)
+    paged_attention_reference(
+        expected, q, cache, torch.tensor([[1, 2, 3], [4, 5, 0], [6, 7, 8]], **AS_INT),
+        torch.tensor([0, 40, 41], **AS_INT), torch.tensor([40, 1, 5], **AS_INT),
+        torch.tensor([40, 21, 35], **AS_INT), 0.25, window or 0)
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)

@@ -38,9 +38,10 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
 
 namespace carpool_prefill {  // prefill_attention.cpp
 bool prefill_head_dim_ok(int64_t head_dim);
-void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& starts,
-                            const at::Tensor& lengths, double scale);
+void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& query_starts,
+                            const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                            double scale);
 }
 
 namespace carpool_fused {  // fused_ops.cpp
@@ -85,9 +86,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,
         "Whether prefill_attention_bf16 takes this head_dim (a multiple of 16 up to 256).");
   m.def("prefill_attention_bf16", &carpool_prefill::prefill_attention_bf16,
-        "Causal attention of fresh bfloat16 prompts (rows starts[i] .. + lengths[i]) into out.",
-        py::arg("out"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("starts"),
-        py::arg("lengths"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+        "paged_attention for bfloat16 prompt chunks (no sliding window), on AVX512-BF16.",
+        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
+        py::arg("query_starts"), py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),

@@ -1,21 +1,24 @@
-// Causal attention of fresh bfloat16 prompts (prefilled from position 0 in this step), with
-// both products on AVX512-BF16 `vdpbf16ps`, as small matrix multiplications.
+// Causal attention of bfloat16 prompt chunks, with both products on AVX512-BF16 `vdpbf16ps`,
+// as small matrix multiplications.
 //
-// prefill_attention_bf16(out, q, k, v, starts, lengths, scale): prompt i's rows are
-// [starts[i], starts[i] + lengths[i]) of q [T, H, D], k, v [T, Hkv, D] (this step's keys and
-// values, head_dim contiguous, other strides free); query j attends keys 0..j of its prompt.
-// out [T, H, D] gets those rows. D a multiple of 16 (callers check `prefill_head_dim_ok`).
+// prefill_attention_bf16(out, q, kv_cache, block_tables, query_starts, query_lens, seq_lens,
+// scale): paged_attention's arguments (no sliding window). Request i's queries are rows
+// query_starts[i] + j, j < query_lens[i], of q [T, H, D] at positions
+// seq_lens[i] - query_lens[i] + j, attending the keys at positions <= their own, read from
+// kv_cache [2, Hkv, num_blocks, block_size, D] (this step's already written) through the
+// block table: a fresh prompt, or a chunk after cached tokens (an earlier chunk, a prefix-
+// cache hit). out [T, H, D] gets those rows. D a multiple of 16 (`prefill_head_dim_ok`).
 //
-// First every (prompt, kv head)'s keys and values are packed once into the pair layout
+// First every (request, kv head)'s keys and values are packed once into the pair layout
 // `vdpbf16ps` reads (as small_gemm.cpp packs a weight): keys as 16-key blocks of
 // (d, d + 1) pairs, so scores = Q . K^T is a GEMM over head_dim; values as 16-column blocks
 // of (key, key + 1) pairs, so out = P . V is a GEMM over keys. Then a work item is
-// (prompt, kv head, block of kQueryBlock queries); its rows are the queries times the
+// (request, kv head, block of kQueryBlock queries); its rows are the queries times the
 // G = H / Hkv query heads sharing the kv head. It walks the keys up to its last query in
-// chunks of kKeyChunk: scores in float32, the causal mask on the diagonal chunk only, an
-// online softmax per row (running max and sum, the output accumulator rescaled), the
-// probabilities rounded to bfloat16 (as bfloat16 SDPA kernels do) for the second product.
-// Threads take items dynamically, longest first.
+// chunks of kKeyChunk: scores in float32, the causal mask, an online softmax per row
+// (running max and sum, the output accumulator rescaled), the probabilities rounded to
+// bfloat16 (as bfloat16 SDPA kernels do) for the second product. Threads take items
+// dynamically, longest first.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,7 +50,7 @@ constexpr int kValueRows = 6;         // rows per value tile (x 4 head_dim block
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Item {
-  int64_t prompt, kv_head, q_begin, q_end, cost;
+  int64_t request, kv_head, q_begin, q_end, cost;  // queries relative to the request
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -137,8 +140,8 @@ struct Packed {
 CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const uint16_t* q,
                                      int64_t q_tok, int64_t q_head, const uint16_t* k_packed,
                                      const uint16_t* v_packed, int64_t pack_offset,
-                                     int64_t key_blocks, int64_t start, uint16_t* out,
-                                     int64_t o_tok, int64_t o_head) {
+                                     int64_t key_blocks, int64_t start, int64_t first_pos,
+                                     uint16_t* out, int64_t o_tok, int64_t o_head) {
   const int64_t G = s.group, D = s.head_dim;
   const int64_t nq = item.q_end - item.q_begin, rows = nq * G;
   thread_local std::vector<uint16_t> qbuf, pbuf;
@@ -159,7 +162,7 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
   const int64_t padded_keys = key_blocks * kBlock;
   const int64_t v_block_stride = padded_keys / 2 * 2 * kBlock;  // one 16-column block of values
   const uint16_t* vp = v_packed + pack_offset;
-  const int64_t keys_end = item.q_end;  // keys [0, last query]
+  const int64_t keys_end = first_pos + item.q_end;  // keys [0, the last query's position]
   for (int64_t c0 = 0; c0 < keys_end; c0 += kKeyChunk) {
     const int64_t chunk_keys = std::min(kKeyChunk, keys_end - c0);
     const int64_t nblocks = (chunk_keys + kBlock - 1) / kBlock;
@@ -178,7 +181,7 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
     }
     // Online softmax per row; keys past the row's position (and past the chunk) masked.
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = item.q_begin + r / G;
+      const int64_t pos = first_pos + item.q_begin + r / G;
       const int64_t allowed = std::min<int64_t>(chunk_keys, pos - c0 + 1);  // may be <= 0
       float* sc = scores.data() + r * kKeyChunk;
       uint16_t* pr = pbuf.data() + r * kKeyChunk;
@@ -240,74 +243,101 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
 
 bool prefill_head_dim_ok(int64_t head_dim) { return head_dim % kBlock == 0 && head_dim <= 256; }
 
-void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& starts,
-                            const at::Tensor& lengths, double scale) {
+void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& query_starts,
+                            const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                            double scale) {
 #if defined(CPU_CAPABILITY_AVX512)
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prefill_attention_bf16: no AVX512-BF16");
-  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q, &k, &v}) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 &&
                     t->stride(2) == 1,
-                "prefill_attention_bf16: out, q, k, v must be bfloat16 CPU [T, heads, D] with "
-                "head_dim contiguous");
+                "prefill_attention_bf16: out and q must be bfloat16 CPU [T, H, D] with head_dim "
+                "contiguous");
   }
-  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
-                  k.size(2) == q.size(2) && q.size(1) % k.size(1) == 0,
-              "prefill_attention_bf16: shapes disagree");
+  TORCH_CHECK(out.sizes() == q.sizes(), "prefill_attention_bf16: out and q differ in shape");
+  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.scalar_type() == at::kBFloat16 &&
+                  kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(4) == q.size(2) && q.size(1) % kv_cache.size(1) == 0,
+              "prefill_attention_bf16: kv_cache must be a contiguous bfloat16 "
+              "[2, Hkv, num_blocks, block_size, D] matching q");
   TORCH_CHECK(prefill_head_dim_ok(q.size(2)), "prefill_attention_bf16: head_dim ", q.size(2),
               " is not a multiple of 16 up to 256");
-  TORCH_CHECK(starts.scalar_type() == at::kInt && lengths.scalar_type() == at::kInt &&
-                  starts.dim() == 1 && starts.sizes() == lengths.sizes() &&
-                  starts.is_contiguous() && lengths.is_contiguous(),
-              "prefill_attention_bf16: starts and lengths must be contiguous int32 [S]");
+  for (const at::Tensor* t : {&query_starts, &query_lens, &seq_lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous() &&
+                    t->size(0) == block_tables.size(0),
+                "prefill_attention_bf16: query_starts, query_lens, seq_lens must be contiguous "
+                "int32 [S]");
+  }
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous(),
+              "prefill_attention_bf16: block_tables must be a contiguous int32 [S, max_blocks]");
   Shapes s;
   s.num_heads = q.size(1);
-  s.num_kv_heads = k.size(1);
+  s.num_kv_heads = kv_cache.size(1);
   s.group = s.num_heads / s.num_kv_heads;
   s.head_dim = q.size(2);
   s.d_pairs = s.head_dim / 2;
   s.d_blocks = s.head_dim / kBlock;
   s.scale = static_cast<float>(scale);
-  const int64_t num_prompts = starts.size(0), D = s.head_dim, Hkv = s.num_kv_heads;
-  const int32_t* st = starts.const_data_ptr<int32_t>();
-  const int32_t* len = lengths.const_data_ptr<int32_t>();
-  // Pack offsets: per (prompt, kv head) padded_keys * D values in each of the two buffers.
-  std::vector<int64_t> offset(num_prompts * Hkv + 1, 0), blocks(num_prompts);
+  const int64_t num_requests = block_tables.size(0), D = s.head_dim, Hkv = s.num_kv_heads;
+  const int64_t num_cache_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* st = query_starts.const_data_ptr<int32_t>();
+  const int32_t* qlen = query_lens.const_data_ptr<int32_t>();
+  const int32_t* slen = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  // Per (request, kv head): padded_keys * D values in each of the two packed buffers.
+  std::vector<int64_t> offset(num_requests * Hkv + 1, 0), blocks(num_requests);
   std::vector<Item> items;
-  for (int64_t i = 0; i < num_prompts; ++i) {
-    TORCH_CHECK(len[i] >= 1 && st[i] >= 0 && st[i] + len[i] <= q.size(0),
-                "prefill_attention_bf16: prompt ", i, "'s rows fall outside q");
-    blocks[i] = (len[i] + kBlock - 1) / kBlock;
+  for (int64_t i = 0; i < num_requests; ++i) {
+    TORCH_CHECK(qlen[i] >= 0 && qlen[i] <= slen[i] && st[i] >= 0 && st[i] + qlen[i] <= q.size(0),
+                "prefill_attention_bf16: request ", i, "'s query rows fall outside q or exceed "
+                "its seq_len");
+    TORCH_CHECK(slen[i] <= max_blocks * block_size, "prefill_attention_bf16: request ", i,
+                " has seq_len ", slen[i], " beyond its block table");
+    for (int64_t b = 0; b * block_size < slen[i]; ++b) {
+      const int64_t block = tables[i * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_cache_blocks, "prefill_attention_bf16: block id ",
+                  block, " of request ", i, " is outside the cache (", num_cache_blocks,
+                  " blocks)");
+    }
+    blocks[i] = (slen[i] + kBlock - 1) / kBlock;
     for (int64_t h = 0; h < Hkv; ++h) {
       offset[i * Hkv + h + 1] = offset[i * Hkv + h] + blocks[i] * kBlock * D;
-      for (int64_t b = 0; b < len[i]; b += kQueryBlock) {
-        const int64_t e = std::min<int64_t>(len[i], b + kQueryBlock);
-        items.push_back({i, h, b, e, e * (e - b)});
+      for (int64_t b = 0; b < qlen[i]; b += kQueryBlock) {
+        const int64_t e = std::min<int64_t>(qlen[i], b + kQueryBlock);
+        items.push_back({i, h, b, e, (slen[i] - qlen[i] + e) * (e - b)});
       }
     }
   }
+  if (items.empty()) return;
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::vector<uint16_t> k_packed(offset.back(), 0), v_packed(offset.back(), 0);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.const_data_ptr());
-  const uint16_t* kd = reinterpret_cast<const uint16_t*>(k.const_data_ptr());
-  const uint16_t* vd = reinterpret_cast<const uint16_t*>(v.const_data_ptr());
+  const uint16_t* cache = reinterpret_cast<const uint16_t*>(kv_cache.const_data_ptr());
   uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t head_stride = num_cache_blocks * block_size * D;  // one head's blocks
   // Pack keys as [key block][d pair][16 keys][2] and values as [d block][key pair][16 d][2].
-  at::parallel_for(0, num_prompts * Hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t ph = begin; ph < end; ++ph) {
-      const int64_t i = ph / Hkv, h = ph % Hkv, padded = blocks[i] * kBlock;
-      uint16_t* kp = k_packed.data() + offset[ph];
-      uint16_t* vp = v_packed.data() + offset[ph];
-      for (int64_t t = 0; t < len[i]; ++t) {
-        const uint16_t* krow = kd + (st[i] + t) * k.stride(0) + h * k.stride(1);
-        const uint16_t* vrow = vd + (st[i] + t) * v.stride(0) + h * v.stride(1);
+  at::parallel_for(0, num_requests * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ih = begin; ih < end; ++ih) {
+      const int64_t i = ih / Hkv, h = ih % Hkv, padded = blocks[i] * kBlock;
+      if (qlen[i] == 0) continue;
+      uint16_t* kp = k_packed.data() + offset[ih];
+      uint16_t* vp = v_packed.data() + offset[ih];
+      for (int64_t t = 0; t < slen[i]; ++t) {
+        const int64_t slot = tables[i * max_blocks + t / block_size] * block_size + t % block_size;
+        const uint16_t* krow = cache + h * head_stride + slot * D;
+        const uint16_t* vrow = cache + (Hkv + h) * head_stride + slot * D;
         uint16_t* kdst = kp + (t / kBlock) * (D / 2) * 2 * kBlock + (t % kBlock) * 2;
         for (int64_t p = 0; p < D / 2; ++p) {
           kdst[p * 2 * kBlock] = krow[2 * p];
           kdst[p * 2 * kBlock + 1] = krow[2 * p + 1];
         }
         uint16_t* vdst = vp + (t / 2) * 2 * kBlock + (t % 2);
-        for (int64_t d = 0; d < D; ++d) vdst[(d / kBlock) * (padded / 2) * 2 * kBlock + (d % kBlock) * 2] = vrow[d];
+        for (int64_t d = 0; d < D; ++d) {
+          vdst[(d / kBlock) * (padded / 2) * 2 * kBlock + (d % kBlock) * 2] = vrow[d];
+        }
       }
     }
   });
@@ -318,8 +348,8 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
     for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
       const Item& it = items[n];
       attend_item(s, it, qd, q.stride(0), q.stride(1), k_packed.data(), v_packed.data(),
-                  offset[it.prompt * Hkv + it.kv_head], blocks[it.prompt], st[it.prompt], od,
-                  out.stride(0), out.stride(1));
+                  offset[it.request * Hkv + it.kv_head], blocks[it.request], st[it.request],
+                  slen[it.request] - qlen[it.request], od, out.stride(0), out.stride(1));
     }
   });
 #else
