@@ -35,6 +35,23 @@ from vs_vllm_worker_carpool import build  # noqa: E402
 PHASES = ("prefill", "decode", "none")
 
 
+class GcClock:
+    """Seconds the cyclic garbage collector has paused this process (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
 class KernelClock:
     """Seconds spent inside the model forward, the logits and the sampler, by wrapping them."""
 
@@ -64,7 +81,7 @@ def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int 
     """One run of the workload; returns phase timings (and prints the profile of `phase`)."""
     import torch
 
-    clock = KernelClock()
+    clock, gc_clock = KernelClock(), GcClock()
     clock.install()
     job = Job("carpool", model, dtype, num_threads, {}, kv_cache_gib=kv_cache_gib)
     add, step = build(job)
@@ -77,6 +94,7 @@ def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int 
     waiting_first = set(range(num_requests))
     num_left, times = num_requests, {"prefill": [], "decode": []}
     kernel_s = {"prefill": 0.0, "decode": 0.0}
+    gc_s = {"prefill": 0.0, "decode": 0.0}
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     started = time.perf_counter()
     for index, (ids, num_output_tokens) in enumerate(requests):
@@ -87,10 +105,11 @@ def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int 
         if profiling != (current == phase):  # the profiled phase starts or ends here
             profiler.start() if not profiling else profiler.stop()
             profiling = not profiling
-        kernel_start, step_start = clock.seconds, time.perf_counter()
+        kernel_start, gc_start, step_start = clock.seconds, gc_clock.seconds, time.perf_counter()
         deltas = list(step())
         times[current].append(time.perf_counter() - step_start)
         kernel_s[current] += clock.seconds - kernel_start
+        gc_s[current] += gc_clock.seconds - gc_start
         for delta in deltas:
             if delta.new_token_ids:
                 waiting_first.discard(delta.request_index)
@@ -106,12 +125,15 @@ def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int 
     for name in ("prefill", "decode"):
         total = sum(times[name])
         result[f"{name}_host_share"] = 1 - kernel_s[name] / total if total else 0.0
+        result[f"{name}_gc_share"] = gc_s[name] / total if total else 0.0
     print(f"{num_requests} requests, {num_tokens} output tokens in {duration:.1f} s "
           f"({result['output_tok_s']:.1f} tok/s); prefill phase {result['prefill_s']:.1f} s "
           f"over {result['num_prefill_steps']} steps; decode phase {result['decode_s']:.1f} s "
           f"over {result['num_decode_steps']} steps, median {result['decode_step_p50_ms']:.1f} ms")
     print(f"host share of the step (outside forward + logits + sampler): prefill phase "
-          f"{result['prefill_host_share']:.1%}, decode phase {result['decode_host_share']:.1%}")
+          f"{result['prefill_host_share']:.1%}, decode phase {result['decode_host_share']:.1%}; "
+          f"of it garbage collection: {result['prefill_gc_share']:.1%}, "
+          f"{result['decode_gc_share']:.1%}")
     if phase != "none":
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
     return result
