@@ -97,6 +97,9 @@ class CpuBackend(AttentionBackend):
                 is_fresh[:] = False
             else:
                 is_fresh &= layout.query_lens > self.kernel_fresh_max_tokens
+            if not is_fresh.any():  # the usual step: the kernel takes every request
+                return CpuMetadata(**common, fresh_spans=(),
+                                   kernel_rows=_kernel_rows(layout, np.arange(len(is_fresh))))
             rows = np.flatnonzero(~is_fresh)
             return CpuMetadata(
                 **common, fresh_spans=paged.fresh_spans(layout, np.flatnonzero(is_fresh)),

@@ -225,7 +225,7 @@ class LLMEngine:
                 self.runner.execute(sched_out)
             self._stats.record_idle()
             return outputs
-        self._stats.record_step(sched_out, self._states)
+        self._stats.record_step(sched_out)
         bitmask = self._structured.start_bitmask(self._constrained_rows(sched_out))
         try:
             if self.step_hook is not None:

@@ -65,8 +65,9 @@ def text_decoder(tokenizer) -> Callable[[list[int], bool], str]:
     subclass overrides them) with no clean-up of tokenization spaces.
     """
     backend = getattr(tokenizer, "_tokenizer", None)
+    generic = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers 5, 4
     if (_defined_by(tokenizer, "decode") == "PreTrainedTokenizerBase"
-            and _defined_by(tokenizer, "_decode") in ("TokenizersBackend", "PreTrainedTokenizerFast")
+            and _defined_by(tokenizer, "_decode") in generic
             and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
             and type(backend).__module__.startswith("tokenizers")):
         return lambda ids, skip_special_tokens: backend.decode(

@@ -42,8 +42,10 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     scheduled = scheduler_output.scheduled
     num_padding = scheduler_output.num_padding_tokens
     num_reqs = len(scheduled)
-    query_lens = np.fromiter((len(r.token_ids) for r in scheduled), np.int64, num_reqs)
-    num_computed = np.fromiter((r.num_computed_tokens for r in scheduled), np.int64, num_reqs)
+    # One pass over the requests for their counts: [S, 4] = new tokens, computed, blocks, sample
+    counts = np.array([(len(r.token_ids), r.num_computed_tokens, len(r.block_ids), r.sample)
+                       for r in scheduled], dtype=np.int64).reshape(num_reqs, 4)
+    query_lens, num_computed = counts[:, 0], counts[:, 1]
     if num_reqs and not query_lens.all():
         empty = scheduled[int(np.argmin(query_lens))]
         raise ValueError(f"request {empty.request_id!r} is scheduled with no tokens")
@@ -51,7 +53,7 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     ids = np.zeros(num_real + num_padding, dtype=np.int64)  # padding tokens are id 0
     ids[:num_real] = np.fromiter(chain.from_iterable(r.token_ids for r in scheduled), np.int64,
                                  num_real)
-    table = _block_table(scheduled, num_computed + query_lens, block_size)
+    table = _block_table(scheduled, num_computed + query_lens, counts[:, 2], block_size)
     if num_padding:
         query_lens = np.concatenate([query_lens, np.ones(num_padding, dtype=np.int64)])
         num_computed = np.concatenate([num_computed, np.zeros(num_padding, dtype=np.int64)])
@@ -64,7 +66,7 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     positions = np.arange(len(ids)) + (num_computed - query_starts)[rows]
     slots = table[rows, positions // block_size].astype(np.int64) * block_size + (
         positions % block_size)
-    sample = np.fromiter((r.sample for r in scheduled), bool, num_reqs)
+    sample = counts[:, 3].astype(bool)
     layout = StepLayout(query_starts=query_starts, query_lens=query_lens,
                         num_computed=num_computed, block_table=table, slot_mapping=slots,
                         num_cache_blocks=scratch_block + 1, block_size=block_size)
@@ -76,12 +78,12 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
                       sampled=[r for r in scheduled if r.sample])
 
 
-def _block_table(scheduled: list[ScheduledRequest], num_tokens: np.ndarray,
+def _block_table(scheduled: list[ScheduledRequest], num_tokens: np.ndarray, num_held: np.ndarray,
                  block_size: int) -> np.ndarray:
     """[S, most blocks needed] int32: the blocks covering positions [0, num_tokens[i]) of each
-    request, padded with block 0; ValueError naming a request whose table is too short."""
+    request (which holds num_held[i]), padded with block 0; ValueError naming a request whose
+    table is too short."""
     num_needed = -(-num_tokens // block_size)
-    num_held = np.fromiter((len(r.block_ids) for r in scheduled), np.int64, len(scheduled))
     short = np.flatnonzero(num_held < num_needed)
     if len(short):
         i = int(short[0])
