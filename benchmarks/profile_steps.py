@@ -9,6 +9,11 @@ total is the steadier figure on a noisy machine (compare it across commits).
 
     python benchmarks/profile_steps.py /tmp/vs-vllm/135m-bfloat16 --dtype bfloat16 --phase decode
     python benchmarks/profile_steps.py /tmp/vs-vllm/tiny-float32 --num-requests 200 --phase none
+
+It also prints each phase's *host share*: the part of its step time spent outside
+the model's forward, the logits and the sampler (scheduling, block accounting,
+batch and attention-metadata building, output processing, detokenization), timed
+by wrapping those three calls (exact with --threads 1: every op runs in line).
 """
 
 from __future__ import annotations
@@ -30,11 +35,54 @@ from vs_vllm_worker_carpool import build  # noqa: E402
 PHASES = ("prefill", "decode", "none")
 
 
+class GcClock:
+    """Seconds the cyclic garbage collector has paused this process (`gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+class KernelClock:
+    """Seconds spent inside the model forward, the logits and the sampler, by wrapping them."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        from carpool.models.llama import LlamaForCausalLM
+        from carpool.runner.sampler import Sampler
+
+        for owner, name in ((LlamaForCausalLM, "forward"), (LlamaForCausalLM, "compute_logits"),
+                            (Sampler, "sample")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
 def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int = 2,
         rows: int = 15, seed: int = 0, kv_cache_gib: int = 4) -> dict:
     """One run of the workload; returns phase timings (and prints the profile of `phase`)."""
     import torch
 
+    clock, gc_clock = KernelClock(), GcClock()
+    clock.install()
     job = Job("carpool", model, dtype, num_threads, {}, kv_cache_gib=kv_cache_gib)
     add, step = build(job)
     add(-1, WARMUP_PROMPT, 4)
@@ -45,6 +93,8 @@ def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int 
     requests = build_requests(num_requests, load_model_config(Path(model)).vocab_size, seed)
     waiting_first = set(range(num_requests))
     num_left, times = num_requests, {"prefill": [], "decode": []}
+    kernel_s = {"prefill": 0.0, "decode": 0.0}
+    gc_s = {"prefill": 0.0, "decode": 0.0}
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     started = time.perf_counter()
     for index, (ids, num_output_tokens) in enumerate(requests):
@@ -55,9 +105,11 @@ def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int 
         if profiling != (current == phase):  # the profiled phase starts or ends here
             profiler.start() if not profiling else profiler.stop()
             profiling = not profiling
-        step_start = time.perf_counter()
+        kernel_start, gc_start, step_start = clock.seconds, gc_clock.seconds, time.perf_counter()
         deltas = list(step())
         times[current].append(time.perf_counter() - step_start)
+        kernel_s[current] += clock.seconds - kernel_start
+        gc_s[current] += gc_clock.seconds - gc_start
         for delta in deltas:
             if delta.new_token_ids:
                 waiting_first.discard(delta.request_index)
@@ -70,10 +122,18 @@ def run(model: str, dtype: str, num_requests: int, phase: str, num_threads: int 
               "prefill_s": sum(times["prefill"]), "num_prefill_steps": len(times["prefill"]),
               "decode_s": sum(times["decode"]), "num_decode_steps": len(times["decode"]),
               "decode_step_p50_ms": 1000 * statistics.median(times["decode"] or [0.0])}
+    for name in ("prefill", "decode"):
+        total = sum(times[name])
+        result[f"{name}_host_share"] = 1 - kernel_s[name] / total if total else 0.0
+        result[f"{name}_gc_share"] = gc_s[name] / total if total else 0.0
     print(f"{num_requests} requests, {num_tokens} output tokens in {duration:.1f} s "
           f"({result['output_tok_s']:.1f} tok/s); prefill phase {result['prefill_s']:.1f} s "
           f"over {result['num_prefill_steps']} steps; decode phase {result['decode_s']:.1f} s "
           f"over {result['num_decode_steps']} steps, median {result['decode_step_p50_ms']:.1f} ms")
+    print(f"host share of the step (outside forward + logits + sampler): prefill phase "
+          f"{result['prefill_host_share']:.1%}, decode phase {result['decode_host_share']:.1%}; "
+          f"of it garbage collection: {result['prefill_gc_share']:.1%}, "
+          f"{result['decode_gc_share']:.1%}")
     if phase != "none":
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
     return result

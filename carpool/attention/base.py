@@ -38,7 +38,8 @@ class StepLayout:
     query_starts: np.ndarray  # [S] int64
     query_lens: np.ndarray  # [S] int64, >= 1
     num_computed: np.ndarray  # [S] int64: tokens of the request already in the cache
-    block_tables: tuple[np.ndarray, ...]  # S int64 arrays: blocks covering positions 0..end
+    # [S, max blocks] int32: row i's blocks covering positions 0..end, then block 0 (padding)
+    block_table: np.ndarray
     slot_mapping: np.ndarray  # [T] int64: cache slot of each packed token's new K/V
     num_cache_blocks: int  # blocks in each layer's cache tensor (pool + scratch)
     block_size: int
@@ -46,6 +47,10 @@ class StepLayout:
     @property
     def num_tokens(self) -> int:
         return len(self.slot_mapping)
+
+    def num_blocks(self, rows: np.ndarray) -> np.ndarray:
+        """Blocks of the table each of the requests `rows` reaches this step."""
+        return -(-(self.num_computed[rows] + self.query_lens[rows]) // self.block_size)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,9 @@ class CpuBackend(AttentionBackend):
                 is_fresh[:] = False
             else:
                 is_fresh &= layout.query_lens > self.kernel_fresh_max_tokens
+            if not is_fresh.any():  # the usual step: the kernel takes every request
+                return CpuMetadata(**common, fresh_spans=(),
+                                   kernel_rows=_kernel_rows(layout, np.arange(len(is_fresh))))
             rows = np.flatnonzero(~is_fresh)
             return CpuMetadata(
                 **common, fresh_spans=paged.fresh_spans(layout, np.flatnonzero(is_fresh)),
@@ -186,13 +189,16 @@ def attend_decodes(q: torch.Tensor, kv_cache: torch.Tensor, group: paged.PagedGr
 
 
 def _kernel_rows(layout: StepLayout, rows: np.ndarray) -> KernelRows:
-    query_lens = layout.query_lens[rows]
-    return KernelRows(block_tables=torch.from_numpy(paged.padded_block_tables(layout, rows,
-                                                                              np.int32)),
-                      query_starts=torch.from_numpy(layout.query_starts[rows].astype(np.int32)),
-                      query_lens=torch.from_numpy(query_lens.astype(np.int32)),
-                      seq_lens=torch.from_numpy(
-                          (layout.num_computed[rows] + query_lens).astype(np.int32)))
+    """The kernel's int32 view of the requests `rows` (the whole step without copies by index
+    when they are all of it: the usual case)."""
+    pick = slice(None) if len(rows) == len(layout.query_lens) else rows
+    query_lens = layout.query_lens[pick]
+    seq_lens = layout.num_computed[pick] + query_lens
+    return KernelRows(
+        block_tables=torch.from_numpy(paged.padded_block_tables(layout, rows, np.int32)),
+        query_starts=torch.from_numpy(layout.query_starts[pick].astype(np.int32)),
+        query_lens=torch.from_numpy(query_lens.astype(np.int32)),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)))
 
 
 def _value_bags(group: paged.PagedGroup, shape: AttentionShape, layout: StepLayout) -> ValueBags:

@@ -112,12 +112,12 @@ def build_group(layout: StepLayout, rows: np.ndarray, shape: AttentionShape,
 
 
 def padded_block_tables(layout: StepLayout, rows: np.ndarray, dtype) -> np.ndarray:
-    """[len(rows), longest table] block ids of the requests `rows`, padded with block 0."""
-    tables = [layout.block_tables[i] for i in rows]
-    padded = np.zeros((len(rows), max(len(t) for t in tables)), dtype=dtype)
-    for i, table in enumerate(tables):
-        padded[i, :len(table)] = table
-    return padded
+    """[len(rows), longest table among them] block ids of the requests `rows`, padded with
+    block 0 (contiguous)."""
+    width = int(layout.num_blocks(rows).max())
+    if len(rows) == len(layout.query_lens) and width == layout.block_table.shape[1]:
+        return np.ascontiguousarray(layout.block_table, dtype=dtype)  # the whole step
+    return np.ascontiguousarray(layout.block_table[rows, :width], dtype=dtype)
 
 
 def gather(kv_cache: torch.Tensor, group: PagedGroup,

@@ -80,8 +80,11 @@ class BlockManager:
 
     def can_allocate(self, request_id: str, num_tokens: int,
                      cached_block_ids: Sequence[int] = ()) -> bool:
-        return (self.num_new_blocks_needed(request_id, num_tokens, cached_block_ids)
-                <= self._num_free_besides(cached_block_ids))
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            return True  # most decode steps: the last block has room
+        num_new = self.num_new_blocks_needed(request_id, num_tokens, cached_block_ids)
+        return num_new <= self._num_free_besides(cached_block_ids)
 
     def allocate(self, request_id: str, num_tokens: int,
                  cached_block_ids: Sequence[int] = ()) -> list[int]:
@@ -96,13 +99,19 @@ class BlockManager:
         if cached_block_ids and request_id in self._tables:
             raise ValueError(f"request {request_id!r} already holds blocks; only a new table "
                              "starts with cached blocks")
+        table = self._tables.get(request_id)
+        if table is not None and len(table) * self.block_size >= num_tokens:
+            if num_tokens > self._num_tokens[request_id]:  # most decode steps: it has room
+                self._num_tokens[request_id] = num_tokens
+            return table
         num_new = self.num_new_blocks_needed(request_id, num_tokens, cached_block_ids)
         num_free = self._num_free_besides(cached_block_ids)
         if num_new > num_free:
             raise NoFreeBlocksError(
                 f"request {request_id!r} needs {num_new} more blocks for {num_tokens} tokens, "
                 f"only {num_free} free")
-        table = self._tables.setdefault(request_id, [])
+        if table is None:
+            table = self._tables[request_id] = []
         for block_id in cached_block_ids:
             if self._ref_counts[block_id] == 0:
                 self.prefix_cache.take(block_id)

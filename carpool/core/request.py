@@ -44,7 +44,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself, not its field values: list.remove compares by identity
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -132,6 +132,8 @@ class RequestTable:
     def _apply_step(self, scheduler_output: SchedulerOutput,
                     sampled_token_ids: Mapping[str, int]) -> list[Request]:
         produced = []
+        caching = self.block_manager.prefix_cache is not None
+        now = self._clock()  # the step's tokens all arrive now
         for scheduled in scheduler_output.scheduled:
             request = self._requests.get(scheduled.request_id)
             if request is None:
@@ -140,18 +142,19 @@ class RequestTable:
                 raise ValueError(f"stale SchedulerOutput for {scheduled.request_id!r}: it was "
                                  f"planned at {scheduled.num_computed_tokens} computed tokens, "
                                  f"the request has {request.num_computed_tokens}")
-            request.num_computed_tokens += scheduled.num_new_tokens
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+            request.num_computed_tokens += len(scheduled.token_ids)
+            if caching:
+                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             if scheduled.sample:
                 if scheduled.request_id not in sampled_token_ids:
                     raise ValueError(f"no sampled token for {scheduled.request_id!r}")
-                self._append_token(request, sampled_token_ids[scheduled.request_id])
+                self._append_token(request, sampled_token_ids[scheduled.request_id], now)
                 produced.append(request)
         return produced
 
-    def _append_token(self, request: Request, token_id: int) -> None:
+    def _append_token(self, request: Request, token_id: int, now: float) -> None:
         request.output_token_ids.append(token_id)
-        request.last_token_time = self._clock()
+        request.last_token_time = now
         if request.first_token_time is None:
             request.first_token_time = request.last_token_time
         status = stop_status(request, token_id)

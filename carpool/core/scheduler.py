@@ -77,10 +77,11 @@ class Scheduler(RequestTable):
     def _schedule_running(self, plan: StepPlan) -> None:
         # A resumed request may find its seat taken: at most max_num_seqs run in a step (oldest
         # first); the rest keep their blocks and wait for a seat.
-        active = [r for r in self._running
-                  if r.request_id not in self._paused][:self.config.max_num_seqs]
-        decoding = [r for r in active if not self._is_prefilling(r)]
-        prefilling = [r for r in active if self._is_prefilling(r)]
+        seated = ([r for r in self._running if r.request_id not in self._paused]
+                  if self._paused else self._running)
+        decoding, prefilling = [], []
+        for request in seated[:self.config.max_num_seqs]:
+            (prefilling if self._is_prefilling(request) else decoding).append(request)
         for request in decoding + prefilling:
             if plan.token_budget == 0:
                 return

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from carpool.engine.tokenizer import text_decoder
 from carpool.outputs import PositionLogprobs
 from carpool.sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ class IncrementalDetokenizer:
     """The text state of one request: a window of ids, offsets, and held-back text."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
-        self._tokenizer = tokenizer
+        self._decode_ids = text_decoder(tokenizer)
         self._skip_special_tokens = params.skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         if self._decode(self._ids).endswith(_REPLACEMENT_CHAR):
@@ -110,7 +111,7 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(ids, self._skip_special_tokens)
 
 
 def find_stop_string(text: str, stops: Sequence[str]) -> tuple[int, str] | None:

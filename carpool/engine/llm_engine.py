@@ -225,7 +225,7 @@ class LLMEngine:
                 self.runner.execute(sched_out)
             self._stats.record_idle()
             return outputs
-        self._stats.record_step(sched_out, self._states)
+        self._stats.record_step(sched_out)
         bitmask = self._structured.start_bitmask(self._constrained_rows(sched_out))
         try:
             if self.step_hook is not None:
@@ -282,16 +282,16 @@ class LLMEngine:
             if delta.stop_string is not None:
                 self._finish_on_stop_string(request, delta.stop_string)
         new_logprobs = None
-        if request.sampling_params.logprobs is not None and position_logprobs is not None:
+        if position_logprobs is not None and request.sampling_params.logprobs is not None:
             new_logprobs = [self._token_texts.fill(position_logprobs) if self.detokenize
                             else position_logprobs]
         output = StepOutput(
-            request_id=request.request_id, new_token_ids=list(new_token_ids),
+            request_id=request.request_id, new_token_ids=new_token_ids,
             new_text=new_text, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=state.num_sent_tokens,
             num_cached_tokens=request.num_cached_tokens or 0, new_logprobs=new_logprobs,
-            prompt_logprobs=self._prompt_logprobs(state, first=request.num_output_tokens == len(
-                new_token_ids)))
+            prompt_logprobs=None if request.sampling_params.prompt_logprobs is None else
+            self._prompt_logprobs(state, first=state.num_sent_tokens == len(new_token_ids)))
         if request.is_finished:
             self._states.pop(request.request_id, None)
             output.finish_reason = request.finish_reason

@@ -8,7 +8,6 @@ fed back (its position is past the prompt), otherwise a prefill token
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from carpool.core.scheduler_output import SchedulerOutput
@@ -23,13 +22,10 @@ class StepStats:
     last_step_num_prefill_tokens: int = 0
     last_step_num_decode_tokens: int = 0
 
-    def record_step(self, sched_out: SchedulerOutput, states: Mapping) -> None:
-        """Count one model step; `states` maps request id -> state with `.request`."""
-        num_decode = 0
-        for s in sched_out.scheduled:
-            state = states.get(s.request_id)
-            if state is not None and s.num_computed_tokens >= state.request.num_prompt_tokens:
-                num_decode += s.num_new_tokens
+    def record_step(self, sched_out: SchedulerOutput) -> None:
+        """Count one model step."""
+        num_decode = sum(len(s.token_ids) for s in sched_out.scheduled
+                         if s.num_computed_tokens >= len(s.prompt_token_ids))
         num_tokens = sched_out.num_scheduled_tokens
         self.num_steps += 1
         self.last_step_num_tokens = num_tokens

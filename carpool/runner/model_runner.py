@@ -139,10 +139,11 @@ class ModelRunner:
         meta = self.attention.build_metadata(batch.layout)
         hidden = self.model(batch.input_ids, batch.positions, kv_caches, self.attention, meta)
         output = ModelRunnerOutput()
-        for req, first_row in zip(scheduler_output.scheduled, batch.layout.query_starts):
-            if wants_prompt_logprobs(req):  # on every rank: the logits are a collective
+        for i, req in enumerate(scheduler_output.scheduled):
+            if req.sampling_params.prompt_logprobs is not None and wants_prompt_logprobs(req):
+                # on every rank: the logits are a collective
                 chunk = chunk_prompt_logprobs(self.model.compute_logits, hidden, req,
-                                              int(first_row))
+                                              int(batch.layout.query_starts[i]))
                 if self.tp.rank == 0:
                     output.prompt_logprobs[req.request_id] = chunk
         if not batch.sampled:
@@ -152,10 +153,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         bitmask = grammar_bitmask.result() if grammar_bitmask is not None else None
         sampled = self.sampler.sample(logits, batch.sampled, bitmask)
-        for req, token_id, logprobs in zip(batch.sampled, sampled.token_ids, sampled.logprobs):
-            output.sampled_token_ids[req.request_id] = token_id
-            if logprobs is not None:
-                output.logprobs[req.request_id] = logprobs
+        ids = [req.request_id for req in batch.sampled]
+        output.sampled_token_ids = dict(zip(ids, sampled.token_ids))
+        output.logprobs = {rid: logprobs for rid, logprobs in zip(ids, sampled.logprobs)
+                           if logprobs is not None}
         return output
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None,

@@ -197,3 +197,18 @@ def test_stop_scan_at_the_caps_stays_cheap():
         assert longest_stop_prefix_suffix(text, stops) == 1
         assert find_stop_string(text, stops) is None
     assert (time.perf_counter() - start) / 10 < 0.02
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_text_decoder_is_the_tokenizers_decode(tokenizer, skip_special_tokens):
+    # The Rust shortcut the detokenizer takes must return exactly what transformers' does,
+    # special tokens, split characters and all.
+    from carpool.engine.tokenizer import text_decoder
+
+    decode = text_decoder(tokenizer)
+    specials = [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None]
+    for text in TEXTS:
+        ids = specials + tokenizer.encode(text, add_special_tokens=False) + specials
+        for end in range(len(ids) + 1):
+            assert decode(ids[:end], skip_special_tokens) == tokenizer.decode(
+                ids[:end], skip_special_tokens=skip_special_tokens)

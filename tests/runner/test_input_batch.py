@@ -29,7 +29,7 @@ def test_packed_positions_slots_and_logits_rows():
     assert layout.query_starts.tolist() == [0, 3, 4, 5]
     assert layout.query_lens.tolist() == [3, 1, 1, 1]
     assert layout.num_computed.tolist() == [2, 6, 0, 0]
-    assert [t.tolist() for t in layout.block_tables] == [[9, 4], [1, 3], [10], [10]]
+    assert layout.block_table.tolist() == [[9, 4], [1, 3], [10, 0], [10, 0]]  # padded with 0
     assert layout.num_cache_blocks == 11 and layout.num_tokens == 6
 
 
@@ -47,4 +47,20 @@ def test_causal_mask_per_request():
 def test_too_few_blocks_is_named():
     req = ScheduledRequest("short", [1] * 5, 0, [0], True, P)
     with pytest.raises(ValueError, match="short"):
+        build_input_batch(SchedulerOutput([req]), block_size=4, scratch_block=9, device=CPU)
+
+
+def test_blocks_beyond_the_step_are_left_out():
+    # The static baseline may hold blocks for tokens to come: the table stops at this step's.
+    long = ScheduledRequest("long", [5], 4, [7, 8, 9], True, P)  # position 4 -> block 8
+    short = ScheduledRequest("short", [6], 0, [3], True, P)
+    batch = build_input_batch(SchedulerOutput([long, short]), block_size=4, scratch_block=10,
+                              device=CPU)
+    assert batch.layout.block_table.tolist() == [[7, 8], [3, 0]]
+    assert batch.layout.slot_mapping.tolist() == [8 * 4, 3 * 4]
+
+
+def test_no_tokens_is_named():
+    req = ScheduledRequest("idle", [], 0, [0], True, P)
+    with pytest.raises(ValueError, match="idle"):
         build_input_batch(SchedulerOutput([req]), block_size=4, scratch_block=9, device=CPU)
