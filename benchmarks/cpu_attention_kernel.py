@@ -1,20 +1,28 @@
 """The cpu attention backend with its C++ kernel vs its PyTorch paths, alternated in one run.
 
-Both sides attend the same step (built through `build_input_batch` from a `SchedulerOutput`,
+Every side attends the same step (built through `build_input_batch` from a `SchedulerOutput`,
 metadata by the backend) over the 135M model's attention shape (9 query heads, 3 KV heads,
 head_dim 64, block size 16), with the same thread count. One timed sample is `--layers`
 consecutive layer calls, each on its own KV cache (so the caches do not all sit in the L3
-cache, as in a real step); samples of the two sides alternate, and the table gives the
-medians and their ratio. Per-step work (the batch metadata and int32 tables) is built
-once, outside the timing, for both sides.
+cache, as in a real step); samples of the sides alternate, and the table gives the medians
+and the ratios of per-sample times. Per-step work (the batch metadata and int32 tables) is
+built once, outside the timing, and so is the step's KV write (the caches hold this step's
+k and v before any side attends, so fresh prompts read the same keys on every side).
+
+The kernel sides take every row, fresh prompts of any length included (the PyTorch side
+runs the query-block matmuls for those). `--against DIR` adds a third side: the kernel
+built from another checkout's `carpool/attention/csrc` (e.g. `git archive <commit>`
+unpacked), called through this checkout's backend.
 
     PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py
-    PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py --repeats 31 --threads 2
+    PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py --repeats 31 --threads 2 \
+        --against /tmp/attn-base
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -25,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from carpool.attention import AttentionShape, cpu_kernels, create_backend
+from carpool.attention.base import write_kv
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.runner.input_batch import build_input_batch
 from carpool.sampling_params import SamplingParams
@@ -35,8 +44,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int,
               context: int | None = None):
     """A SchedulerOutput of decodes with contexts of 16-512 tokens (all `context` if given)
-    and (prefix, chunk) chunks, with shuffled block ids; returns it and the number of cache
-    blocks it needs."""
+    and (prefix, chunk) chunks (prefix 0: a fresh prompt), with shuffled block ids; returns
+    it and the number of cache blocks it needs."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(context - 1 if context else int(torch.randint(15, 512, (1,), generator=gen)), 1)
               for _ in range(num_decodes)]
@@ -53,10 +62,26 @@ def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int,
     return SchedulerOutput(scheduled=scheduled), num_blocks
 
 
-def bench_case(kernels, name: str, dtype: torch.dtype, num_decodes: int,
+def load_other_kernels(tree: str, build_dir: str | None):
+    """The kernels module built from another checkout's csrc (its own cpu_kernels loader, so
+    the build is named by that tree's sources and both modules load side by side)."""
+    path = Path(tree) / "carpool" / "attention" / "cpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("other_cpu_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernels = module.load(build_dir)
+    if kernels is None:
+        raise SystemExit(f"the C++ kernels of {tree} could not be built")
+    return kernels
+
+
+def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes: int,
                chunks: list[tuple[int, int]], num_layers: int, repeats: int,
-               context: int | None = None) -> dict:
-    step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes, context=context)
+               context: int | None = None, clock=time.perf_counter) -> dict:
+    """Median ms per layer call of each side ("torch" and one per kernels module), the
+    medians of the per-sample ratios torch / side, and each side's max abs diff to torch."""
+    step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes + len(chunks),
+                                 context=context)
     batch = build_input_batch(step, block_size=BLOCK_SIZE, scratch_block=num_blocks - 1,
                               device=torch.device("cpu"))
     num_tokens = batch.layout.num_tokens
@@ -64,35 +89,52 @@ def bench_case(kernels, name: str, dtype: torch.dtype, num_decodes: int,
               for _ in range(num_layers)]
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
     scale = HEAD_DIM ** -0.5
     shape, cpu = AttentionShape(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM), torch.device("cpu")
-    pytorch = create_backend("cpu", shape, cpu)
-    kernel = create_backend("cpu", shape, cpu, kernels=kernels)
-    torch_meta = pytorch.build_metadata(batch.layout)
-    kernel_meta = kernel.build_metadata(batch.layout)
+    backends = {"torch": create_backend("cpu", shape, cpu)}
+    for side, module in kernel_modules.items():
+        backends[side] = create_backend("cpu", shape, cpu, kernels=module)
+    metas = {side: backend.build_metadata(batch.layout) for side, backend in backends.items()}
+    for cache in caches:  # this step's KV write, once, outside the timing
+        write_kv(cache, metas["torch"].slot_mapping, k, v)
 
-    def torch_path():
+    def run(side):
         for cache in caches:
-            pytorch.attend(q, k, k, cache, torch_meta, scale)
+            backends[side].attend(q, k, v, cache, metas[side], scale)
 
-    def kernel_path():
-        for cache in caches:
-            kernel.attend(q, k, k, cache, kernel_meta, scale)
-
-    expected = pytorch.attend(q, k, k, caches[0], torch_meta, scale)
-    out = kernel.attend(q, k, k, caches[0], kernel_meta, scale)
-    max_diff = (out.float() - expected.float()).abs().max().item()
-    times = {"torch": [], "kernel": []}
+    expected = backends["torch"].attend(q, k, v, caches[0], metas["torch"], scale).float()
+    max_diff = {side: (backends[side].attend(q, k, v, caches[0], metas[side], scale).float()
+                       - expected).abs().max().item() for side in kernel_modules}
+    times = {side: [] for side in backends}
     for _ in range(repeats):
-        for side, run in (("torch", torch_path), ("kernel", kernel_path)):
-            begin = time.perf_counter()
-            run()
-            times[side].append((time.perf_counter() - begin) / num_layers)
-    ratios = [t / c for t, c in zip(times["torch"], times["kernel"])]
+        for side in backends:
+            begin = clock()
+            run(side)
+            times[side].append((clock() - begin) / num_layers)
+    speedup = {side: statistics.median(t / c for t, c in zip(times["torch"], times[side]))
+               for side in kernel_modules}
+    if "before" in kernel_modules:  # per-sample ratios of the two kernels
+        speedup["before/kernel"] = statistics.median(
+            b / c for b, c in zip(times["before"], times["kernel"]))
     return dict(name=name, dtype=str(dtype).removeprefix("torch."),
-                torch_ms=1e3 * statistics.median(times["torch"]),
-                kernel_ms=1e3 * statistics.median(times["kernel"]),
-                speedup=statistics.median(ratios), max_diff=max_diff)
+                ms={side: 1e3 * statistics.median(t) for side, t in times.items()},
+                speedup=speedup, max_diff=max_diff)
+
+
+CASES = [  # (name, decodes, (prefix, new) chunks, decode context)
+    ("40 decodes", 40, [], None),
+    ("200 decodes", 200, [], None),
+    ("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4, None),
+    # The shared-prefix workload's decodes (section 8): long, equal contexts.
+    ("16 decodes at 830 tokens", 16, [], 830),
+    # Fresh prompts (no cached tokens): the prefill phase.
+    ("4 fresh prompts x256", 0, [(0, 256)] * 4, None),
+    ("1 fresh prompt x512", 0, [(0, 512)], None),
+    ("1 fresh prompt x1024", 0, [(0, 1024)], None),
+    ("1 fresh prompt x2048", 0, [(0, 2048)], None),
+    ("1 fresh prompt x4096", 0, [(0, 4096)], None),
+]
 
 
 def main() -> None:
@@ -101,26 +143,46 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6, help="layer caches per timed sample")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--build-dir", default=None)
+    parser.add_argument("--against", metavar="DIR", default=None,
+                        help="another checkout whose kernel is timed as the side 'before'")
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated substrings: run only the cases naming one")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: the process's CPU time (all threads; steadier on a shared "
+                             "machine, with OMP_WAIT_POLICY=PASSIVE so idle threads sleep)")
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
     started = time.perf_counter()
-    kernels = cpu_kernels.load(ns.build_dir)
-    if kernels is None:
+    modules = {}
+    if ns.against:
+        modules["before"] = load_other_kernels(ns.against, ns.build_dir)
+    modules["kernel"] = cpu_kernels.load(ns.build_dir)
+    if modules["kernel"] is None:
         raise SystemExit("the C++ kernels could not be built")
+    clock = time.process_time if ns.clock == "cpu" else time.perf_counter
     print(f"kernel load {time.perf_counter() - started:.1f} s, threads {ns.threads}, "
-          f"{ns.layers} layer caches per sample, {ns.repeats} alternated samples per side")
-    cases = [(f"{n} decodes", n, [], None) for n in (40, 200)]
-    cases.append(("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4, None))
-    # The shared-prefix workload's decodes (section 8): long, equal contexts.
-    cases.append(("16 decodes at 830 tokens", 16, [], 830))
-    print(f"{'case':34} {'dtype':9} {'torch ms':>9} {'kernel ms':>10} {'speedup':>8} "
-          f"{'max diff':>9}")
-    for dtype in (torch.bfloat16, torch.float32):
+          f"{ns.layers} layer caches per sample, {ns.repeats} alternated samples per side, "
+          f"{ns.clock} clock")
+    cases = [c for c in CASES if ns.cases is None
+             or any(part in c[0] for part in ns.cases.split(","))]
+    sides = ["torch", *modules]
+    header = f"{'case':34} {'dtype':9}" + "".join(f" {s + ' ms':>10}" for s in sides)
+    header += "".join(f" {'torch/' + s:>13}" for s in modules)
+    if "before" in modules:
+        header += f" {'before/kernel':>13}"
+    print(header + "".join(f" {s + ' diff':>12}" for s in modules))
+    for dtype in (getattr(torch, d) for d in ns.dtypes.split(",")):
         for name, num_decodes, chunks, context in cases:
-            row = bench_case(kernels, name, dtype, num_decodes, chunks, ns.layers, ns.repeats,
-                             context)
-            print(f"{row['name']:34} {row['dtype']:9} {row['torch_ms']:9.3f} "
-                  f"{row['kernel_ms']:10.3f} {row['speedup']:7.2f}x {row['max_diff']:9.2e}")
+            row = bench_case(modules, name, dtype, num_decodes, chunks, ns.layers, ns.repeats,
+                             context, clock)
+            line = f"{row['name']:34} {row['dtype']:9}"
+            line += "".join(f" {row['ms'][s]:10.3f}" for s in sides)
+            line += "".join(f" {row['speedup'][s]:12.2f}x" for s in modules)
+            if "before" in modules:
+                line += f" {row['speedup']['before/kernel']:12.2f}x"
+            line += "".join(f" {row['max_diff'][s]:12.2e}" for s in modules)
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

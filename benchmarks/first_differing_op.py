@@ -36,7 +36,6 @@ def engine_for(model: str, dtype: str, variant: str, budget: int) -> LLMEngine:
         tile_linears(engine.runner.model)
     if variant == "attention only":
         engine.runner.attention.batch_invariant = True
-        engine.runner.attention.kernel_fresh_max_tokens = None
     return engine
 
 

@@ -1,24 +1,23 @@
 """The CPU backend: the paths that beat SDPA's CPU kernels on this hardware.
 
-- Fresh prompts: query blocks of batched matmuls over the causal triangle
-  (`causal_in_query_blocks`), 1.85x SDPA's CPU kernel on bfloat16 prompts.
-- With the compiled kernels, one call of the C++ `paged_attention` for every
-  other request (decodes, chunks that continue a cached prompt) and for fresh
-  prompts up to `KERNEL_FRESH_MAX_TOKENS`, reading keys and values in place
-  through the block tables (`csrc/paged_attention.cpp`). On those prompts it
-  takes 0.4-0.8x the CPU time of the query blocks (135M shape, 64-512 tokens,
-  bfloat16 and float32); from ~1024 tokens the matmuls' better arithmetic
-  intensity wins, so longer fresh prompts keep them.
-- The same without them (no compiler, or `cpu_kernels` off), in PyTorch: decodes
-  by batched matmul over (kv head x request) with the query heads sharing a kv
-  head as rows, then `F.embedding_bag` sums the value rows weighted by the
-  probabilities straight from the cache; chunks by SDPA over gathered blocks.
+- With the compiled kernels, one call of the C++ `paged_attention` per layer for every
+  row of the step (fresh prompts, decodes, chunks that continue a cached prompt),
+  reading keys and values in place through the block tables (`csrc/paged_attention.cpp`).
+  On fresh prompts it takes 0.5-0.85x the CPU time of the query-block matmuls below
+  (135M shape, 256-4096 tokens, bfloat16 with AVX512-BF16 and float32; about even in
+  bfloat16 on CPUs without it), so they are no longer used beside it (BENCHMARKS §17).
+- Without them (no compiler, or `cpu_kernels` off), in PyTorch: fresh prompts as query
+  blocks of batched matmuls over the causal triangle (`causal_in_query_blocks`, 1.85x
+  SDPA's CPU kernel on bfloat16 prompts); decodes by batched matmul over (kv head x
+  request) with the query heads sharing a kv head as rows, then `F.embedding_bag` sums
+  the value rows weighted by the probabilities straight from the cache; chunks by SDPA
+  over gathered blocks.
 
-Batch-invariant mode (`batch_invariant=True`, kernels required): every query row, fresh
-prompt or not, goes through the kernel, told to score every row the same way (no
-transposed-block scoring for tiles of 4+ rows). A row then reduces its keys block by block
-in position order with its own online softmax, whatever its neighbours, its tile or its
-prompt's chunking: its output depends on its query and its keys alone.
+Batch-invariant mode (`batch_invariant=True`, kernels required): the kernel is told to score
+every row the same way (no transposed-key scoring for tiles of 4+ rows). A row then reduces
+its keys in 64-key chunks at fixed positions, in position order, with its own online
+softmax, whatever its neighbours, its tile or its prompt's chunking: its output depends on
+its query and its keys alone.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from carpool.attention import paged
 from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
 
 PREFILL_QUERY_BLOCK = 128  # query rows per matmul in `causal_in_query_blocks`
-KERNEL_FRESH_MAX_TOKENS = 768  # longer fresh prompts take `causal_in_query_blocks`
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ class ValueBags:
 
 @dataclass(frozen=True)
 class KernelRows:
-    """The requests the C++ kernel attends (all but long fresh prompts), int32."""
+    """The requests the C++ kernel attends (every one of the step), int32."""
 
     block_tables: torch.Tensor  # [S, max_blocks], padded with block 0 (never read)
     query_starts: torch.Tensor  # [S]
@@ -91,11 +89,8 @@ class CpuBackend(AttentionBackend):
                              and shape.dtype == torch.bfloat16 and shape.sliding_window is None
                              and kernels.has_bf16_gemm()
                              and kernels.prefill_head_dim_ok(shape.head_dim))
-        # Fresh prompts longer than this take `causal_in_query_blocks`; none when invariant.
-        self.kernel_fresh_max_tokens = (None if batch_invariant else KERNEL_FRESH_MAX_TOKENS)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
-        fast_path = self.shape.sliding_window is None
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
         common = dict(slot_mapping=slots, num_tokens=layout.num_tokens)
         if self.bf16_prefill:  # decodes to paged_attention, chunks to the prefill kernel
@@ -105,20 +100,10 @@ class CpuBackend(AttentionBackend):
                 **common, fresh_spans=(),
                 kernel_rows=_kernel_rows(layout, decodes) if len(decodes) else None,
                 prefill_rows=_kernel_rows(layout, chunks) if len(chunks) else None)
-        if self.kernels is not None:  # the kernel takes all but long fresh prompts
-            is_fresh = paged.fresh_mask(layout, fast_path)
-            if self.kernel_fresh_max_tokens is None:
-                is_fresh[:] = False
-            else:
-                is_fresh &= layout.query_lens > self.kernel_fresh_max_tokens
-            if not is_fresh.any():  # the usual step: the kernel takes every request
-                return CpuMetadata(**common, fresh_spans=(),
-                                   kernel_rows=_kernel_rows(layout, np.arange(len(is_fresh))))
-            rows = np.flatnonzero(~is_fresh)
-            return CpuMetadata(
-                **common, fresh_spans=paged.fresh_spans(layout, np.flatnonzero(is_fresh)),
-                kernel_rows=_kernel_rows(layout, rows) if len(rows) else None)
-        split = paged.split_step(layout, fast_path)
+        if self.kernels is not None:  # the kernel takes every row
+            rows = np.arange(len(layout.query_lens))
+            return CpuMetadata(**common, fresh_spans=(), kernel_rows=_kernel_rows(layout, rows))
+        split = paged.split_step(layout, fresh_fast_path=self.shape.sliding_window is None)
         common["fresh_spans"] = paged.fresh_spans(layout, split.fresh)
         decode_groups = tuple(paged.build_group(layout, rows, self.shape, self.device)
                               for rows in split.decode_groups)
@@ -132,7 +117,7 @@ class CpuBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                meta: CpuMetadata, scale: float) -> torch.Tensor:
         if meta.kernel_rows is not None or meta.prefill_rows is not None:
-            # Every row is written: by a kernel, or below as part of a fresh prompt.
+            # Every row is written by a kernel.
             out = torch.empty_like(q)
         else:
             out = torch.zeros_like(q)

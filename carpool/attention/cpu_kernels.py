@@ -62,6 +62,8 @@ def _build(build_dir: str | None) -> ModuleType | None:
 
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
+    if capability == "AVX512" and "avx512_bf16" in _cpu_flags():
+        flags = [*flags, "-mavx512bf16", "-DCARPOOL_AVX512_BF16"]  # vdpbf16ps on bf16 prompts
     try:
         name = _extension_name(capability.lower() if flags else "default", flags)
         if not cpp_extension.is_ninja_available():
@@ -79,6 +81,17 @@ def _build(build_dir: str | None) -> ModuleType | None:
         logger.warning("C++ CPU attention kernels unavailable, using the PyTorch path: %s",
                        first_line)
         return None
+
+
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags, from /proc/cpuinfo (empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _extension_name(capability: str, flags: list[str]) -> str:

@@ -210,15 +210,15 @@ def test_cpu_backend_keeps_its_pytorch_paths_above_the_kernels_head_dim():
     assert create_backend("cpu", fits, CPU, kernels=kernels).kernels is kernels
 
 
-def test_the_kernel_takes_short_fresh_prompts_and_leaves_long_ones_to_the_matmuls():
-    from carpool.attention.cpu import KERNEL_FRESH_MAX_TOKENS
-    long = KERNEL_FRESH_MAX_TOKENS + 5
+def test_the_kernel_takes_every_row_long_fresh_prompts_included():
+    """With the kernels, fresh prompts of any length go through the kernel too (it beats the
+    query-block matmuls at every length measured, BENCHMARKS section 17)."""
+    long = 2 * 16 * 64 + 5  # two of the kernel's query tiles over more than 30 key chunks
     step = Step([(0, 9), (12, 1), (0, long), (0, 3)], seed=4)
     backend = make_backend("cpu", AttentionShape(HEADS, KV_HEADS, HEAD_DIM, None))
     meta = backend.build_metadata(step.batch.layout)
-    starts = step.batch.layout.query_starts
-    assert meta.fresh_spans == ((int(starts[2]), long),)
-    assert meta.kernel_rows.query_lens.tolist() == [9, 1, 3]
+    assert meta.fresh_spans == ()
+    assert meta.kernel_rows.query_lens.tolist() == [9, 1, long, 3]
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         out, _ = step.run("cpu", dtype=dtype)
         step.assert_matches_reference(out, None, tolerance)

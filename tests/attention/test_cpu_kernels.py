@@ -97,10 +97,11 @@ def test_matches_reference_float32(kernels, kind, heads, head_dim):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
-@pytest.mark.parametrize("head_dim", [32, 40, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 40, 48, 64, 128])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
 def test_matches_reference_reduced_precision(kernels, dtype, kind, head_dim, heads):
-    """bfloat16/float16 rows are read in place or through a float32 copy, by head_dim and G."""
+    """bfloat16/float16 rows are read in place or through a float32 copy, by head_dim and G
+    (16 and 48: an odd number of vectors, which the bfloat16 pair path must leave alone)."""
     q_lens, seq_lens = lengths(kind, 8, gen_seed=1)
     case = make_case(q_lens, seq_lens, *heads, head_dim, dtype, seed=2)
     check_against_reference(kernels, case)
@@ -121,6 +122,19 @@ def test_lengths_at_block_edges(kernels, block_size):
     q_lens = [1, 1, 1, 1, 2 * block_size, 3]
     case = make_case(q_lens, seq_lens, 6, 2, 64, torch.float32, block_size=block_size, seed=4)
     check_against_reference(kernels, case)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 128])
+@pytest.mark.parametrize("sliding_window", [0, 50])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_contexts_over_several_key_chunks(kernels, block_size, sliding_window, dtype):
+    """The kernel takes keys in chunks of whole blocks (about 64 keys, 128 for 128-key
+    blocks): contexts of several chunks, prompt tiles that cross a chunk's edge, windows
+    that start inside one."""
+    seq_lens = [200, 130, 77, 140, 65]
+    q_lens = [1, 40, 1, 17, 65]
+    case = make_case(q_lens, seq_lens, 9, 3, 64, dtype, block_size=block_size, seed=7)
+    check_against_reference(kernels, case, sliding_window=sliding_window)
 
 
 def test_long_contexts_bfloat16(kernels):
@@ -218,11 +232,13 @@ def test_concurrent_loads_build_once(tmp_path, monkeypatch):
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (4, 1)])
 def test_batch_invariant_rows_do_not_depend_on_the_chunking(kernels, dtype, num_heads,
                                                            num_kv_heads):
-    """One prompt of 37 queries attended whole, in chunks of 7 (so tiles of 7 and 2
-    queries), and one query at a time, beside another request: with batch_invariant every
-    row is bitwise the same however its prompt was cut (without it, tiles of 4+ rows score
-    transposed blocks on AVX-512 builds, another summation order)."""
-    seq_len, head_dim = 37, 64
+    """One prompt of 150 queries (keys over three of the kernel's 64-key chunks) attended
+    whole, in chunks of 7 (so tiles of 7 and 2 queries), and one query at a time, beside
+    another request: with batch_invariant every row is bitwise the same however its prompt
+    was cut (without it, tiles of 4+ rows score transposed keys on AVX-512 builds, another
+    summation order; and the one-query tiles of bfloat16 read keys in place, the others
+    through a float32 copy)."""
+    seq_len, head_dim = 150, 64
     case = make_case([seq_len, 5], [seq_len, 20], num_heads, num_kv_heads, head_dim, dtype)
     q, cache, tables = case["q"], case["kv_cache"], case["block_tables"]
     start = int(case["query_starts"][0])

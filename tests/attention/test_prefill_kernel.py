@@ -96,7 +96,7 @@ def test_cpu_backend_sends_bfloat16_chunks_to_the_prefill_kernel(kernels, dtype,
     # a fresh prompt of 40 tokens, a decode at position 20, a 5-token chunk after 30 cached
     layout = StepLayout(query_starts=np.array([0, 40, 41]), query_lens=np.array([40, 1, 5]),
                         num_computed=np.array([0, 20, 30]),
-                        block_tables=(np.array([1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8])),
+                        block_table=np.array([[1, 2, 3], [4, 5, 0], [6, 7, 8]], dtype=np.int32),
                         slot_mapping=np.concatenate([np.arange(16, 56), [84], np.arange(126, 131)]),
                         num_cache_blocks=9, block_size=16)
     meta = backend.build_metadata(layout)

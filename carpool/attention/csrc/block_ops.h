@@ -1,11 +1,17 @@
-// Vectorised inner loops over one cache block of paged attention, and their dispatch tables.
+// Vectorised inner loops of paged attention over one chunk of keys, and their dispatch tables.
 //
 // Everything works on float32 rows padded with zeros to whole at::vec::Vectorized<float>
-// vectors (NV of them per head_dim): scores of R query rows against a block's keys, either
-// one key row at a time (a horizontal sum per row and key) or from the block transposed
-// (broadcast-FMAs, no horizontal sums), and the probability-weighted sum of value rows with
-// the R accumulators in registers. NV and R are template parameters so the compiler keeps
-// rows in registers; `block_ops<kv_t>()` looks the instantiations up at run time.
+// vectors (NV of them per head_dim). Keys and values are reached through a table of row
+// pointers (a chunk's rows sit in several cache blocks). Scores come two ways:
+// - by row (chunk_scores_by_row): up to 3 query rows against W = Vec::size() keys at a time,
+//   each key row loaded once; the W partial-sum vectors of a row are folded into one vector
+//   of W scores by a transpose-add tree (AVX512; a horizontal sum per key elsewhere). Every
+//   score's sum runs in one fixed order.
+// - transposed (block_scores_transposed): R query rows against a transposed copy of the
+//   keys, broadcast-FMAs over head_dim and no horizontal sums; for tiles of many rows.
+// The probability-weighted sum of value rows keeps R rows' accumulators in registers.
+// NV and R are template parameters so the compiler keeps rows in registers;
+// `block_ops<kv_t>()` looks the instantiations up at run time.
 
 #pragma once
 
@@ -19,6 +25,10 @@
 #include <utility>
 
 namespace carpool_cpu {
+// Internal linkage: the static dispatch tables would otherwise be process-wide unique symbols
+// (STB_GNU_UNIQUE), so two builds of these sources loaded in one process (a benchmark that
+// times two checkouts) would share one table.
+namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
@@ -61,7 +71,12 @@ inline void store_scaled(const float* src, float factor, scalar_t* dst, int64_t 
 // (at most kMaxVecs per row), so the inner loops below use whole vectors only; cache rows
 // read in place (load_row on bfloat16/float16) fill whole vectors by construction.
 constexpr int kMaxVecs = 16;  // head_dim up to 16 vectors: 256 with AVX512, 128 with AVX2
-constexpr int kMaxRows = 4;   // query rows per register pass
+constexpr int kMaxRows = 6;   // query rows per register pass of the value sums
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kVecRegisters = 32;
+#else
+constexpr int kVecRegisters = 16;
+#endif
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
@@ -80,31 +95,78 @@ inline void load_row(const kv_t* row, Vec (&x)[NV]) {
   }
 }
 
-// scores[r * score_stride + t] = queries[r] . keys[t] for t in [t_begin, t_end), R rows at once:
-// each key row is loaded (and converted) once into registers for the R queries.
+// The dot product of a query row (NV float vectors at q) with a key row: lane-wise partial
+// sums, head_dim vectors added in order.
+template <int NV>
+inline Vec partial_dot(const float* q, const Vec (&k)[NV]) {
+  Vec a = Vec::loadu(q) * k[0];
+  for (int v = 1; v < NV; ++v) a = at::vec::fmadd(Vec::loadu(q + v * Vec::size()), k[v], a);
+  return a;
+}
+
+// scores[r * score_stride + t] = queries[r] . keys[t] for R rows and t in
+// [j_begin * W, j_end * W), W = Vec::size(): every key row of those groups must be readable
+// (rows outside a caller's range may point at zeros). Each key row is loaded (and converted)
+// once for the R rows. Every score is its own dot product, summed in one fixed order (lanes,
+// then a tree over the lanes) whatever R and the other keys.
 template <typename kv_t, int NV, int R>
-void block_scores(const float* queries, int64_t q_stride, const kv_t* keys, int64_t key_stride,
-                  int64_t t_begin, int64_t t_end, float* scores, int64_t score_stride) {
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    Vec k[NV];
-    load_row(keys + t * key_stride, k);
-    Vec acc[R];
-    for (int r = 0; r < R; ++r) {
-      acc[r] = Vec::loadu(queries + r * q_stride) * k[0];
-      for (int v = 1; v < NV; ++v) {
-        acc[r] = at::vec::fmadd(Vec::loadu(queries + r * q_stride + v * Vec::size()), k[v], acc[r]);
+void chunk_scores_by_row(const float* queries, int64_t q_stride, const kv_t* const* keys,
+                         int64_t j_begin, int64_t j_end, float* scores, int64_t score_stride) {
+  constexpr int W = Vec::size();
+  for (int64_t j = j_begin; j < j_end; ++j) {
+    const kv_t* const* group = keys + j * W;
+#if defined(CPU_CAPABILITY_AVX512)
+    // A transpose-add tree folds 16 keys' partial-sum vectors into one vector of 16 scores,
+    // level by level as the keys come, so that R rows' partial sums fit in registers:
+    // pairs of keys interleaved and added (per 128 bits: [k0 l0+l2, k1 l0+l2, k0 l1+l3,
+    // k1 l1+l3]), then pairs of pairs (per 128 bits: keys 4i .. 4i+3, each its lanes' sum),
+    // then 128-bit and 256-bit halves.
+    __m512 quad[R][4];
+    for (int i = 0; i < 4; ++i) {
+      __m512 pair[R][2];
+      for (int p = 0; p < 2; ++p) {
+        Vec k0[NV], k1[NV];
+        load_row(group[4 * i + 2 * p], k0);
+        load_row(group[4 * i + 2 * p + 1], k1);
+        for (int r = 0; r < R; ++r) {
+          const __m512 a0 = partial_dot<NV>(queries + r * q_stride, k0);
+          const __m512 a1 = partial_dot<NV>(queries + r * q_stride, k1);
+          pair[r][p] = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512d x = _mm512_castps_pd(pair[r][0]), y = _mm512_castps_pd(pair[r][1]);
+        quad[r][i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
       }
     }
     for (int r = 0; r < R; ++r) {
-      scores[r * score_stride + t] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[r]);
+      __m512 half[2];
+      for (int i = 0; i < 2; ++i) {  // [keys 8i.. (q0+q2), (q1+q3), keys 8i+4.. the same]
+        half[i] = _mm512_add_ps(
+            _mm512_shuffle_f32x4(quad[r][2 * i], quad[r][2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+            _mm512_shuffle_f32x4(quad[r][2 * i], quad[r][2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+      }
+      _mm512_storeu_ps(scores + r * score_stride + j * W,
+                       _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1))));
     }
+#else
+    for (int k = 0; k < W; ++k) {
+      Vec key[NV];
+      load_row(group[k], key);
+      for (int r = 0; r < R; ++r) {
+        scores[r * score_stride + j * W + k] = at::vec::vec_reduce_all<float>(
+            std::plus<Vec>(), partial_dot<NV>(queries + r * q_stride, key));
+      }
+    }
+#endif
   }
 }
 
-// The same scores from the block's keys transposed (keys_t[d * score_stride + t], all
-// score_stride columns): q[r][d] broadcast times a vector of keys, no horizontal sums.
-// Used where ATen transposes with vector shuffles (AVX512); columns past the block's keys
-// hold stale finite values, masked by the softmax.
+// The scores of R query rows against KV vectors of keys from the keys transposed
+// (keys_t[d * score_stride + k], the columns of those vectors): q[r][d] broadcast times a
+// vector of keys, no horizontal sums. Used where ATen transposes with vector shuffles (AVX512).
 template <int KV, int R>
 void block_scores_transposed(const float* queries, int64_t q_stride, const float* keys_t,
                              int64_t head_dim, float* scores, int64_t score_stride) {
@@ -128,9 +190,9 @@ void block_scores_transposed(const float* queries, int64_t q_stride, const float
 // acc[r] = acc[r] * correction[r] + sum_t probs[r][t] * values[t], t in [t_begin, t_end),
 // R rows at once with the accumulators in registers.
 template <typename kv_t, int NV, int R>
-void block_values(const float* probs, int64_t prob_stride, const kv_t* values,
-                  int64_t value_stride, int64_t t_begin, int64_t t_end, const float* correction,
-                  float* acc, int64_t acc_stride) {
+void chunk_values(const float* probs, int64_t prob_stride, const kv_t* const* values,
+                  int64_t t_begin, int64_t t_end, const float* correction, float* acc,
+                  int64_t acc_stride) {
   Vec a[R][NV];
   for (int r = 0; r < R; ++r) {
     const Vec c(correction[r]);
@@ -138,7 +200,7 @@ void block_values(const float* probs, int64_t prob_stride, const kv_t* values,
   }
   for (int64_t t = t_begin; t < t_end; ++t) {
     Vec x[NV];
-    load_row(values + t * value_stride, x);
+    load_row(values[t], x);
     for (int r = 0; r < R; ++r) {
       const Vec p(probs[r * prob_stride + t]);
       for (int v = 0; v < NV; ++v) a[r][v] = at::vec::fmadd(p, x[v], a[r][v]);
@@ -150,22 +212,24 @@ void block_values(const float* probs, int64_t prob_stride, const kv_t* values,
 }
 
 template <typename kv_t>
-using ScoresFn = void (*)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t, float*,
-                          int64_t);
+using RowScoresFn = void (*)(const float*, int64_t, const kv_t* const*, int64_t, int64_t, float*,
+                             int64_t);
 template <typename kv_t>
-using ValuesFn = void (*)(const float*, int64_t, const kv_t*, int64_t, int64_t, int64_t,
+using ValuesFn = void (*)(const float*, int64_t, const kv_t* const*, int64_t, int64_t,
                           const float*, float*, int64_t);
 using TransposedScoresFn = void (*)(const float*, int64_t, const float*, int64_t, float*,
                                     int64_t);
-constexpr int kMaxKeyVecs = 4;         // block_size up to 4 vectors for the transposed scores
-constexpr int kMaxTransposedRows = 8;  // query rows per pass there
+constexpr int kMaxKeyVecs = 4;         // key vectors per call of the transposed scores
+constexpr int kMaxTransposedRows = 6;  // query rows per pass there (R * KV accumulators)
+constexpr int kMaxRowScoreRows = 3;    // query rows per pass of the scores by row
 
-// The (NV, R) instantiations reading kv_t rows, looked up at run time: table[NV - 1][R - 1]
-// (for bfloat16/float16, even NV only; the transposed ones exist for float only).
+// The instantiations reading kv_t rows, looked up at run time: values[NV - 1][R - 1] and
+// by_row[NV - 1][R - 1] (for bfloat16/float16, even NV only), transposed[KV - 1][R - 1]
+// (float).
 template <typename kv_t>
 struct BlockOps {
-  ScoresFn<kv_t> scores[kMaxVecs][kMaxRows];
   ValuesFn<kv_t> values[kMaxVecs][kMaxRows];
+  RowScoresFn<kv_t> by_row[kMaxVecs][kMaxRowScoreRows];
   TransposedScoresFn transposed[kMaxKeyVecs][kMaxTransposedRows];
 };
 
@@ -174,17 +238,20 @@ void fill_transposed(BlockOps<float>& ops, std::integer_sequence<int, R...>) {
   ((ops.transposed[KV - 1][R] = &block_scores_transposed<KV, R + 1>), ...);
 }
 
-// Rows per register pass for a head_dim of num_vecs vectors: the accumulators fit in registers.
+// Rows per register pass of the value sums for a head_dim of num_vecs vectors: the R * NV
+// accumulators and one value row fit in the vector registers.
 constexpr int64_t rows_per_pass(int64_t num_vecs) {
-  return std::max<int64_t>(1, std::min<int64_t>(kMaxRows, 12 / num_vecs));
+  return std::max<int64_t>(1, std::min<int64_t>(kMaxRows, (kVecRegisters - num_vecs) / num_vecs));
 }
 
 template <typename kv_t, int NV, int R>
 void fill_row(BlockOps<kv_t>& ops) {
   // Only the passes attend_item makes; reduced-precision rows in whole pairs of vectors.
   if constexpr (R <= rows_per_pass(NV) && (std::is_same_v<kv_t, float> || NV % 2 == 0)) {
-    ops.scores[NV - 1][R - 1] = &block_scores<kv_t, NV, R>;
-    ops.values[NV - 1][R - 1] = &block_values<kv_t, NV, R>;
+    ops.values[NV - 1][R - 1] = &chunk_values<kv_t, NV, R>;
+  }
+  if constexpr (R <= kMaxRowScoreRows && (std::is_same_v<kv_t, float> || NV % 2 == 0)) {
+    ops.by_row[NV - 1][R - 1] = &chunk_scores_by_row<kv_t, NV, R>;
   }
 }
 
@@ -212,4 +279,5 @@ const BlockOps<kv_t>& block_ops() {
   return ops;
 }
 
+}  // namespace
 }  // namespace carpool_cpu

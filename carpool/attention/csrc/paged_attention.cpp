@@ -8,27 +8,37 @@
 //
 // Algorithm: a work item is (request, kv head, tile of up to kQueryTile queries). Its rows are
 // the tile's queries times the G = H / Hkv query heads sharing that kv head, so every key and
-// value row is read from memory once per tile, not once per query head. Keys are visited one
-// cache block at a time, only the blocks some row may attend; a row's allowed keys within a
-// block are one contiguous range (causal and window bounds), so no mask is built. The softmax
-// is online, in float32: per row a running max and sum, the float32 output accumulator rescaled
-// when the max grows. bfloat16/float16 rows are converted to float32 in registers when one
-// register pass covers the item's rows, else into a float32 copy of the block; items of 4+
-// rows score a transposed copy of the block (AVX512 builds). The inner loops are in
-// block_ops.h. Threads take work items dynamically, longest context first.
+// value row is read from memory once per tile, not once per query head. Keys are visited in
+// chunks of whole cache blocks (about kChunkKeys keys, at fixed positions: chunk c holds
+// positions [c * chunk_keys, (c + 1) * chunk_keys)), only the chunks some row may attend; a
+// row's allowed keys within a chunk are one contiguous range (causal and window bounds),
+// masked by lane index, so no mask is built. The softmax is online, in float32, one step per
+// chunk (not per block: its two horizontal reductions and exp pass then cost little beside
+// the FMAs): per row a running max and sum, the float32 output accumulator rescaled when the
+// max grows. Scores are taken by row (up to 3 rows share each key row's load; a transpose-add
+// tree folds 16 keys' partial sums into one vector), or, for items of kMinTransposedRows+
+// rows (prompt tiles) in AVX512 builds, from a transposed float32 copy of the chunk's keys.
+// bfloat16/float16 keys and values are converted in registers when one register pass covers
+// the item's rows (decodes), else into float32 copies once per chunk. The blocks two chunks
+// ahead are prefetched into L2 while one computes, and a thread claims its next item before
+// attending the current one, to prefetch that item's first chunks. The inner loops are in
+// block_ops.h and bf16_pair_ops.h. Threads take work items
+// dynamically, longest context first.
 //
-// batch_invariant: every row is scored one key row at a time (block_scores), never from a
-// transposed block, whose sums over head_dim run in another order: the transposed path is
-// taken by items of 4+ rows, so without this a query's scores would depend on how many
-// queries share its tile (its chunk) and on the number of query heads per kv head. Every
-// other step is already per row: the block order (by position), the online softmax, the
-// value sums (another row's keys outside a row's range get probability 0 and add exactly 0).
+// batch_invariant: every row is scored by row (chunk_scores_by_row), never from transposed
+// keys, whose sums over head_dim run in another order: the transposed path is taken by items
+// of 4+ rows, so without this a query's scores would depend on how many queries share its
+// tile (its chunk) and on the number of query heads per kv head. Every other step is already
+// per row: the chunks (fixed positions) and their order, the lanes a row masks, the online
+// softmax, the value sums (another row's keys outside a row's range get probability 0 and
+// add exactly 0).
 
 // Narrow headers on purpose: <torch/extension.h> takes about 3x longer to compile.
 // The Python binding is in bindings.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include "bf16_pair_ops.h"
 #include "block_ops.h"
 
 #include <algorithm>
@@ -45,8 +55,10 @@ namespace {
 using namespace carpool_cpu;
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kQueryTile = 16;  // queries of one request attended per pass over its keys
+constexpr int64_t kChunkKeys = 64;  // keys per online-softmax step (whole blocks, at least one)
+constexpr int64_t kPrefetchChunks = 2;  // chunks of keys and values asked for ahead of use
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Fewer rows than this do not repay a block's transpose (decodes of G <= 3 query heads).
+// Fewer rows than this do not repay a chunk's transpose (decodes of G <= 3 query heads).
 constexpr int kMinTransposedRows = 4;
 
 struct Shapes {
@@ -57,8 +69,9 @@ struct Shapes {
   int64_t sliding_window;  // 0 = none
   int64_t num_vecs;        // head_dim in vectors, rounded up
   int64_t padded_dim;      // num_vecs * Vec::size(): row stride of the float buffers
-  int64_t score_stride;    // block_size rounded up to whole vectors
-  bool transposed_scores;  // scores from transposed key blocks (block_scores_transposed)
+  int64_t chunk_keys;      // keys per chunk: whole blocks, about kChunkKeys
+  int64_t chunk_stride;    // chunk_keys rounded up to whole vectors: row stride of scores
+  bool transposed_scores;  // scores from transposed keys (block_scores_transposed)
 };
 
 struct WorkItem {
@@ -70,9 +83,16 @@ struct WorkItem {
 };
 
 // Per-thread buffers; padding columns are zeroed once and never written.
+template <typename scalar_t>
 struct Scratch {
   std::vector<float> queries, acc, row_max, row_sum, correction, scores, keys, keys_t, values;
+  std::vector<float> zeros;  // one padded row of zeros: keys outside a chunk's loaded range
+  std::vector<scalar_t> zeros_in_place;  // the same in the cache's dtype
   std::vector<int64_t> key_lo, key_hi;
+  std::vector<const scalar_t*> key_src, value_src;  // the chunk's rows in the cache
+  std::vector<const float*> key_rows, value_rows;   // the same as float32 rows
+  std::vector<uint32_t> query_pairs;  // bfloat16 queries as pairs of d (paired items)
+  std::vector<uint16_t> value_pairs;  // the chunk's value rows interleaved in pairs of keys
   void reserve(int64_t rows, const Shapes& s) {
     if (static_cast<int64_t>(row_max.size()) < rows) {
       queries.assign(rows * s.padded_dim, 0.f);
@@ -82,74 +102,107 @@ struct Scratch {
       correction.resize(rows);
       key_lo.resize(rows);
       key_hi.resize(rows);
-      scores.assign(rows * s.score_stride, 0.f);
+      scores.assign(rows * s.chunk_stride, 0.f);
+      query_pairs.assign(rows * s.padded_dim / 2, 0);
     }
     if (keys.empty()) {
-      keys.assign(s.block_size * s.padded_dim, 0.f);
-      keys_t.assign(s.head_dim * s.score_stride, 0.f);
-      values.assign(s.block_size * s.padded_dim, 0.f);
+      keys.assign(s.chunk_keys * s.padded_dim, 0.f);
+      keys_t.assign(s.head_dim * s.chunk_stride, 0.f);
+      values.assign(s.chunk_keys * s.padded_dim, 0.f);
+      zeros.assign(s.padded_dim, 0.f);
+      zeros_in_place.assign(s.padded_dim, static_cast<scalar_t>(0.f));
+      key_src.assign(s.chunk_stride, nullptr);
+      value_src.assign(s.chunk_stride, nullptr);
+      key_rows.assign(s.chunk_stride, zeros.data());
+      value_rows.assign(s.chunk_stride, nullptr);
+      value_pairs.assign((s.chunk_stride / 2 + 1) * s.padded_dim * 2, 0);
     }
   }
 };
 
-// Rows [0, n) of a cache block as float32 rows of stride `stride` (the block itself when it
-// is float32 and needs no padding, else converted into `buffer`).
-template <typename scalar_t>
-const float* block_as_float(const scalar_t* block, int64_t n, const Shapes& s, float* buffer,
-                            int64_t& stride) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    if (s.padded_dim == s.head_dim) {
-      stride = s.head_dim;
-      return block;
-    }
-  }
-  stride = s.padded_dim;
-  if (s.padded_dim == s.head_dim) {
-    to_float(block, buffer, n * s.head_dim);
-  } else {
-    for (int64_t t = 0; t < n; ++t) to_float(block + t * s.head_dim, buffer + t * stride, s.head_dim);
-  }
-  return buffer;
-}
-
-// Asks for the cache lines of `bytes` bytes at `p` ahead of use (blocks sit anywhere in the
-// cache, so the hardware prefetcher cannot guess the next one).
+// Asks for the cache lines of `bytes` bytes at `p` ahead of use, into L2 (a chunk of float32
+// keys and values fills L1 alone): blocks sit anywhere in the cache, so the hardware
+// prefetcher cannot guess the next one.
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
-// Online softmax over one block's scores of row r, keys [lo, hi) allowed: scores become
-// probabilities relative to the new running max (0 outside [lo, hi)), and correction[r]
-// the factor that rescales what the row accumulated before.
-inline void softmax_step(float* sc, int64_t lo, int64_t hi, int64_t score_stride,
+// The keys [begin, end) of one request and kv head, from the cache into L2.
+template <typename scalar_t>
+void prefetch_keys(const Shapes& s, const int32_t* table, const scalar_t* key_head,
+                   const scalar_t* value_head, int64_t begin, int64_t end) {
+  const int64_t BS = s.block_size, D = s.head_dim;
+  for (int64_t b = begin / BS; b * BS < end; ++b) {
+    const int64_t block = table[b];
+    if (block < 0 || block >= s.num_cache_blocks) continue;  // attend_item raises on it
+    const int64_t first = std::max(begin, b * BS), n = std::min(end, (b + 1) * BS) - first;
+    const int64_t offset = (block * BS + first % BS) * D;
+    prefetch(key_head + offset, n * D * sizeof(scalar_t));
+    prefetch(value_head + offset, n * D * sizeof(scalar_t));
+  }
+}
+
+// Online softmax over one chunk's scores of a row whose allowed keys are [lo, hi), within
+// the chunk's loaded vectors [v_begin, v_end) (those the value sums may read): scores become
+// probabilities relative to the new running max (0 outside [lo, hi)), and correction the
+// factor that rescales what the row accumulated before.
+inline void softmax_step(float* sc, int64_t lo, int64_t hi, int64_t v_begin, int64_t v_end,
                          float& row_max, float& row_sum, float& correction) {
-  for (int64_t t = 0; t < lo; ++t) sc[t] = kNegInf;
-  for (int64_t t = hi; t < score_stride; ++t) sc[t] = kNegInf;
+  constexpr int64_t W = Vec::size();
+  const int64_t j0 = lo / W, j1 = (hi + W - 1) / W;
+  const Vec lo_v(static_cast<float>(lo)), hi_v(static_cast<float>(hi)), neg_inf(kNegInf);
+  Vec lane;
+  {
+    alignas(64) float iota[W];
+    for (int64_t i = 0; i < W; ++i) iota[i] = static_cast<float>(i);
+    lane = Vec::loadu(iota);
+  }
   Vec m(kNegInf);
-  for (int64_t t = 0; t < score_stride; t += Vec::size()) m = at::vec::maximum(m, Vec::loadu(sc + t));
-  const float block_max = at::vec::vec_reduce_all<float>(
+  for (int64_t j = j0; j < j1; ++j) {
+    const Vec idx = lane + Vec(static_cast<float>(j * W));
+    const Vec in = (idx >= lo_v) & (idx < hi_v);
+    const Vec x = Vec::blendv(neg_inf, Vec::loadu(sc + j * W), in);
+    x.store(sc + j * W);
+    m = at::vec::maximum(m, x);
+  }
+  const float chunk_max = at::vec::vec_reduce_all<float>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, m);
-  const float new_max = std::max(row_max, block_max);
+  const float new_max = std::max(row_max, chunk_max);
   correction = (row_max == kNegInf || new_max == row_max) ? 1.f : std::exp(row_max - new_max);
   row_max = new_max;
-  const Vec shift(new_max);
+  const Vec shift(new_max), zero(0.f);
   Vec sum(0.f);
-  for (int64_t t = 0; t < score_stride; t += Vec::size()) {
-    Vec p = (Vec::loadu(sc + t) - shift).exp_u20();
-    p.store(sc + t);
+  for (int64_t j = j0; j < j1; ++j) {
+    const Vec x = Vec::loadu(sc + j * W);
+    const Vec p = Vec::blendv(zero, (x - shift).exp_u20(), x != neg_inf);
+    p.store(sc + j * W);
+    sum = sum + p;
   }
-  for (int64_t t = 0; t < lo; ++t) sc[t] = 0.f;
-  for (int64_t t = hi; t < score_stride; ++t) sc[t] = 0.f;
-  for (int64_t t = 0; t < score_stride; t += Vec::size()) sum = sum + Vec::loadu(sc + t);
+  for (int64_t j = v_begin; j < j0; ++j) zero.store(sc + j * W);
+  for (int64_t j = std::max(j1, v_begin); j < v_end; ++j) zero.store(sc + j * W);
   row_sum = row_sum * correction + at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum);
+}
+
+// Keys [begin, end) some row of the item may attend (its first and last rows' bounds).
+std::pair<int64_t, int64_t> item_keys(const Shapes& s, const WorkItem& item,
+                                      const int32_t* query_lens, const int32_t* seq_lens) {
+  const int64_t first_pos = seq_lens[item.seq] - query_lens[item.seq] + item.q_begin;
+  const int64_t last_pos = first_pos + item.q_end - item.q_begin - 1;
+  const int64_t begin =
+      s.sliding_window > 0 ? std::max<int64_t>(0, first_pos - s.sliding_window + 1) : 0;
+  return {begin, last_pos + 1};
 }
 
 template <typename scalar_t>
 void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const scalar_t* cache,
                  scalar_t* out, const int32_t* block_tables, const int32_t* query_starts,
-                 const int32_t* query_lens, const int32_t* seq_lens, Scratch& buf) {
+                 const int32_t* query_lens, const int32_t* seq_lens, const WorkItem* next,
+                 Scratch<scalar_t>& buf) {
+  constexpr int64_t W = Vec::size();
+  constexpr bool is_float = std::is_same_v<scalar_t, float>;
   const int64_t D = s.head_dim, Dp = s.padded_dim, G = s.group_size, BS = s.block_size;
+  const int64_t CK = s.chunk_keys, CS = s.chunk_stride;
   const int64_t num_queries = item.q_end - item.q_begin;
   const int64_t rows = num_queries * G;  // row r = (query r / G, query head kv_head * G + r % G)
   const int64_t seq_len = seq_lens[item.seq];
@@ -158,17 +211,31 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
   buf.reserve(rows, s);
   const BlockOps<float>& ops = block_ops<float>();
   const BlockOps<scalar_t>& in_place_ops = block_ops<scalar_t>();
-  const int64_t pass_rows = rows_per_pass(s.num_vecs);
+  const int64_t value_rows_per_pass = rows_per_pass(s.num_vecs);
   const bool transposed = s.transposed_scores && rows >= kMinTransposedRows;
-  // bfloat16/float16 rows that fill whole vectors are converted in registers, not copied
-  // first, when one register pass covers all rows (else each pass would convert them again).
-  const bool in_place = !std::is_same_v<scalar_t, float> && Dp == D && s.num_vecs % 2 == 0 &&
-                        rows <= pass_rows && !transposed;
+  // bfloat16 prompt tiles on AVX512-BF16 CPUs: keys and values as bfloat16 pairs into
+  // vdpbf16ps (the probabilities rounded to bfloat16), no float32 copies.
+#if defined(CARPOOL_AVX512_BF16)
+  // (whole vector pairs only: the value sums take head_dim in pairs of vectors)
+  const bool paired = std::is_same_v<scalar_t, at::BFloat16> && transposed && Dp == D &&
+                      s.num_vecs % 2 == 0;
+#else
+  const bool paired = false;
+#endif
+  // Cache rows used as they are: float32 rows that need no padding; bfloat16/float16 value
+  // rows filling whole vector pairs, when one register pass covers all rows (else each pass
+  // would convert them again).
+  // bfloat16/float16 keys only when one pass of the scores by row covers all rows.
+  const bool keys_in_place =
+      Dp == D && (is_float || (s.num_vecs % 2 == 0 && !transposed && rows <= kMaxRowScoreRows));
+  const bool values_in_place =
+      Dp == D && (is_float || (s.num_vecs % 2 == 0 && rows <= value_rows_per_pass));
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = first_pos + r / G, head = item.kv_head * G + r % G;
     const scalar_t* q_row = q + (token0 + r / G) * s.q_token_stride + head * s.q_head_stride;
     float* qf = buf.queries.data() + r * Dp;
+    if (paired) std::memcpy(buf.query_pairs.data() + r * D / 2, q_row, D * sizeof(scalar_t));
     to_float(q_row, qf, D);
     for (int64_t d = 0; d < D; ++d) qf[d] *= s.scale;
     buf.key_lo[r] = s.sliding_window > 0 ? std::max<int64_t>(0, pos - s.sliding_window + 1) : 0;
@@ -178,82 +245,181 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
   }
   std::fill(buf.acc.begin(), buf.acc.begin() + rows * Dp, 0.f);
 
-  const int64_t keys_begin = buf.key_lo[0], keys_end = buf.key_hi[rows - 1];
+  const auto [keys_begin, keys_end] = item_keys(s, item, query_lens, seq_lens);
   const int32_t* table = block_tables + item.seq * s.max_blocks;
   const int64_t head_stride = s.num_cache_blocks * BS * D;  // one head's blocks in the cache
   const scalar_t* key_head = cache + item.kv_head * head_stride;
   const scalar_t* value_head = cache + (s.num_kv_heads + item.kv_head) * head_stride;
-
-  for (int64_t b = keys_begin / BS; b * BS < keys_end; ++b) {
+  if (next != nullptr) {  // the first chunks of this thread's next item, while this one runs
+    const auto [begin, end] = item_keys(s, *next, query_lens, seq_lens);
+    const int64_t head_offset = next->kv_head * head_stride;
+    prefetch_keys(s, block_tables + next->seq * s.max_blocks, cache + head_offset,
+                  cache + s.num_kv_heads * head_stride + head_offset, begin,
+                  std::min(end, begin / CK * CK + kPrefetchChunks * CK));
+  }
+  auto block_id = [&](int64_t b) {
     const int64_t block = table[b];
     TORCH_CHECK(block >= 0 && block < s.num_cache_blocks, "paged_attention: block id ", block,
                 " of request ", item.seq, " is outside the cache (", s.num_cache_blocks, " blocks)");
-    const int64_t t0 = b * BS, num_keys = std::min(BS, keys_end - t0);
-    if ((b + 1) * BS < keys_end) {  // the next block's keys and values, while this one computes
-      const int64_t next = table[b + 1];
-      if (next >= 0 && next < s.num_cache_blocks) {
-        const int64_t next_keys = std::min(BS, keys_end - (b + 1) * BS);
-        prefetch(key_head + next * BS * D, next_keys * D * sizeof(scalar_t));
-        prefetch(value_head + next * BS * D, next_keys * D * sizeof(scalar_t));
+    return block;
+  };
+
+  for (int64_t c0 = keys_begin / CK * CK; c0 < keys_end; c0 += CK) {
+    // Keys [kb, ke) of the chunk (relative to c0) are loaded: those some row may attend.
+    const int64_t kb = std::max(keys_begin, c0) - c0, ke = std::min(keys_end, c0 + CK) - c0;
+    for (int64_t b = (c0 + kb) / BS; b * BS < c0 + ke; ++b) {
+      const int64_t block = block_id(b);
+      for (int64_t t = std::max(b * BS, c0 + kb) - c0; t < std::min((b + 1) * BS, c0 + ke) - c0; ++t) {
+        const int64_t offset = (block * BS + (c0 + t) % BS) * D;
+        buf.key_src[t] = key_head + offset;
+        buf.value_src[t] = value_head + offset;
       }
     }
-    int64_t key_stride = D, value_stride = D;
-    const scalar_t* key_src = key_head + block * BS * D;
-    const float* keys = in_place ? nullptr
-                            : block_as_float(key_src, num_keys, s, buf.keys.data(), key_stride);
-    if (transposed) {
-      at::vec::transpose_mxn<float>(keys, key_stride, buf.keys_t.data(), s.score_stride,
-                                    static_cast<int>(num_keys), static_cast<int>(D));
-    }
-    const int64_t step = transposed ? kMaxTransposedRows : pass_rows;
-    for (int64_t r0 = 0; r0 < rows; r0 += step) {
-      const int64_t n = std::min(step, rows - r0);
-      // Keys any of these rows may attend in this block (rows are in position order).
-      const int64_t lo = std::max(buf.key_lo[r0], t0) - t0;
-      const int64_t hi = std::min(buf.key_hi[r0 + n - 1], t0 + num_keys) - t0;
-      if (lo >= hi) continue;
-      float* scores = buf.scores.data() + r0 * s.score_stride;
-      if (transposed) {
-        ops.transposed[s.score_stride / Vec::size() - 1][n - 1](
-            buf.queries.data() + r0 * Dp, Dp, buf.keys_t.data(), D, scores, s.score_stride);
-      } else if (keys == nullptr) {
-        in_place_ops.scores[s.num_vecs - 1][n - 1](buf.queries.data() + r0 * Dp, Dp, key_src, D,
-                                                   lo, hi, scores, s.score_stride);
+    // The rows two chunks ahead (the next one was asked for by the previous chunk, or before
+    // the item began), while this one computes.
+    const int64_t ahead = c0 + kPrefetchChunks * CK;
+    prefetch_keys(s, table, key_head, value_head, ahead, std::min(keys_end, ahead + CK));
+    const int64_t v_begin = kb / W, v_end = (ke + W - 1) / W;  // loaded key vectors
+    for (int64_t t = v_begin * W; t < kb; ++t) buf.key_src[t] = buf.zeros_in_place.data();
+    for (int64_t t = ke; t < v_end * W; ++t) buf.key_src[t] = buf.zeros_in_place.data();
+    for (int64_t t = v_begin * W; t < v_end * W; ++t) {
+      if constexpr (is_float) {
+        if (keys_in_place) {
+          buf.key_rows[t] = buf.key_src[t];
+          continue;
+        }
       } else {
-        ops.scores[s.num_vecs - 1][n - 1](buf.queries.data() + r0 * Dp, Dp, keys, key_stride, lo,
-                                          hi, scores, s.score_stride);
+        if (keys_in_place) continue;  // read through key_src
+      }
+      if (t < kb || t >= ke) {
+        buf.key_rows[t] = buf.zeros.data();
+        continue;
+      }
+      if (paired) continue;  // transposed below as bfloat16 pairs
+      float* row = buf.keys.data() + t * Dp;
+      to_float(buf.key_src[t], row, D);
+      buf.key_rows[t] = row;
+    }
+    // Row r's allowed keys in the chunk, relative to c0 (empty when lo >= hi).
+    auto row_lo = [&](int64_t r) { return std::max(buf.key_lo[r] - c0, kb); };
+    auto row_hi = [&](int64_t r) { return std::min(buf.key_hi[r] - c0, ke); };
+
+    if (paired) {
+#if defined(CARPOOL_AVX512_BF16)
+      uint32_t* keys_p = reinterpret_cast<uint32_t*>(buf.keys_t.data());  // [D / 2][CS]
+      for (int64_t t = kb; t < ke;) {  // one block's rows at a time, pairs moved as floats
+        const int64_t n = std::min(ke - t, BS - (c0 + t) % BS);
+        at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(buf.key_src[t]), D / 2,
+                                      reinterpret_cast<float*>(keys_p) + t, CS,
+                                      static_cast<int>(n), static_cast<int>(D / 2));
+        t += n;
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTransposedRows) {
+        const int64_t n = std::min<int64_t>(kMaxTransposedRows, rows - r0);
+        const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);  // rows in position order
+        if (lo >= hi) continue;
+        for (int64_t j = lo / W; j < (hi + W - 1) / W; j += kMaxKeyVecs) {
+          const int64_t kv = std::min<int64_t>(kMaxKeyVecs, (hi + W - 1) / W - j);
+          pair_ops().scores[kv - 1][n - 1](buf.query_pairs.data() + r0 * D / 2, D / 2,
+                                           keys_p + j * W, D / 2, s.scale,
+                                           buf.scores.data() + r0 * CS + j * W, CS);
+        }
+      }
+#endif
+    } else if (transposed) {
+      for (int64_t t = kb; t < ke;) {  // one block's rows at a time: a constant row stride
+        const int64_t n = std::min(ke - t, BS - (c0 + t) % BS);
+        at::vec::transpose_mxn<float>(buf.key_rows[t], keys_in_place ? D : Dp,
+                                      buf.keys_t.data() + t, CS, static_cast<int>(n),
+                                      static_cast<int>(D));
+        t += n;
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTransposedRows) {
+        const int64_t n = std::min<int64_t>(kMaxTransposedRows, rows - r0);
+        const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);  // rows in position order
+        if (lo >= hi) continue;
+        for (int64_t j = lo / W; j < (hi + W - 1) / W; j += kMaxKeyVecs) {
+          const int64_t kv = std::min<int64_t>(kMaxKeyVecs, (hi + W - 1) / W - j);
+          ops.transposed[kv - 1][n - 1](buf.queries.data() + r0 * Dp, Dp,
+                                        buf.keys_t.data() + j * W, D,
+                                        buf.scores.data() + r0 * CS + j * W, CS);
+        }
+      }
+    } else {
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowScoreRows) {
+        const int64_t n = std::min<int64_t>(kMaxRowScoreRows, rows - r0);
+        const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);  // rows in position order
+        if (lo >= hi) continue;
+        const float* queries = buf.queries.data() + r0 * Dp;
+        float* scores = buf.scores.data() + r0 * CS;
+        if (!is_float && keys_in_place) {
+          in_place_ops.by_row[s.num_vecs - 1][n - 1](queries, Dp, buf.key_src.data(), lo / W,
+                                                     (hi + W - 1) / W, scores, CS);
+        } else {
+          ops.by_row[s.num_vecs - 1][n - 1](queries, Dp, buf.key_rows.data(), lo / W,
+                                            (hi + W - 1) / W, scores, CS);
+        }
       }
     }
     bool any_row = false;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lo = std::max(buf.key_lo[r], t0) - t0;
-      const int64_t hi = std::min(buf.key_hi[r], t0 + num_keys) - t0;
-      float* sc = buf.scores.data() + r * s.score_stride;
+      const int64_t lo = row_lo(r), hi = row_hi(r);
+      float* sc = buf.scores.data() + r * CS;
       if (lo >= hi) {  // nothing allowed here: no change to the row
-        std::fill(sc, sc + s.score_stride, 0.f);
+        std::fill(sc + v_begin * W, sc + v_end * W, 0.f);
         buf.correction[r] = 1.f;
         continue;
       }
       any_row = true;
-      softmax_step(sc, lo, hi, s.score_stride, buf.row_max[r], buf.row_sum[r], buf.correction[r]);
+      softmax_step(sc, lo, hi, v_begin, v_end, buf.row_max[r], buf.row_sum[r],
+                   buf.correction[r]);
     }
     if (!any_row) continue;
-    const scalar_t* value_src = value_head + block * BS * D;
-    const float* values =
-        in_place ? nullptr
-                 : block_as_float(value_src, num_keys, s, buf.values.data(), value_stride);
-    for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
-      const int64_t n = std::min(pass_rows, rows - r0);
-      const int64_t lo = std::max(buf.key_lo[r0], t0) - t0;
-      const int64_t hi = std::min(buf.key_hi[r0 + n - 1], t0 + num_keys) - t0;
+#if defined(CARPOOL_AVX512_BF16)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (paired) {
+        for (int64_t u = kb / 2; 2 * u < ke; ++u) {  // keys 2u, 2u + 1 (zeros outside)
+          const int64_t t = 2 * u;
+          const scalar_t* a = t >= kb ? buf.value_src[t] : buf.zeros_in_place.data();
+          const scalar_t* b = t + 1 < ke ? buf.value_src[t + 1] : buf.zeros_in_place.data();
+          interleave_rows(a, b, buf.value_pairs.data() + u * Dp * 2, s.num_vecs);
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += value_rows_per_pass) {
+          const int64_t n = std::min(value_rows_per_pass, rows - r0);
+          const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);
+          if (lo >= hi) continue;
+          pair_ops().values[s.num_vecs / 2 - 1][n - 1](
+              buf.scores.data() + r0 * CS, CS, buf.value_pairs.data(), lo / 2, (hi + 1) / 2,
+              buf.correction.data() + r0, buf.acc.data() + r0 * Dp, Dp);
+        }
+        continue;
+      }
+    }
+#endif
+    for (int64_t t = kb; t < ke; ++t) {
+      if constexpr (is_float) {
+        if (values_in_place) {
+          buf.value_rows[t] = buf.value_src[t];
+          continue;
+        }
+      } else {
+        if (values_in_place) continue;  // read through value_src
+      }
+      float* row = buf.values.data() + t * Dp;
+      to_float(buf.value_src[t], row, D);
+      buf.value_rows[t] = row;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += value_rows_per_pass) {
+      const int64_t n = std::min(value_rows_per_pass, rows - r0);
+      const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);
       if (lo >= hi) continue;
-      const float* probs = buf.scores.data() + r0 * s.score_stride;
+      const float* probs = buf.scores.data() + r0 * CS;
       float* acc = buf.acc.data() + r0 * Dp;
-      if (values == nullptr) {
-        in_place_ops.values[s.num_vecs - 1][n - 1](probs, s.score_stride, value_src, D, lo, hi,
+      if (!is_float && values_in_place) {
+        in_place_ops.values[s.num_vecs - 1][n - 1](probs, CS, buf.value_src.data(), lo, hi,
                                                    buf.correction.data() + r0, acc, Dp);
       } else {
-        ops.values[s.num_vecs - 1][n - 1](probs, s.score_stride, values, value_stride, lo, hi,
+        ops.values[s.num_vecs - 1][n - 1](probs, CS, buf.value_rows.data(), lo, hi,
                                           buf.correction.data() + r0, acc, Dp);
       }
     }
@@ -342,9 +508,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   TORCH_CHECK(s.num_vecs <= kMaxVecs, "paged_attention: head_dim ", s.head_dim, " above the ",
               kMaxVecs * Vec::size(), " this build supports");
   s.padded_dim = s.num_vecs * Vec::size();
-  s.score_stride = round_up(s.block_size, Vec::size());
+  s.chunk_keys = std::max<int64_t>(1, kChunkKeys / s.block_size) * s.block_size;
+  s.chunk_stride = round_up(s.chunk_keys, Vec::size());
 #if defined(CPU_CAPABILITY_AVX512)
-  s.transposed_scores = !batch_invariant && s.score_stride <= kMaxKeyVecs * Vec::size();
+  s.transposed_scores = !batch_invariant;
 #else
   s.transposed_scores = false;  // ATen's run-time-size transpose is scalar below AVX512
 #endif
@@ -369,10 +536,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     const int64_t num_items = static_cast<int64_t>(items.size());
     const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-      Scratch buf;
-      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      Scratch<scalar_t> buf;
+      // Each thread claims its next item before attending the current one, to prefetch it.
+      for (int64_t i = next.fetch_add(1); i < num_items;) {
+        const int64_t j = next.fetch_add(1);
         attend_item<scalar_t>(s, items[i], q_ptr, cache_ptr, out_ptr, tables, starts, q_lens,
-                              s_lens, buf);
+                              s_lens, j < num_items ? &items[j] : nullptr, buf);
+        i = j;
       }
     });
   };
