@@ -34,9 +34,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
+#include "bf16_dot.h"
 
 namespace carpool_prefill {
 
@@ -54,25 +52,6 @@ struct Item {
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define CARPOOL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-// acc[r][b] (+)= sum_p a[r][2p..2p+1] . w[b][p] over pairs [0, pairs): rows of `a` (stride
-// a_stride, bf16) times B packed 16-column blocks (block stride w_stride, pair stride 32).
-template <int R, int B>
-CARPOOL_BF16_TARGET inline void dot_tile(const uint16_t* a, int64_t a_stride, const uint16_t* w,
-                                         int64_t w_stride, int64_t pairs, __m512 (&acc)[R][B]) {
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512i wv[B];
-    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_si512(w + b * w_stride + p * 2 * kBlock);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, a + r * a_stride + 2 * p, sizeof(pair));
-      const __m512i av = _mm512_set1_epi32(pair);
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)wv[b], (__m512bh)av);
-    }
-  }
-}
-
 // scores[r][0..kKeyChunk) = q[r] . keys of the chunk (nblocks 16-key blocks), R rows.
 template <int R>
 CARPOOL_BF16_TARGET void score_rows(const uint16_t* q, int64_t q_stride, const uint16_t* kp,
@@ -82,7 +61,7 @@ CARPOOL_BF16_TARGET void score_rows(const uint16_t* q, int64_t q_stride, const u
     if (b0 + 2 <= nblocks) {
       __m512 acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      dot_tile<R, 2>(q, q_stride, kp + b0 * k_block_stride, k_block_stride, d_pairs, acc);
+      bf16_dot_tile<R, 2>(q, q_stride, kp + b0 * k_block_stride, k_block_stride, d_pairs, acc);
       for (int r = 0; r < R; ++r) {
         _mm512_storeu_ps(scores + r * kKeyChunk + b0 * kBlock, acc[r][0]);
         _mm512_storeu_ps(scores + r * kKeyChunk + (b0 + 1) * kBlock, acc[r][1]);
@@ -90,7 +69,7 @@ CARPOOL_BF16_TARGET void score_rows(const uint16_t* q, int64_t q_stride, const u
     } else {
       __m512 acc[R][1];
       for (int r = 0; r < R; ++r) acc[r][0] = _mm512_setzero_ps();
-      dot_tile<R, 1>(q, q_stride, kp + b0 * k_block_stride, k_block_stride, d_pairs, acc);
+      bf16_dot_tile<R, 1>(q, q_stride, kp + b0 * k_block_stride, k_block_stride, d_pairs, acc);
       for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * kKeyChunk + b0 * kBlock, acc[r][0]);
     }
   }
@@ -112,12 +91,12 @@ CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64
       }
     }
     if (nb == 4) {
-      dot_tile<R, 4>(p, kKeyChunk, vp + b0 * v_block_stride, v_block_stride, key_pairs, acc);
+      bf16_dot_tile<R, 4>(p, kKeyChunk, vp + b0 * v_block_stride, v_block_stride, key_pairs, acc);
     } else {
       for (int64_t b = 0; b < nb; ++b) {
         __m512 one[R][1];
         for (int r = 0; r < R; ++r) one[r][0] = acc[r][b];
-        dot_tile<R, 1>(p, kKeyChunk, vp + (b0 + b) * v_block_stride, v_block_stride, key_pairs, one);
+        bf16_dot_tile<R, 1>(p, kKeyChunk, vp + (b0 + b) * v_block_stride, v_block_stride, key_pairs, one);
         for (int r = 0; r < R; ++r) acc[r][b] = one[r][0];
       }
     }

@@ -28,9 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
+#include "bf16_dot.h"
 
 namespace carpool_gemm {
 
@@ -41,8 +39,6 @@ constexpr int kBlocks = 2;      // blocks per tile
 constexpr int kMaxRows = 12;    // rows per tile: 24 accumulators + 2 weight registers
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define CARPOOL_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 // Rows [0, R) of x times blocks [0, B) starting at `w` (block stride `block_stride`), into
 // y columns [col0, col0 + B * 16) clipped at n.
 template <int R, int B>
@@ -54,18 +50,7 @@ CARPOOL_BF16_TARGET void tile(const uint16_t* x, int64_t x_stride, const uint16_
     const __m512 init = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kBlock);
     for (int r = 0; r < R; ++r) acc[r][b] = init;
   }
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512i wv[B];
-    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_si512(w + b * block_stride + p * 2 * kBlock);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof(pair));
-      const __m512i xv = _mm512_set1_epi32(pair);
-      for (int b = 0; b < B; ++b) {
-        acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)wv[b], (__m512bh)xv);
-      }
-    }
-  }
+  bf16_dot_tile<R, B>(x, x_stride, w, block_stride, pairs, acc);
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < B; ++b) {
       const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[r][b]);
