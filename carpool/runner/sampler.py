@@ -3,10 +3,13 @@
 Vectorised across the batch; per-request knobs become per-row tensors. Order:
 min_tokens mask -> repetition / presence / frequency penalties -> greedy rows
 take the argmax; the others: temperature (below 1e-5: greedy) -> min_p -> top_k -> top_p -> draw.
-The draw is an exponential race (argmax of probs / Exp(1) noise), which picks
-token i with probability probs[i]; a seeded request draws its noise from its
-own `torch.Generator`, so the same seed gives the same tokens whatever else is
-in the batch (and across preemption: the generator lives until the request ends).
+The draw inverts each row's cumulative distribution at one uniform number, which
+picks token i with probability probs[i] (`draw_by_inverse_cdf`); a seeded request
+takes its number from its own `torch.Generator`, so the same seed gives the same
+tokens whatever else is in the batch (and across preemption: the generator lives
+until the request ends). One number per row, not one per vocabulary entry: the
+exponential race it replaced (argmax of probs / Exp(1) noise) drew 100 x 49,152
+numbers a step, 114 ms of a 135M model's ~230 ms decode step on 2 cores.
 
 A grammar-constrained request's row first loses every token its grammar does not allow
 (`GrammarBitmask`, computed by the engine's matcher); other rows are not touched.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from carpool.core.scheduler_output import ScheduledRequest
 from carpool.outputs import Logprob, PositionLogprobs
@@ -87,13 +91,14 @@ class Sampler:
         logits = _apply_min_p(logits, params)
         logits = _apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
-        drawn = (probs / self._exponential_noise(probs, requests)).argmax(dim=-1)
+        drawn = draw_by_inverse_cdf(probs, self._uniforms(requests))
         return torch.where(greedy, greedy_tokens, drawn)
 
-    def _exponential_noise(self, probs: torch.Tensor,
-                           requests: list[ScheduledRequest]) -> torch.Tensor:
-        """Exp(1) noise [N, V]: seeded rows from their own generator, others from the global one."""
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _uniforms(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """One U[0, 1) float64 number per row: seeded rows from their own generator, others
+        from the global one."""
+        uniforms = torch.rand(len(requests), generator=self.generator, device=self.device,
+                              dtype=torch.float64)
         for row, req in enumerate(requests):
             seed = req.sampling_params.seed
             if seed is None or req.sampling_params.is_greedy:
@@ -102,8 +107,44 @@ class Sampler:
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(seed)
                 self._request_generators[req.request_id] = generator
-            noise[row].exponential_(generator=generator)
-        return noise
+            uniforms[row] = torch.rand(1, generator=generator, device=self.device,
+                                       dtype=torch.float64)[0]
+        return uniforms
+
+
+# Entries per block of the two-level search in draw_by_inverse_cdf.
+CDF_BLOCK = 256
+
+
+def draw_by_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (rows of non-negative weights), uniforms [N] float64 in [0, 1) -> [N]
+    token ids, row i's the first t with cumsum(probs[i])[t] > uniforms[i] * sum(probs[i]).
+
+    Two levels, so that no float32 running sum spans the vocabulary (its rounding would
+    reach ~1e-3 over 150k entries): blocks of CDF_BLOCK entries are summed in float32
+    (error ~1e-7 of a block), the block sums accumulated in float64 pick the block, and
+    the block's own float64 running sum picks the entry. A zero-weight entry is never
+    drawn: where rounding pushes the target past a block's or a row's last positive
+    weight, the draw is that entry."""
+    num_rows, vocab = probs.shape
+    padding = (-vocab) % CDF_BLOCK
+    blocks = (F.pad(probs, (0, padding)) if padding else probs).view(num_rows, -1, CDF_BLOCK)
+    block_sums = blocks.sum(-1).double()  # [N, B]
+    ends = block_sums.cumsum(-1)
+    targets = (uniforms * ends[:, -1])[:, None]
+    block = torch.minimum(torch.searchsorted(ends, targets, right=True).squeeze(1),
+                          _last_positive(block_sums))
+    starts = ends.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1)
+    starts = torch.where(block > 0, starts, torch.zeros_like(starts))
+    weights = blocks[torch.arange(num_rows, device=probs.device), block]  # [N, CDF_BLOCK]
+    within = torch.searchsorted(weights.double().cumsum(-1), targets - starts[:, None],
+                                right=True).squeeze(1)
+    return block * CDF_BLOCK + torch.minimum(within, _last_positive(weights))
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N]: each row's last index with a positive weight (K - 1 if none)."""
+    return weights.shape[-1] - 1 - (weights > 0).flip(-1).to(torch.uint8).argmax(-1)
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, requests: list[ScheduledRequest],

@@ -9,7 +9,7 @@ import torch
 
 from carpool.core.scheduler_output import ScheduledRequest
 from carpool.runner.penalties import apply_penalties
-from carpool.runner.sampler import Sampler
+from carpool.runner.sampler import CDF_BLOCK, Sampler, draw_by_inverse_cdf
 
 from carpool.sampling_params import SamplingParams
 
@@ -44,6 +44,36 @@ def test_temperature_draws_follow_the_distribution():
     cold = _draw(_logits_from_probs(probs, 200), [_req(f"r{i}", temperature=0.05)
                                                   for i in range(200)])
     assert set(cold) == {1}
+
+
+def _weights_over_blocks() -> torch.Tensor:
+    """A row over 2.5 blocks: mass in the first and the last block, a block of zeros
+    between, zeros at the row's end (and the padding of the last block)."""
+    weights = torch.zeros(CDF_BLOCK * 2 + CDF_BLOCK // 2)
+    weights[[0, 7, CDF_BLOCK - 1, 2 * CDF_BLOCK + 3, 2 * CDF_BLOCK + 10]] = torch.tensor(
+        [0.05, 0.25, 0.2, 0.4, 0.1])
+    return weights
+
+
+def test_inverse_cdf_draws_follow_the_weights_across_blocks():
+    weights = _weights_over_blocks()
+    rows = 20_000
+    uniforms = torch.rand(rows, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens = draw_by_inverse_cdf(weights.expand(rows, -1).contiguous() * 3.0, uniforms)
+    counts = torch.bincount(tokens, minlength=weights.numel()).double() / rows
+    drawn = counts.nonzero().flatten().tolist()
+    assert drawn == weights.nonzero().flatten().tolist()  # only positive weights, all of them
+    assert torch.allclose(counts, weights.double(), atol=0.015), counts[drawn]
+
+
+def test_inverse_cdf_never_draws_a_zero_weight_at_the_ends():
+    weights = _weights_over_blocks().expand(3, -1).contiguous()
+    uniforms = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.6], dtype=torch.float64)
+    assert draw_by_inverse_cdf(weights, uniforms).tolist() == [0, 2 * CDF_BLOCK + 10,
+                                                               2 * CDF_BLOCK + 3]
+    # Rounding past a row's last positive weight still draws that weight.
+    assert draw_by_inverse_cdf(weights[:1], torch.tensor([1.5], dtype=torch.float64)).tolist() \
+        == [2 * CDF_BLOCK + 10]
 
 
 @pytest.mark.parametrize("knob, allowed", [
