@@ -17,12 +17,14 @@ a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
 and memory stops growing once they have all been seen. Padding costs at most
 7 rows per call up to 128 rows, 15 above.
 
-bfloat16 calls of at most `SMALL_GEMM_MAX_ROWS` rows (decodes, the LM head's sampled
-rows) take the compiled `small_gemm_bf16` instead when the CPU has AVX512-BF16
-(`csrc/small_gemm.cpp`): it streams the weight once at close to the memory bandwidth,
-where oneDNN's matmul ran the 135M model's 120 layers 2x slower at 1-4 rows and
-1.2-1.5x slower at 8-32 (1 thread, a microbenchmark of those layers); from about 64 rows
-up the two are even and oneDNN stays. The cost is a second packed copy of each bfloat16
+bfloat16 calls of at most `SMALL_GEMM_MAX_ROWS` rows (decode batches, short prompt
+chunks, the LM head's sampled rows) take the compiled `small_gemm_bf16` instead when the
+CPU has AVX512-BF16 (`csrc/small_gemm.cpp`): it streams the weight once at close to the
+memory bandwidth, where oneDNN's matmul ran the 135M model's 120 layers 2x slower at 1-4
+rows and 1.2-1.5x slower at 8-32 (1 thread, a microbenchmark of those layers). With its
+row padding oneDNN stays behind up to 256 rows: the small GEMM took 0.85x its time at
+64-100 rows, 0.94-0.96x at 160-256 (2 threads; 0.90x at 100 rows, even from 128, on 1),
+so oneDNN keeps only the larger calls. The cost is a second packed copy of each bfloat16
 weight (the model's weight bytes again). No row buckets are needed there: it builds
 nothing per shape.
 
@@ -42,7 +44,7 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 # Powers of two up to 8 (single decodes stay cheap), multiples of 8 up to 128 (decode
 # batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
-SMALL_GEMM_MAX_ROWS = 64  # bfloat16 calls up to this many rows take small_gemm_bf16
+SMALL_GEMM_MAX_ROWS = 256  # bfloat16 calls up to this many rows take small_gemm_bf16
 
 
 def padded_rows(rows: int) -> int:
