@@ -138,6 +138,12 @@ def add_engine_arguments(group) -> None:
                        help="CPU: the C++ kernels (paged attention reading the KV cache in "
                             "place, fused RoPE), built on first use; off, or without a "
                             "compiler: the PyTorch paths.")
+    group.add_argument("--cpu-omp-threads-bind", default="auto", metavar="auto|nobind|CPUS",
+                       help="CPU: pin torch's threads one to a CPU, as vLLM's "
+                            "VLLM_CPU_OMP_THREADS_BIND: auto (the CPUs this process may use, "
+                            "in the engine processes carpool starts; the offline LLM pins "
+                            "nothing), nobind, or CPU lists such as 0-3 or 0-1|2-3 (one per "
+                            "data-parallel replica or tensor-parallel rank).")
     group.add_argument("--batch-invariant", action="store_true",
                        help="Every token's logits bitwise identical whatever else runs in its "
                             "steps (batch size, chunking, preemption, prefix-cache hits); CPU "

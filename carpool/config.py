@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from carpool.core.config import SchedulerConfig
+from carpool.utils.cpu_threads import validate as validate_threads_bind
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
@@ -56,6 +57,9 @@ class EngineConfig:
     cpu_packed_linears: bool = True  # linear layers through oneDNN on weights packed once
     cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
     cpu_kernels: bool = True  # the C++ kernels (paged attention, fused RoPE), built on first use
+    # Pin torch's threads one to a CPU: auto (in the processes carpool starts for the engine),
+    # nobind, or CPU lists like "0-3" or "0-1|2-3" (see carpool.utils.cpu_threads).
+    cpu_omp_threads_bind: str = "auto"
     # Every token's logits bitwise the same whatever else shares its steps (linears over fixed
     # row tiles, every query through the C++ kernel in one key order); CPU only, costs speed.
     batch_invariant: bool = False
@@ -115,6 +119,7 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.batch_invariant:
             check_batch_invariant_supported(self)
+        validate_threads_bind(self.cpu_omp_threads_bind)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
@@ -137,6 +142,7 @@ class EngineConfig:
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
                   cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
+                  cpu_omp_threads_bind: str = "auto",
                   batch_invariant: bool = False, tokenizer: str | None = None,
                   chat_template: str | None = None,
                   generation_config: str = GENERATION_CONFIG_AUTO,
@@ -178,6 +184,7 @@ class EngineConfig:
                    scheduler=scheduler_config, max_model_len=max_model_len,
                    attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
                    cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
+                   cpu_omp_threads_bind=cpu_omp_threads_bind,
                    batch_invariant=batch_invariant, tokenizer=tokenizer,
                    chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,

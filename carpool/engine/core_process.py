@@ -53,8 +53,15 @@ class FrontEndGone(Exception):
 
 
 def load_engine(config: EngineConfig) -> EngineCore:
+    """The engine of this process, which carpool started for it alone: here "auto" pins
+    torch's threads (`cpu_threads`)."""
+    import dataclasses
+
     from carpool.engine.llm_engine import LLMEngine
     from carpool.engine.runner_setup import place_replica
+    from carpool.utils.cpu_threads import resolve_auto
+    config = dataclasses.replace(
+        config, cpu_omp_threads_bind=resolve_auto(config.cpu_omp_threads_bind))
     return LLMEngine.from_config(place_replica(config), detokenize=False)
 
 

@@ -58,7 +58,9 @@ def runner_arguments(config: EngineConfig, path) -> dict:
         attention_backend=config.attention_backend,
         cpu_packed_linears=config.cpu_packed_linears,
         cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels,
-        batch_invariant=config.batch_invariant)
+        batch_invariant=config.batch_invariant,
+        cpu_omp_threads_bind=config.cpu_omp_threads_bind,
+        cpu_thread_slot=config.data_parallel_rank * config.tensor_parallel_size)
 
 
 def run_tensor_parallel_worker(config: EngineConfig) -> NoReturn:

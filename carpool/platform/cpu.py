@@ -1,7 +1,8 @@
-"""The CPU platform: malloc tuning for the process, oneDNN-packed linears and the C++
-kernels for the model, and a modest share of RAM for the KV cache. Each is a config
-switch (`cpu_malloc_tuning`, `cpu_packed_linears`, `cpu_kernels`), on by default
-because each helps here. The C++ kernels (paged attention, the KV write, fused RoPE,
+"""The CPU platform: malloc tuning and pinned threads for the process, oneDNN-packed
+linears and the C++ kernels for the model, and a modest share of RAM for the KV cache.
+Each is a config switch (`cpu_malloc_tuning`, `cpu_omp_threads_bind`, `cpu_packed_linears`,
+`cpu_kernels`), on by default because each helps here (threads are pinned by default only
+in the processes carpool starts, see `cpu_threads`). The C++ kernels (paged attention, the KV write, fused RoPE,
 residual add + RMSNorm, SiLU x up) are built on first use; without a compiler the
 PyTorch paths run, after one warning line.
 
@@ -24,6 +25,7 @@ from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMu
 from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_linear import can_pack, pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
+from carpool.utils.cpu_threads import NO_BIND, bind_threads
 
 CPU_DEFAULT_FRACTION = 0.10  # of available RAM
 CPU_DEFAULT_MAX_BYTES = 4 * 1024**3
@@ -35,10 +37,13 @@ class CpuPlatform(Platform):
     malloc_tuning: bool = True
     kernels: bool = True
     batch_invariant: bool = False
+    omp_threads_bind: str = NO_BIND  # see cpu_threads
+    thread_slot: int = 0  # this process's slot in omp_threads_bind
 
     def prepare_process(self) -> None:
         if self.malloc_tuning:
             keep_freed_memory_in_heap()
+        bind_threads(self.omp_threads_bind, self.thread_slot, self.compiled_kernels())
 
     def prepare_model(self, model: nn.Module) -> None:
         kernels = self.compiled_kernels()

@@ -61,7 +61,8 @@ class ModelRunner:
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                  seed: int = 0, attention_backend: str = "auto", cpu_packed_linears: bool = True,
                  cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
-                 batch_invariant: bool = False, platform: Platform | None = None,
+                 batch_invariant: bool = False, cpu_omp_threads_bind: str = "nobind",
+                 cpu_thread_slot: int = 0, platform: Platform | None = None,
                  tp: TensorParallelGroup = SINGLE) -> None:
         path = resolve_model_path(model_path)
         self.model_config: ModelConfig = load_model_config(path)
@@ -76,7 +77,8 @@ class ModelRunner:
         self.platform = platform if platform is not None else platform_for(
             self.device, cpu_packed_linears=cpu_packed_linears,
             cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant, cpu_omp_threads_bind=cpu_omp_threads_bind,
+            cpu_thread_slot=cpu_thread_slot + tp.rank)
         self.platform.prepare_process()
         self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
         self.block_size = block_size

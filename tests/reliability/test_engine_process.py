@@ -43,6 +43,14 @@ def engine_pids(server_pid: int) -> list[int]:
     return pids
 
 
+def allowed_cpus(pid: int) -> str:
+    """The CPUs a process's main thread may run on, as /proc lists them ("0-1", "0")."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
 def is_alive(pid: int) -> bool:
     """Running (a zombie has exited: only its parent has yet to reap it)."""
     try:
@@ -90,6 +98,11 @@ def test_health_waits_for_the_engine_then_sigterm_drains_and_leaves_no_engine(
         statuses = _health_until_ok(f"http://127.0.0.1:{port}", process)
         assert statuses[0] == 503 and statuses[-1] == 200, statuses
         (engine_pid,) = engine_pids(process.pid)
+        # --cpu-omp-threads-bind auto: the engine process (its one torch thread here) is
+        # pinned to the first CPU the server may use; the front end is left free.
+        allowed = sorted(os.sched_getaffinity(0))
+        assert allowed_cpus(engine_pid) == str(allowed[0])
+        assert allowed_cpus(process.pid) == allowed_cpus(os.getpid())
 
         async def scenario():
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=AUTH,

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
@@ -54,11 +55,19 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::T
                const at::Tensor& v);
 }
 
+namespace carpool_threads {  // threads.cpp
+std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_head_dim", [] { return static_cast<int64_t>(carpool_cpu::kMaxVecs * Vec::size()); },
         "The largest head_dim paged_attention takes in this build (callers fall back above).");
   m.def("parallel_width", &parallel_width,
         "Threads one at::parallel_for runs on (1 means the build lost OpenMP).");
+  m.def("bind_threads", &carpool_threads::bind_threads,
+        "Pins torch's intra-op thread i to cpus[i] (one CPU per thread); returns the "
+        "threads' kernel ids, in the same order.",
+        py::arg("cpus"));
   m.def("rotary_", &carpool_fused::rotary_,
         "q [T, H, D] and k [T, Hkv, D] rotated in place by cos/sin [T, D] (apply_rope's bits).",
         py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
