@@ -2,9 +2,9 @@
 linears and the C++ kernels for the model, and a modest share of RAM for the KV cache.
 Each is a config switch (`cpu_malloc_tuning`, `cpu_omp_threads_bind`, `cpu_packed_linears`,
 `cpu_kernels`), on by default because each helps here (threads are pinned by default only
-in the processes carpool starts, see `cpu_threads`). The C++ kernels (paged attention, the KV write, fused RoPE,
-residual add + RMSNorm, SiLU x up) are built on first use; without a compiler the
-PyTorch paths run, after one warning line.
+in the processes carpool starts, see `utils/cpu_threads`). The C++ kernels (paged
+attention, the KV write, fused RoPE, residual add + RMSNorm, SiLU x up) are built on first
+use; without a compiler the PyTorch paths run, after one warning line.
 
 `batch_invariant` (off by default) makes every linear, packed or not, multiply only a few
 fixed row counts per call (`cpu_invariant_linear`), so a row's result never depends on how
