@@ -9,7 +9,8 @@ import torch
 
 from carpool.core.scheduler_output import ScheduledRequest
 from carpool.runner.penalties import apply_penalties
-from carpool.runner.sampler import CDF_BLOCK, Sampler, draw_by_inverse_cdf
+from carpool.runner.sampler import (CDF_BLOCK, TOP_CANDIDATES, Sampler, _apply_top_k_top_p,
+                                    _cut_sorted, draw_by_inverse_cdf)
 
 from carpool.sampling_params import SamplingParams
 
@@ -74,6 +75,31 @@ def test_inverse_cdf_never_draws_a_zero_weight_at_the_ends():
     # Rounding past a row's last positive weight still draws that weight.
     assert draw_by_inverse_cdf(weights[:1], torch.tensor([1.5], dtype=torch.float64)).tolist() \
         == [2 * CDF_BLOCK + 10]
+
+
+def test_top_k_top_p_among_candidates_keeps_what_a_full_sort_keeps():
+    vocab = 3 * TOP_CANDIDATES
+    gen = torch.Generator().manual_seed(0)
+    sharp = torch.randn(6, vocab, generator=gen) * 4  # top_p prefixes within the candidates
+    flat = torch.randn(2, vocab, generator=gen) * 0.01  # top_p 0.9 needs ~2,800 tokens
+    logits = torch.cat([sharp, flat])
+    params = [SamplingParams(top_p=0.9), SamplingParams(top_k=50, top_p=0.8),
+              SamplingParams(top_k=TOP_CANDIDATES + 500), SamplingParams(),  # untouched
+              SamplingParams(top_k=3), SamplingParams(top_p=0.5),
+              SamplingParams(top_p=0.9), SamplingParams(top_k=2000, top_p=0.95)]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    expected = _cut_sorted(logits, *logits.sort(dim=-1, descending=True), top_k, top_p)
+    got = _apply_top_k_top_p(logits, params)
+    assert torch.equal(got.isfinite(), expected.isfinite())
+    assert torch.equal(got[got.isfinite()], expected[expected.isfinite()])
+    kept = got.isfinite().sum(dim=-1).tolist()
+    assert kept[3] == vocab and kept[4] == 3 and kept[2] == TOP_CANDIDATES + 500
+    assert kept[6] > TOP_CANDIDATES  # the flat row's prefix came from the full sort
+    # Every row inside its candidates (the common case): one topk, no sort.
+    rows = [0, 1, 4]
+    got = _apply_top_k_top_p(logits[rows], [params[i] for i in rows])
+    assert torch.equal(got, expected[rows])
 
 
 @pytest.mark.parametrize("knob, allowed", [
