@@ -303,48 +303,52 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
     // Row r's allowed keys in the chunk, relative to c0 (empty when lo >= hi).
     auto row_lo = [&](int64_t r) { return std::max(buf.key_lo[r] - c0, kb); };
     auto row_hi = [&](int64_t r) { return std::min(buf.key_hi[r] - c0, ke); };
+    // f(t, n) for the chunk's keys [kb, ke) in runs [t, t + n) within one cache block.
+    auto for_each_block_run = [&](auto&& f) {
+      for (int64_t t = kb; t < ke;) {
+        const int64_t n = std::min(ke - t, BS - (c0 + t) % BS);
+        f(t, n);
+        t += n;
+      }
+    };
+    // f(r0, n, j, kv) for each tile of n <= kMaxTransposedRows rows from r0 and kv key
+    // vectors from vector j that some of those rows may attend.
+    auto for_each_transposed_tile = [&](auto&& f) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTransposedRows) {
+        const int64_t n = std::min<int64_t>(kMaxTransposedRows, rows - r0);
+        const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);  // rows in position order
+        if (lo >= hi) continue;
+        for (int64_t j = lo / W; j < (hi + W - 1) / W; j += kMaxKeyVecs) {
+          f(r0, n, j, std::min<int64_t>(kMaxKeyVecs, (hi + W - 1) / W - j));
+        }
+      }
+    };
 
     if (paired) {
 #if defined(CARPOOL_AVX512_BF16)
       uint32_t* keys_p = reinterpret_cast<uint32_t*>(buf.keys_t.data());  // [D / 2][CS]
-      for (int64_t t = kb; t < ke;) {  // one block's rows at a time, pairs moved as floats
-        const int64_t n = std::min(ke - t, BS - (c0 + t) % BS);
+      for_each_block_run([&](int64_t t, int64_t n) {  // pairs moved as floats
         at::vec::transpose_mxn<float>(reinterpret_cast<const float*>(buf.key_src[t]), D / 2,
                                       reinterpret_cast<float*>(keys_p) + t, CS,
                                       static_cast<int>(n), static_cast<int>(D / 2));
-        t += n;
-      }
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTransposedRows) {
-        const int64_t n = std::min<int64_t>(kMaxTransposedRows, rows - r0);
-        const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);  // rows in position order
-        if (lo >= hi) continue;
-        for (int64_t j = lo / W; j < (hi + W - 1) / W; j += kMaxKeyVecs) {
-          const int64_t kv = std::min<int64_t>(kMaxKeyVecs, (hi + W - 1) / W - j);
-          pair_ops().scores[kv - 1][n - 1](buf.query_pairs.data() + r0 * D / 2, D / 2,
-                                           keys_p + j * W, D / 2, s.scale,
-                                           buf.scores.data() + r0 * CS + j * W, CS);
-        }
-      }
+      });
+      for_each_transposed_tile([&](int64_t r0, int64_t n, int64_t j, int64_t kv) {
+        pair_ops().scores[kv - 1][n - 1](buf.query_pairs.data() + r0 * D / 2, D / 2,
+                                         keys_p + j * W, D / 2, s.scale,
+                                         buf.scores.data() + r0 * CS + j * W, CS);
+      });
 #endif
     } else if (transposed) {
-      for (int64_t t = kb; t < ke;) {  // one block's rows at a time: a constant row stride
-        const int64_t n = std::min(ke - t, BS - (c0 + t) % BS);
+      for_each_block_run([&](int64_t t, int64_t n) {  // a constant row stride in a block
         at::vec::transpose_mxn<float>(buf.key_rows[t], keys_in_place ? D : Dp,
                                       buf.keys_t.data() + t, CS, static_cast<int>(n),
                                       static_cast<int>(D));
-        t += n;
-      }
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxTransposedRows) {
-        const int64_t n = std::min<int64_t>(kMaxTransposedRows, rows - r0);
-        const int64_t lo = row_lo(r0), hi = row_hi(r0 + n - 1);  // rows in position order
-        if (lo >= hi) continue;
-        for (int64_t j = lo / W; j < (hi + W - 1) / W; j += kMaxKeyVecs) {
-          const int64_t kv = std::min<int64_t>(kMaxKeyVecs, (hi + W - 1) / W - j);
-          ops.transposed[kv - 1][n - 1](buf.queries.data() + r0 * Dp, Dp,
-                                        buf.keys_t.data() + j * W, D,
-                                        buf.scores.data() + r0 * CS + j * W, CS);
-        }
-      }
+      });
+      for_each_transposed_tile([&](int64_t r0, int64_t n, int64_t j, int64_t kv) {
+        ops.transposed[kv - 1][n - 1](buf.queries.data() + r0 * Dp, Dp,
+                                      buf.keys_t.data() + j * W, D,
+                                      buf.scores.data() + r0 * CS + j * W, CS);
+      });
     } else {
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowScoreRows) {
         const int64_t n = std::min<int64_t>(kMaxRowScoreRows, rows - r0);
