@@ -210,7 +210,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     if bool(untouched.all()):
         return logits
     top_p_only = no_k & ~untouched
-    width = max([int(top_k[~no_k].max())] if bool((~no_k).any()) else [0])
+    width = int(top_k[~no_k].max()) if bool((~no_k).any()) else 0
     if bool(top_p_only.any()):
         width = max(width, TOP_CANDIDATES)
     if width >= vocab_size:
