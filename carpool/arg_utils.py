@@ -144,6 +144,12 @@ def add_engine_arguments(group) -> None:
                             "in the engine processes carpool starts; the offline LLM pins "
                             "nothing), nobind, or CPU lists such as 0-3 or 0-1|2-3 (one per "
                             "data-parallel replica or tensor-parallel rank).")
+    group.add_argument("--cpu-omp-spin-count", type=int, default=None, metavar="N",
+                       help="CPU: how many times an idle OpenMP thread of the engine processes "
+                            "carpool starts spins before it sleeps (libgomp's GOMP_SPINCOUNT, "
+                            "about 100 a microsecond; 0 sleeps at once). Default: the "
+                            "environment's OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else "
+                            "10000.")
     group.add_argument("--batch-invariant", action="store_true",
                        help="Every token's logits bitwise identical whatever else runs in its "
                             "steps (batch size, chunking, preemption, prefix-cache hits); CPU "

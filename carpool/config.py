@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from carpool.core.config import SchedulerConfig
 from carpool.utils.cpu_threads import validate as validate_threads_bind
+from carpool.utils.cpu_threads import validate_spin_count
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
@@ -60,6 +61,10 @@ class EngineConfig:
     # Pin torch's threads one to a CPU: auto (in the processes carpool starts for the engine),
     # nobind, or CPU lists like "0-3" or "0-1|2-3" (see carpool.utils.cpu_threads).
     cpu_omp_threads_bind: str = "auto"
+    # How many times an idle OpenMP thread of those processes spins before it sleeps (libgomp's
+    # GOMP_SPINCOUNT, ~100 a microsecond; 0 sleeps at once). None: the environment's
+    # OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else 10,000 (see carpool.utils.cpu_threads).
+    cpu_omp_spin_count: int | None = None
     # Every token's logits bitwise the same whatever else shares its steps (linears over fixed
     # row tiles, every query through the C++ kernel in one key order); CPU only, costs speed.
     batch_invariant: bool = False
@@ -120,6 +125,7 @@ class EngineConfig:
         if self.batch_invariant:
             check_batch_invariant_supported(self)
         validate_threads_bind(self.cpu_omp_threads_bind)
+        validate_spin_count(self.cpu_omp_spin_count)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
@@ -142,7 +148,7 @@ class EngineConfig:
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
                   cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
-                  cpu_omp_threads_bind: str = "auto",
+                  cpu_omp_threads_bind: str = "auto", cpu_omp_spin_count: int | None = None,
                   batch_invariant: bool = False, tokenizer: str | None = None,
                   chat_template: str | None = None,
                   generation_config: str = GENERATION_CONFIG_AUTO,
@@ -185,6 +191,7 @@ class EngineConfig:
                    attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
                    cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
                    cpu_omp_threads_bind=cpu_omp_threads_bind,
+                   cpu_omp_spin_count=cpu_omp_spin_count,
                    batch_invariant=batch_invariant, tokenizer=tokenizer,
                    chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,

@@ -25,7 +25,7 @@ ALLOWED = {
     "tp_worker_cli": {"arg_utils", "config", "engine"},
     "generate_cli": {"arg_utils", "config", "llm", "sampling_params"},
     "server": {"arg_utils", "config", "engine", "metrics", "outputs", "sampling_params",
-               "structured"},
+               "structured", "utils"},
     "bench": {"config", "default_model_path", "engine", "llm", "sampling_params"},
     "sim": {"core", "sampling_params"},
     "testing": {"models", "default_model_path"},

@@ -22,6 +22,7 @@ import uvicorn
 from carpool.config import EngineConfig
 from carpool.engine.output_stream import EngineInfo
 from carpool.server.http_protocol import connection_cap, guarded_protocol, raise_open_files_limit
+from carpool.utils.cpu_threads import openmp_wait_environment
 
 if TYPE_CHECKING:
     from carpool.server.admission import Admission
@@ -71,12 +72,12 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
                  on_ready=on_ready, on_fatal=on_fatal)
     if settings.data_parallel_size > 1:
         from carpool.engine.dp_client import DataParallelClient
-        _openmp_threads_sleep_when_waiting()
+        _set_engine_openmp_wait(config)
         engine = DataParallelClient(config, settings.data_parallel_size, log_level=log_level,
                                     **hooks)
     elif settings.engine_process:
         from carpool.engine.core_client import EngineProcessClient
-        _openmp_threads_sleep_when_waiting()
+        _set_engine_openmp_wait(config)
         engine = EngineProcessClient(config, log_level=log_level, **hooks)
     else:
         from carpool.engine.async_engine import AsyncEngine
@@ -102,13 +103,13 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
     return exit_code
 
 
-def _openmp_threads_sleep_when_waiting() -> None:
-    """Unless the user chose otherwise, the engine process's OpenMP threads sleep rather than
-    spin while they wait at a barrier (the child reads this as it starts). With HTTP in a
-    second process that runs beside the steps, spinning threads on a small or shared CPU wait
-    out whole time slices for a descheduled sibling: BENCHMARKS.md section 14 measured the
-    built-in model's output 4-7x lower that way on the 2-core machine under load."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def _set_engine_openmp_wait(config: EngineConfig) -> None:
+    """The engine processes started from here spin `cpu_omp_spin_count` times at an OpenMP
+    barrier before they sleep (libgomp reads this from the environment they inherit). The
+    default, ~0.1 ms, bridges one operator to the next; OpenMP's own ~3 ms made a spinning
+    thread wait out whole time slices for a descheduled sibling on a small or shared CPU,
+    with HTTP running beside the steps (BENCHMARKS.md sections 14 and 21)."""
+    os.environ.update(openmp_wait_environment(config.cpu_omp_spin_count, os.environ))
 
 
 # After --shutdown-timeout the open streams are ended with an error; uvicorn cancels

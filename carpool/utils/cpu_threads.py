@@ -13,20 +13,31 @@ its replicas and their ranks): they resolve it to the CPUs the process may run o
 `LLM`, `--no-engine-process`) "auto" pins nothing: pinning the caller's main thread to one
 CPU would also confine every process it starts later.
 
-BENCHMARKS.md section 20 has the measurement behind the default. Torch-free (config.py validates
-with it); `bind_threads` imports torch when it runs.
+How long an idle thread of those processes spins before it sleeps is the other half
+(`cpu_omp_spin_count`, `openmp_wait_environment`): libgomp reads it from the environment once,
+as torch loads, so carpool can only set it for a process it is about to start.
+
+BENCHMARKS.md sections 20 and 21 have the measurements behind the defaults. Torch-free
+(config.py validates with it); `bind_threads` imports torch when it runs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 NO_BIND = "nobind"
+
+# libgomp (PyTorch's OpenMP on Linux) spins about 100,000 times a millisecond: 10,000 is
+# ~0.1 ms, long enough to bridge one operator's barrier to the next within a step, short
+# enough that a thread whose sibling was descheduled soon yields the core (section 21).
+DEFAULT_OMP_SPIN_COUNT = 10_000
+OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -95,3 +106,23 @@ def bind_threads(setting: str, slot: int, kernels: ModuleType | None) -> list[in
     kernels.bind_threads(cpus)
     logger.info("torch threads pinned to CPU(s) %s", ",".join(map(str, cpus)))
     return cpus
+
+
+def validate_spin_count(spin_count: int | None) -> None:
+    """Raise ValueError unless `spin_count` is None or an integer >= 0."""
+    if spin_count is not None and (isinstance(spin_count, bool) or not isinstance(spin_count, int)
+                                   or spin_count < 0):
+        raise ValueError(f"cpu_omp_spin_count must be an integer >= 0, got {spin_count!r}")
+
+
+def openmp_wait_environment(spin_count: int | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that make a process started now spin `spin_count` times at an OpenMP
+    barrier, then sleep (0: sleep at once). None: nothing when `environ` already sets
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT (the user's choice stands), else the default count.
+    PASSIVE goes with the count so that libgomp does not spin at all when it runs more
+    threads than the process has CPUs."""
+    if spin_count is None:
+        if any(name in environ for name in OPENMP_WAIT_VARIABLES):
+            return {}
+        spin_count = DEFAULT_OMP_SPIN_COUNT
+    return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(spin_count)}

@@ -1,4 +1,5 @@
-"""Pinning torch's threads to CPUs (`cpu_omp_threads_bind`, see carpool/utils/cpu_threads.py)."""
+"""Pinning torch's threads to CPUs (`cpu_omp_threads_bind`) and how long they spin before they
+sleep (`cpu_omp_spin_count`); see carpool/utils/cpu_threads.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 from carpool.arg_utils import add_engine_arguments
 from carpool.config import EngineConfig
 from carpool.utils.cpu_threads import (
+    DEFAULT_OMP_SPIN_COUNT,
     cpus_for_slot,
+    openmp_wait_environment,
     parse_cpu_list,
     resolve_auto,
     validate,
@@ -68,6 +71,38 @@ def test_the_flag_reaches_the_config():
     config = EngineConfig.from_cli_args(argparse.Namespace(model=None, **vars(args)))
     assert config.cpu_omp_threads_bind == "0-1|2-3"
     assert EngineConfig().cpu_omp_threads_bind == "auto"
+
+
+def test_the_spin_count_becomes_the_started_processes_environment():
+    spin = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(DEFAULT_OMP_SPIN_COUNT)}
+    assert openmp_wait_environment(None, {"PATH": "/bin"}) == spin
+    # unset: the user's own OpenMP setting stands
+    assert openmp_wait_environment(None, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert openmp_wait_environment(None, {"GOMP_SPINCOUNT": "300000"}) == {}
+    # given: it wins over the environment
+    assert openmp_wait_environment(0, {"GOMP_SPINCOUNT": "300000"}) == {
+        "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+    assert openmp_wait_environment(250, {}) == {"OMP_WAIT_POLICY": "PASSIVE",
+                                                "GOMP_SPINCOUNT": "250"}
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
+def test_a_bad_spin_count_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="cpu_omp_spin_count"):
+        EngineConfig(cpu_omp_spin_count=bad)
+
+
+def test_the_spin_flag_reaches_the_config():
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--cpu-omp-spin-count", "0"])
+    config = EngineConfig.from_cli_args(argparse.Namespace(model=None, **vars(args)))
+    assert config.cpu_omp_spin_count == 0
+    assert EngineConfig().cpu_omp_spin_count is None
+    with pytest.raises(ValueError, match="--cpu-omp-spin-count"):
+        EngineConfig.from_cli_args(argparse.Namespace(
+            model=None, **vars(parser.parse_args(["--cpu-omp-spin-count", "-5"]))))
 
 
 _PIN_SCRIPT = """

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from carpool.bench.local_server import free_port
+from carpool.utils.cpu_threads import DEFAULT_OMP_SPIN_COUNT, OPENMP_WAIT_VARIABLES
 from tests.reliability.live import AUTH, BASE_FLAGS, MODEL, live_server
 
 pytestmark = pytest.mark.slow  # live servers (still run in CI)
@@ -93,11 +94,18 @@ def test_health_waits_for_the_engine_then_sigterm_drains_and_leaves_no_engine(
         process = subprocess.Popen(
             [sys.executable, "-m", "carpool.cli", "serve", str(llama_checkpoint), "--port",
              str(port), *BASE_FLAGS, *FLAGS], stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"))
+            env={**{name: value for name, value in os.environ.items()
+                    if name not in OPENMP_WAIT_VARIABLES}, "OMP_NUM_THREADS": "1"})
     try:
         statuses = _health_until_ok(f"http://127.0.0.1:{port}", process)
         assert statuses[0] == 503 and statuses[-1] == 200, statuses
         (engine_pid,) = engine_pids(process.pid)
+        # --cpu-omp-spin-count unset, the environment silent: the engine's OpenMP spins
+        # the default count, then sleeps.
+        engine_env = dict(entry.split("=", 1) for entry in Path(
+            f"/proc/{engine_pid}/environ").read_text().split("\0") if "=" in entry)
+        assert engine_env["GOMP_SPINCOUNT"] == str(DEFAULT_OMP_SPIN_COUNT)
+        assert engine_env["OMP_WAIT_POLICY"] == "PASSIVE"
         # --cpu-omp-threads-bind auto: the engine process (its one torch thread here) is
         # pinned to the first CPU the server may use; the front end is left free.
         allowed = sorted(os.sched_getaffinity(0))
