@@ -70,14 +70,14 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
     hooks = dict(metrics_factory=lambda info, engine=None: ServerMetrics.for_engine(
                      info, log_stats=settings.log_stats, engine=engine, families=families),
                  on_ready=on_ready, on_fatal=on_fatal)
+    if settings.data_parallel_size > 1 or settings.engine_process:
+        _set_engine_openmp_wait(config)
     if settings.data_parallel_size > 1:
         from carpool.engine.dp_client import DataParallelClient
-        _set_engine_openmp_wait(config)
         engine = DataParallelClient(config, settings.data_parallel_size, log_level=log_level,
                                     **hooks)
     elif settings.engine_process:
         from carpool.engine.core_client import EngineProcessClient
-        _set_engine_openmp_wait(config)
         engine = EngineProcessClient(config, log_level=log_level, **hooks)
     else:
         from carpool.engine.async_engine import AsyncEngine
