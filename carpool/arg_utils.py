@@ -11,7 +11,13 @@ import argparse
 import logging
 import re
 
-from carpool.config import ATTENTION_BACKENDS, DEFAULT_MAX_LOGPROBS, DTYPE_ALIASES, DTYPES
+from carpool.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_MAX_LOGPROBS,
+    DTYPE_ALIASES,
+    DTYPES,
+    SERVER_CPU_MAX_NUM_SEQS,
+)
 from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -167,8 +173,9 @@ def add_engine_arguments(group) -> None:
 
 def add_scheduler_arguments(group) -> None:
     defaults = SchedulerConfig()
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
-                       help=f"Most requests running at once (default {defaults.max_num_seqs}).")
+    group.add_argument("--max-num-seqs", type=int, default=None,
+                       help=f"Most requests running at once (default {SERVER_CPU_MAX_NUM_SEQS} "
+                            f"for a server on CPU, else {defaults.max_num_seqs}; vLLM's).")
     group.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
                        help="Most tokens per step, the step's budget (default "
                             f"{defaults.max_num_batched_tokens}, or max-model-len if larger "

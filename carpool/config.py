@@ -37,6 +37,11 @@ INIT_METHOD_SCHEMES = ("env://", "tcp://")
 # model does not size its budgets for contexts nobody sends to a small server.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
+# Who builds the engine: the offline `LLM` (and `carpool generate` / `bench offline`) or
+# `carpool serve`. As in vLLM (its usage context), some defaults differ between the two.
+USAGE_CONTEXTS = ("offline", "server")
+SERVER_CPU_MAX_NUM_SEQS = 128  # vLLM's for its API server on CPU
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -84,6 +89,12 @@ class EngineConfig:
     # replica takes 1/N of the CPU threads, or its own CUDA card(s).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Who builds the engine, one of USAGE_CONTEXTS: the server's default max_num_seqs is
+    # lower on CPU (`default_max_num_seqs`), which needs the device, known only in the engine.
+    usage: str = "offline"
+    # max_num_seqs as the user gave it; None: not given, so `for_device` may replace the
+    # scheduler's (the CUDA default until then) with the default for usage and device.
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -119,6 +130,8 @@ class EngineConfig:
                 and self.distributed_init_method.startswith(INIT_METHOD_SCHEMES)):
             raise ValueError(f"distributed_init_method must start with one of "
                              f"{INIT_METHOD_SCHEMES}, got {self.distributed_init_method!r}")
+        if self.usage not in USAGE_CONTEXTS:
+            raise ValueError(f"usage must be one of {USAGE_CONTEXTS}, got {self.usage!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -139,7 +152,8 @@ class EngineConfig:
                   seed: int = 0, served_model_name: str | None = None,
                   num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                   gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                  max_num_seqs: int | None = None,
+                  max_num_batched_tokens: int | None = None,
                   enable_chunked_prefill: bool = True, max_num_partial_prefills: int = 1,
                   max_long_partial_prefills: int = 1, long_prefill_token_threshold: int = 0,
                   block_size: int = 16, scheduler: str = "continuous",
@@ -153,12 +167,15 @@ class EngineConfig:
                   chat_template: str | None = None,
                   generation_config: str = GENERATION_CONFIG_AUTO,
                   max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-                  enforce_eager: bool = False) -> EngineConfig:
+                  enforce_eager: bool = False, usage: str = "offline") -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
-        DEFAULT_MAX_MODEL_LEN_CAP. max_num_batched_tokens: None takes the scheduler's
-        default, raised to max_model_len without chunked prefill. chat_template: a file,
+        DEFAULT_MAX_MODEL_LEN_CAP. max_num_seqs: None takes `default_max_num_seqs` for
+        `usage` (one of USAGE_CONTEXTS) and the device (for device "auto" the engine sets it,
+        `for_device`, once it knows the device). max_num_batched_tokens: None takes
+        the scheduler's default, raised to max_model_len without chunked prefill.
+        chat_template: a file,
         or the template itself. enforce_eager is accepted for vLLM's sake and changes
         nothing: carpool has no CUDA graphs or compilation to turn off.
         """
@@ -172,6 +189,9 @@ class EngineConfig:
         check_divisible(model_config, tensor_parallel_size)
         check_generation_config(generation_config)
         max_model_len = resolve_max_model_len(max_model_len, max_position_embeddings)
+        requested_max_num_seqs = max_num_seqs
+        if max_num_seqs is None:
+            max_num_seqs = default_max_num_seqs(usage, "cuda" if device == "auto" else device)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = SchedulerConfig.default_max_num_batched_tokens(
                 max_model_len, enable_chunked_prefill)
@@ -196,15 +216,17 @@ class EngineConfig:
                    chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,
                    tensor_parallel_size=tensor_parallel_size,
-                   distributed_init_method=distributed_init_method)
+                   distributed_init_method=distributed_init_method, usage=usage,
+                   max_num_seqs=requested_max_num_seqs)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        """`from_args` over the flags of `carpool.arg_utils`; errors name the flags."""
+    def from_cli_args(cls, args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
+        """`from_args` over the flags of `carpool.arg_utils`, for `usage` (one of
+        USAGE_CONTEXTS); errors name the flags."""
         names = inspect.signature(cls.from_args).parameters
         try:
             return cls.from_args(**{name: getattr(args, name) for name in names
-                                    if hasattr(args, name)})
+                                    if hasattr(args, name)}, usage=usage)
         except ValueError as exc:
             raise ValueError(as_flags(str(exc), names)) from exc
 
@@ -216,6 +238,18 @@ class EngineConfig:
         max_model_len = resolve_max_model_len(self.max_model_len, max_position_embeddings)
         scheduler = dataclasses.replace(self.scheduler, max_model_len=max_model_len)
         return dataclasses.replace(self, scheduler=scheduler, max_model_len=max_model_len)
+
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with the defaults that depend on the device set for `device_type`
+        ("cpu" or "cuda", the device "auto" resolved to): max_num_seqs, when not given."""
+        if self.max_num_seqs is not None:
+            return self
+        max_num_seqs = default_max_num_seqs(self.usage, device_type)
+        if max_num_seqs == self.scheduler.max_num_seqs:
+            return self
+        scheduler = dataclasses.replace(self.scheduler, max_num_seqs=max_num_seqs)
+        return dataclasses.replace(self, scheduler=scheduler)
 
 
 def check_batch_invariant_supported(config: EngineConfig) -> None:
@@ -234,6 +268,19 @@ def check_batch_invariant_supported(config: EngineConfig) -> None:
         refuse("the C++ kernels (cpu_kernels on)")
     if config.tensor_parallel_size != 1:
         refuse(f"tensor_parallel_size 1 (got {config.tensor_parallel_size})")
+
+
+def default_max_num_seqs(usage: str, device: str) -> int:
+    """The most requests running at once when none is given, on `device` (a resolved name,
+    "cpu" or "cuda[:N]"): vLLM's CPU defaults, 128 for a server and 256 offline (a server's
+    burst then decodes in shorter steps: lower TPOT at about the same throughput on 2 cores,
+    BENCHMARKS §22); 256 on CUDA. ValueError names `usage` if it is not one of
+    USAGE_CONTEXTS."""
+    if usage not in USAGE_CONTEXTS:
+        raise ValueError(f"usage must be one of {USAGE_CONTEXTS}, got {usage!r}")
+    if usage == "server" and str(device).startswith("cpu"):
+        return SERVER_CPU_MAX_NUM_SEQS
+    return SchedulerConfig.max_num_seqs
 
 
 def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
-        config = EngineConfig.from_cli_args(args)
+        # Rank 0 is `carpool serve`, so its defaults are the server's.
+        config = EngineConfig.from_cli_args(args, usage="server")
     except (ValueError, FileNotFoundError) as exc:
         logger.error("invalid settings: %s", exc)
         return 2

@@ -115,3 +115,39 @@ def test_resolving_the_config_imports_no_torch():
     code = ("import sys; from carpool.config import EngineConfig; EngineConfig.from_args(); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_max_num_seqs_defaults_are_vllms_per_usage_and_device(monkeypatch):
+    """vLLM's CPU defaults: a server runs at most 128 requests at once, the offline LLM
+    256; on CUDA 256 for both (until the engine knows the device, the CUDA value)."""
+    import carpool.utils.device
+    from carpool.config import SERVER_CPU_MAX_NUM_SEQS
+    from carpool.engine.runner_setup import resolve_for_model
+
+    def seats(config: EngineConfig) -> int:
+        return resolve_for_model(config)[0].scheduler.max_num_seqs
+
+    server = EngineConfig.from_cli_args(serve_args(), usage="server")
+    assert (server.usage, server.max_num_seqs, server.scheduler.max_num_seqs) == (
+        "server", None, 256)
+    assert seats(server) == SERVER_CPU_MAX_NUM_SEQS == 128  # device auto, no CUDA here
+    assert seats(EngineConfig.from_cli_args(serve_args())) == 256  # offline
+    assert seats(EngineConfig.from_args()) == 256
+    assert EngineConfig.from_args(usage="server", device="cpu").scheduler.max_num_seqs == 128
+    assert EngineConfig.from_args(usage="server", device="cuda").scheduler.max_num_seqs == 256
+    assert server.for_device("cuda").scheduler.max_num_seqs == 256
+    # Given, it stays, whatever the usage and device.
+    given = EngineConfig.from_cli_args(serve_args("--max-num-seqs", "300"), usage="server")
+    assert given.max_num_seqs == 300 and seats(given) == 300
+    assert given.for_device("cpu").scheduler.max_num_seqs == 300
+    # "auto" resolves to CUDA where torch sees a card.
+    monkeypatch.setattr(carpool.utils.device.torch.cuda, "is_available", lambda: True)
+    assert server.for_device(carpool.utils.device.resolve_device("auto").type) \
+        .scheduler.max_num_seqs == 256
+
+
+def test_usage_must_be_known():
+    with pytest.raises(ValueError, match="usage must be one of"):
+        EngineConfig.from_args(usage="batch")
+    with pytest.raises(ValueError, match="usage must be one of"):
+        EngineConfig(usage="batch")

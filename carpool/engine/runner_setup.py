@@ -11,11 +11,13 @@ from carpool.config import EngineConfig, model_or_default
 
 
 def resolve_for_model(config: EngineConfig):
-    """(config resolved against its model's limits, the model's folder)."""
+    """(config resolved against its model's limits and its device, the model's folder)."""
     from carpool.models.config import load_model_config
     from carpool.models.paths import resolve_model_path
+    from carpool.utils.device import resolve_device
 
     path = resolve_model_path(model_or_default(config.model))
+    config = config.for_device(resolve_device(config.device).type)
     return config.for_model(load_model_config(path).max_position_embeddings), path
 
 

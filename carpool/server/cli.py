@@ -158,7 +158,7 @@ def server_settings_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     try:
-        config = EngineConfig.from_cli_args(args)
+        config = EngineConfig.from_cli_args(args, usage="server")
         settings = server_settings_from_args(args)
     except (ValueError, OSError) as exc:
         # One line, no traceback, before anything binds the port (exit 1, as vLLM's).
