@@ -3,9 +3,9 @@
 One extension holds every kernel of `csrc/` (bound in `bindings.cpp`): paged attention
 (`paged_attention.cpp`), bfloat16 prompt-chunk attention on AVX512-BF16
 (`prefill_attention.cpp`, the same arguments less the sliding window), the few-row
-bfloat16 linear (`small_gemm.cpp`) and a decoder layer's fused elementwise passes
+bfloat16 and float32 linears (`small_gemm.cpp`) and a decoder layer's fused elementwise passes
 (`fused_ops.cpp`: RoPE, residual add + RMSNorm, SiLU x up, the KV write). Callers check
-`has_bf16_gemm()` before the AVX512-BF16 ones.
+`has_bf16_gemm()` before the AVX512-BF16 ones, `has_f32_gemm()` before the float32 GEMM.
 
 `paged_attention` in `csrc/paged_attention.cpp` reads keys and values in place through the
 block table (the PyTorch decode path gathers the keys into a padded copy first). It is

@@ -28,6 +28,13 @@ so oneDNN keeps only the larger calls. The cost is a second packed copy of each 
 weight (the model's weight bytes again). No row buckets are needed there: it builds
 nothing per shape.
 
+float32 calls of at most `SMALL_GEMM_F32_MAX_ROWS` rows take `small_gemm_f32` (plain
+AVX-512, the same layout in float32): the 135M model's 120 layers, weights streamed from
+memory, took 0.70-0.83x oneDNN's time at 1 row, 0.56-0.95x at 2-8 on 2 threads; from about
+16 rows (4 on one thread) the work is compute-bound and oneDNN's kernel is as fast or faster
+(1.1-1.2x the small GEMM's time at 16-48 rows on 1 thread), so it keeps those. A lone
+float32 decode step on that model: 0.90x (2 threads) and 0.82x (1 thread) of its time before.
+
 Batch-invariant mode calls `packed_matmul` on fixed row counts instead
 (`cpu_invariant_linear`).
 """
@@ -45,6 +52,7 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 # batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
 SMALL_GEMM_MAX_ROWS = 256  # bfloat16 calls up to this many rows take small_gemm_bf16
+SMALL_GEMM_F32_MAX_ROWS = 8  # float32 calls up to this many rows take small_gemm_f32
 
 
 def padded_rows(rows: int) -> int:
@@ -57,8 +65,8 @@ def padded_rows(rows: int) -> int:
 
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight (and,
-    given the compiled kernels on an AVX512-BF16 CPU, a bfloat16 weight's few-row calls by
-    `small_gemm_bf16`'s packed copy)."""
+    given the compiled kernels, a bfloat16 weight's few-row calls by `small_gemm_bf16`'s
+    packed copy on an AVX512-BF16 CPU, a float32 weight's by `small_gemm_f32`'s on AVX-512)."""
 
     def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None) -> None:
         super().__init__()
@@ -67,14 +75,21 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self._small_gemm = self._small_packed = None
-        if (kernels is not None and linear.weight.dtype == torch.bfloat16
+        self._small_max_rows = 0
+        dtype = linear.weight.dtype
+        if (kernels is not None and dtype == torch.bfloat16
                 and linear.in_features % 2 == 0 and kernels.has_bf16_gemm()):
             self._small_gemm = kernels.small_gemm_bf16
             self._small_packed = kernels.pack_bf16_weight(linear.weight.detach())
+            self._small_max_rows = SMALL_GEMM_MAX_ROWS
+        elif kernels is not None and dtype == torch.float32 and kernels.has_f32_gemm():
+            self._small_gemm = kernels.small_gemm_f32
+            self._small_packed = kernels.pack_f32_weight(linear.weight.detach())
+            self._small_max_rows = SMALL_GEMM_F32_MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self._small_gemm is not None and flat.shape[0] <= SMALL_GEMM_MAX_ROWS:
+        if flat.shape[0] <= self._small_max_rows:
             out = self._small_gemm(flat if flat.stride(-1) == 1 else flat.contiguous(),
                                    self._small_packed, self.out_features, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
@@ -109,7 +124,8 @@ def can_pack(model: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module, kernels: ModuleType | None = None) -> int:
     """Replace every `nn.Linear` inside `model` with a `PackedLinear` (given `kernels`, the
-    compiled module, bfloat16 ones also take `small_gemm_bf16`); returns how many."""
+    compiled module, few-row calls also take `small_gemm_bf16` / `small_gemm_f32`); returns
+    how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:

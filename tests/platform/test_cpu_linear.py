@@ -1,6 +1,6 @@
 """oneDNN-packed float32 linears compute what nn.Linear does, and replace every one of them;
-bfloat16 few-row calls through the compiled small GEMM do too, with each row's result
-independent of its batch."""
+bfloat16 and float32 few-row calls through the compiled small GEMMs do too, with each row's
+result independent of its batch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from carpool.attention import cpu_kernels
-from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_MAX_ROWS, PackedLinear,
-                                         can_pack, pack_linears, padded_rows)
+from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_F32_MAX_ROWS,
+                                         SMALL_GEMM_MAX_ROWS, PackedLinear, can_pack,
+                                         pack_linears, padded_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -54,6 +55,45 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
             assert torch.equal(packed(x[-rows:]), out[-rows:])
         assert packed(x[:3].view(3, 1, in_features)).shape == (3, 1, out_features)
         assert packed(x.t().contiguous().t()[:4]).shape == (4, out_features)  # strided rows
+
+
+@pytest.fixture(scope="module")
+def f32_kernels():
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.has_f32_gemm():
+        pytest.skip("no compiled kernels or no AVX-512 build on this CPU")
+    return kernels
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features,out_features", [(96, 160), (576, 577), (3, 17)])
+def test_small_f32_gemm_matches_linear_and_ignores_its_batch(f32_kernels, bias, in_features,
+                                                             out_features):
+    torch.manual_seed(in_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    packed = PackedLinear(linear, f32_kernels)
+    x = torch.randn(SMALL_GEMM_F32_MAX_ROWS, in_features)
+    with torch.inference_mode():
+        out = packed(x)  # SMALL_GEMM_F32_MAX_ROWS rows: the small GEMM's largest call
+        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
+        for rows in (1, 5, 13, 40):  # every row, whatever its batch, gives the same bits
+            assert torch.equal(packed(x[-rows:]), out[-rows:])
+        assert packed(x[:3].view(3, 1, in_features)).shape == (3, 1, out_features)
+        assert packed(x.t().contiguous().t()[:4]).shape == (4, out_features)  # strided rows
+        more = torch.randn(SMALL_GEMM_F32_MAX_ROWS + 1, in_features)  # oneDNN from here
+        torch.testing.assert_close(packed(more), linear(more), atol=1e-5, rtol=1e-5)
+
+
+def test_small_f32_gemm_checks_its_arguments(f32_kernels):
+    packed = f32_kernels.pack_f32_weight(torch.randn(8, 6))
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        f32_kernels.pack_f32_weight(torch.randn(8, 6, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        f32_kernels.small_gemm_f32(torch.randn(2, 4), packed, 8)
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        f32_kernels.small_gemm_f32(torch.randn(2, 6, dtype=torch.bfloat16), packed, 8)
+    with pytest.raises(RuntimeError, match="bias"):
+        f32_kernels.small_gemm_f32(torch.randn(2, 6), packed, 8, torch.zeros(7))
 
 
 def test_small_bf16_gemm_checks_its_arguments(bf16_kernels):

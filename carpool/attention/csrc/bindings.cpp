@@ -35,6 +35,10 @@ bool has_bf16_gemm();
 at::Tensor pack_bf16_weight(const at::Tensor& weight);
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                            const c10::optional<at::Tensor>& bias);
+bool has_f32_gemm();
+at::Tensor pack_f32_weight(const at::Tensor& weight);
+at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                          const c10::optional<at::Tensor>& bias);
 }
 
 namespace carpool_prefill {  // prefill_attention.cpp
@@ -90,6 +94,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight [N, K] bfloat16 -> the layout small_gemm_bf16 reads.", py::arg("weight"));
   m.def("small_gemm_bf16", &carpool_gemm::small_gemm_bf16,
         "x [M, K] @ weight.T (+ bias) for a packed bfloat16 weight of n rows -> [M, n].",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_f32_gemm", &carpool_gemm::has_f32_gemm,
+        "Whether this build runs small_gemm_f32 (AVX-512).");
+  m.def("pack_f32_weight", &carpool_gemm::pack_f32_weight,
+        "weight [N, K] float32 -> the layout small_gemm_f32 reads.", py::arg("weight"));
+  m.def("small_gemm_f32", &carpool_gemm::small_gemm_f32,
+        "x [M, K] @ weight.T (+ bias) for a packed float32 weight of n rows -> [M, n].",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,

@@ -13,6 +13,10 @@
 // A row's sums run over k in the same order whatever the number of rows or the tile it
 // falls in, and threads split the columns only: a row's result does not depend on its batch.
 //
+// float32 weights get the same treatment (`pack_f32_weight`, `small_gemm_f32`): blocks of 16
+// output columns, [ceil(N / 16)][K][16], one `vfmadd231ps` per (row, block, k) on a broadcast
+// input value, the sums in k order, rounded once. Plain AVX-512F: every AVX512 build runs it.
+//
 // Needs AVX512-BF16 at run time (`has_bf16_gemm()`; the functions carry it as a target
 // attribute, so the rest of the extension still runs on AVX512 CPUs without it). Elsewhere
 // the callers keep oneDNN.
@@ -79,6 +83,55 @@ void rows_tile(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t
     CARPOOL_ROWS(11) CARPOOL_ROWS(12)
 #undef CARPOOL_ROWS
     default: TORCH_CHECK(false, "small_gemm_bf16: bad tile height ", rows);
+  }
+}
+#endif
+
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The float32 tile: rows [0, R) of x times blocks [0, B) of a [blocks][K][16] weight.
+template <int R, int B>
+void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t k,
+              int64_t block_stride, const float* bias, float* y, int64_t y_stride,
+              int64_t col0, int64_t n) {
+  __m512 acc[R][B];
+  for (int b = 0; b < B; ++b) {
+    const __m512 init = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kBlock);
+    for (int r = 0; r < R; ++r) acc[r][b] = init;
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    __m512 wv[B];
+    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_ps(w + b * block_stride + p * kBlock);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * x_stride + p]);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < B; ++b) {
+      const int64_t col = col0 + b * kBlock;
+      float* dst = y + r * y_stride + col;
+      if (col + kBlock <= n) {
+        _mm512_storeu_ps(dst, acc[r][b]);
+      } else if (col < n) {
+        _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << (n - col)) - 1), acc[r][b]);
+      }
+    }
+  }
+}
+
+template <int B>
+void rows_tile_f32(int64_t rows, const float* x, int64_t x_stride, const float* w, int64_t k,
+                   int64_t block_stride, const float* bias, float* y, int64_t y_stride,
+                   int64_t col0, int64_t n) {
+  switch (rows) {
+#define CARPOOL_ROWS(R) \
+  case R: tile_f32<R, B>(x, x_stride, w, k, block_stride, bias, y, y_stride, col0, n); break;
+    CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5)
+    CARPOOL_ROWS(6) CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10)
+    CARPOOL_ROWS(11) CARPOOL_ROWS(12)
+#undef CARPOOL_ROWS
+    default: TORCH_CHECK(false, "small_gemm_f32: bad tile height ", rows);
   }
 }
 #endif
@@ -156,6 +209,81 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
         } else {
           rows_tile<1>(rows, xd + r0 * x_stride, x_stride, w, pairs, block_stride, b,
                        yd + r0 * n, n, blk * kBlock, n);
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+bool has_f32_gemm() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_f32_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
+              "pack_f32_weight: weight must be a float32 CPU [N, K] tensor");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
+  at::Tensor packed = at::zeros({blocks, k, kBlock}, w.options());
+  const float* src = w.const_data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
+        const float* row = src + (blk * kBlock + c) * k;
+        float* out = dst + blk * k * kBlock + c;
+        for (int64_t p = 0; p < k; ++p) out[p * kBlock] = row[p];
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(has_f32_gemm(), "small_gemm_f32: this build has no AVX-512");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "small_gemm_f32: x must be a float32 CPU [M, K] tensor with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.size(2) == kBlock && packed.size(1) == x.size(1) &&
+                  packed.size(0) == (n + kBlock - 1) / kBlock,
+              "small_gemm_f32: packed weight does not match x's K or n (use pack_f32_weight)");
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "small_gemm_f32: bias must be [n]");
+    bias_f = at::zeros({packed.size(0) * kBlock}, x.options());
+    bias_f.narrow(0, 0, n).copy_(*bias);
+  }
+  const int64_t m = x.size(0), k = packed.size(1), blocks = packed.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+#if defined(CPU_CAPABILITY_AVX512)
+  const float* xd = x.const_data_ptr<float>();
+  const float* wd = packed.const_data_ptr<float>();
+  const float* bd = bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr;
+  float* yd = y.data_ptr<float>();
+  const int64_t x_stride = x.stride(0), block_stride = k * kBlock;
+  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t blk = g * kBlocks;
+      const float* w = wd + blk * block_stride;
+      const float* b = bd == nullptr ? nullptr : bd + blk * kBlock;
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
+        if (blk + kBlocks <= blocks) {
+          rows_tile_f32<kBlocks>(rows, xd + r0 * x_stride, x_stride, w, k, block_stride, b,
+                                 yd + r0 * n, n, blk * kBlock, n);
+        } else {
+          rows_tile_f32<1>(rows, xd + r0 * x_stride, x_stride, w, k, block_stride, b,
+                           yd + r0 * n, n, blk * kBlock, n);
         }
       }
     }
