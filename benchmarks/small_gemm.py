@@ -1,0 +1,82 @@
+"""The compiled few-row float32 GEMM against oneDNN's packed matmul, on a model's linear shapes.
+
+Builds `PackedLinear`s of the 135M model's four layer shapes (SmolLM2-135M: qkv, o,
+gate_up, down), `--copies` times over so that their weights stream from memory as a
+30-layer model's do (1 copy: they stay in cache, as a tiny model's do), and times one pass
+over all of them at each row count, through oneDNN (`PackedLinear._matmul`, bucketed rows)
+and through `small_gemm_f32`, alternated in one process. Prints both times, their ratio
+and the largest difference between the two results.
+
+    python3 benchmarks/small_gemm.py --threads 2 --copies 30 --rows 1 2 4 8 12 16
+    python3 benchmarks/small_gemm.py --threads 1 --copies 30 --rows 1 4 8 16 32 48
+    python3 benchmarks/small_gemm.py --shapes tiny --copies 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from carpool.attention import cpu_kernels  # noqa: E402
+from carpool.platform.cpu_linear import PackedLinear  # noqa: E402
+
+SHAPES = {
+    "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],
+    "tiny": [(256, 512), (256, 256), (256, 1376), (688, 256), (256, 4096)],  # the built-in model
+}
+
+
+def one_pass(layers: list[PackedLinear], inputs: list[torch.Tensor], small: bool, kernels) -> None:
+    for layer, x in zip(layers, inputs):
+        if small:
+            kernels.small_gemm_f32(x, layer._small_packed, layer.out_features, None)
+        else:
+            layer._matmul(x)
+
+
+def seconds(layers, inputs, small: bool, kernels, repeats: int) -> float:
+    for _ in range(2):
+        one_pass(layers, inputs, small, kernels)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        one_pass(layers, inputs, small, kernels)
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="135M")
+    parser.add_argument("--copies", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.has_f32_gemm():
+        sys.exit("no compiled kernels with small_gemm_f32 on this machine")
+    torch.manual_seed(0)
+    shapes = SHAPES[args.shapes] * args.copies
+    layers = [PackedLinear(nn.Linear(k, n, bias=False), kernels) for k, n in shapes]
+    print(f"{len(layers)} float32 layers, {args.threads} threads")
+    with torch.inference_mode():
+        for rows in args.rows:
+            inputs = [torch.randn(rows, k) for k, _ in shapes]
+            onednn = seconds(layers, inputs, False, kernels, args.repeats)
+            small = seconds(layers, inputs, True, kernels, args.repeats)
+            diff = max((kernels.small_gemm_f32(x, layer._small_packed, layer.out_features, None)
+                        - layer._matmul(x)).abs().max().item()
+                       for layer, x in zip(layers, inputs))
+            print(f"rows {rows:4d}  oneDNN {onednn * 1e6:9.1f} us  small {small * 1e6:9.1f} us  "
+                  f"small/oneDNN {small / onednn:.2f}  max diff {diff:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
