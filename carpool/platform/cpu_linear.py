@@ -30,10 +30,11 @@ nothing per shape.
 
 float32 calls of at most `SMALL_GEMM_F32_MAX_ROWS` rows take `small_gemm_f32` (plain
 AVX-512, the same layout in float32): the 135M model's 120 layers, weights streamed from
-memory, took 0.70-0.83x oneDNN's time at 1 row, 0.56-0.95x at 2-8 on 2 threads; from about
-16 rows (4 on one thread) the work is compute-bound and oneDNN's kernel is as fast or faster
-(1.1-1.2x the small GEMM's time at 16-48 rows on 1 thread), so it keeps those. A lone
-float32 decode step on that model: 0.90x (2 threads) and 0.82x (1 thread) of its time before.
+memory, took 0.70-0.90x oneDNN's time at 1 row and 0.56-0.92x at 2 (2 threads or 1), about
+the same at 4 and 8 on 2 threads, but 1.16x at 8 rows on 1 thread: from a few rows the work
+turns compute-bound and oneDNN's kernel is as fast or faster (1.1-1.2x the small GEMM's
+time at 16-48 rows on 1 thread), so it keeps those. A lone float32 decode step on that
+model: 0.83-0.91x of its CPU time before (2 threads).
 
 Batch-invariant mode calls `packed_matmul` on fixed row counts instead
 (`cpu_invariant_linear`).
@@ -52,7 +53,7 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 # batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
 SMALL_GEMM_MAX_ROWS = 256  # bfloat16 calls up to this many rows take small_gemm_bf16
-SMALL_GEMM_F32_MAX_ROWS = 8  # float32 calls up to this many rows take small_gemm_f32
+SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
 
 
 def padded_rows(rows: int) -> int:

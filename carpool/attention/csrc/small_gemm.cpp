@@ -134,7 +134,32 @@ void rows_tile_f32(int64_t rows, const float* x, int64_t x_stride, const float* 
     default: TORCH_CHECK(false, "small_gemm_f32: bad tile height ", rows);
   }
 }
+
+// Calls tile(blk, r0, rows, full) over an m-row output of `blocks` column blocks: groups of
+// kBlocks blocks split over the threads (columns only, so a row's sums never depend on its
+// batch), rows in tiles of at most kMaxRows; `full` is false for a last, shorter group.
+template <typename Tile>
+void for_each_tile(int64_t m, int64_t blocks, const Tile& tile) {
+  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+        tile(g * kBlocks, r0, std::min<int64_t>(kMaxRows, m - r0), (g + 1) * kBlocks <= blocks);
+      }
+    }
+  });
+}
 #endif
+
+// The bias as float32 zero-padded to whole blocks (an undefined tensor without one).
+at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t n, int64_t blocks,
+                       const at::TensorOptions& options, const char* caller) {
+  if (!bias.has_value()) return at::Tensor();
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, caller, ": bias must be [n]");
+  at::Tensor padded = at::zeros({blocks * kBlock}, options.dtype(at::kFloat));
+  padded.narrow(0, 0, n).copy_(*bias);
+  return padded;
+}
 
 }  // namespace
 
@@ -180,38 +205,20 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
                   packed.size(2) == kBlock && packed.size(3) == 2 && packed.size(1) * 2 == x.size(1) &&
                   packed.size(0) == (n + kBlock - 1) / kBlock,
               "small_gemm_bf16: packed weight does not match x's K or n (use pack_bf16_weight)");
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "small_gemm_bf16: bias must be [n]");
-    bias_f = at::zeros({packed.size(0) * kBlock}, x.options().dtype(at::kFloat));
-    bias_f.narrow(0, 0, n).copy_(*bias);
-  }
   const int64_t m = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
+  const at::Tensor bias_f = padded_bias(bias, n, blocks, x.options(), "small_gemm_bf16");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
 #if defined(CPU_CAPABILITY_AVX512)
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.const_data_ptr());
-  const float* bd = bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr;
+  const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   uint16_t* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t x_stride = x.stride(0), block_stride = pairs * 2 * kBlock;
-  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t blk = g * kBlocks;
-      const uint16_t* w = wd + blk * block_stride;
-      const float* b = bd == nullptr ? nullptr : bd + blk * kBlock;
-      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
-        if (blk + kBlocks <= blocks) {
-          rows_tile<kBlocks>(rows, xd + r0 * x_stride, x_stride, w, pairs, block_stride, b,
-                             yd + r0 * n, n, blk * kBlock, n);
-        } else {
-          rows_tile<1>(rows, xd + r0 * x_stride, x_stride, w, pairs, block_stride, b,
-                       yd + r0 * n, n, blk * kBlock, n);
-        }
-      }
-    }
+  for_each_tile(m, blocks, [&](int64_t blk, int64_t r0, int64_t rows, bool full) {
+    (full ? rows_tile<kBlocks> : rows_tile<1>)(
+        rows, xd + r0 * x_stride, x_stride, wd + blk * block_stride, pairs, block_stride,
+        bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock, n);
   });
 #endif
   return y;
@@ -255,38 +262,20 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
                   packed.size(2) == kBlock && packed.size(1) == x.size(1) &&
                   packed.size(0) == (n + kBlock - 1) / kBlock,
               "small_gemm_f32: packed weight does not match x's K or n (use pack_f32_weight)");
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "small_gemm_f32: bias must be [n]");
-    bias_f = at::zeros({packed.size(0) * kBlock}, x.options());
-    bias_f.narrow(0, 0, n).copy_(*bias);
-  }
   const int64_t m = x.size(0), k = packed.size(1), blocks = packed.size(0);
+  const at::Tensor bias_f = padded_bias(bias, n, blocks, x.options(), "small_gemm_f32");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
 #if defined(CPU_CAPABILITY_AVX512)
   const float* xd = x.const_data_ptr<float>();
   const float* wd = packed.const_data_ptr<float>();
-  const float* bd = bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr;
+  const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   float* yd = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), block_stride = k * kBlock;
-  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t blk = g * kBlocks;
-      const float* w = wd + blk * block_stride;
-      const float* b = bd == nullptr ? nullptr : bd + blk * kBlock;
-      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, m - r0);
-        if (blk + kBlocks <= blocks) {
-          rows_tile_f32<kBlocks>(rows, xd + r0 * x_stride, x_stride, w, k, block_stride, b,
-                                 yd + r0 * n, n, blk * kBlock, n);
-        } else {
-          rows_tile_f32<1>(rows, xd + r0 * x_stride, x_stride, w, k, block_stride, b,
-                           yd + r0 * n, n, blk * kBlock, n);
-        }
-      }
-    }
+  for_each_tile(m, blocks, [&](int64_t blk, int64_t r0, int64_t rows, bool full) {
+    (full ? rows_tile_f32<kBlocks> : rows_tile_f32<1>)(
+        rows, xd + r0 * x_stride, x_stride, wd + blk * block_stride, k, block_stride,
+        bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock, n);
   });
 #endif
   return y;
