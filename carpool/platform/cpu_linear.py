@@ -34,7 +34,7 @@ memory, took 0.70-0.90x oneDNN's time at 1 row and 0.56-0.92x at 2 (2 threads or
 the same at 4 and 8 on 2 threads, but 1.16x at 8 rows on 1 thread: from a few rows the work
 turns compute-bound and oneDNN's kernel is as fast or faster (1.1-1.2x the small GEMM's
 time at 16-48 rows on 1 thread), so it keeps those. A lone float32 decode step on that
-model: 0.83-0.91x of its CPU time before (2 threads).
+model: 0.72-0.84x of its CPU time before on 2 threads, 0.84-0.92x on 1 (BENCHMARKS §22).
 
 Batch-invariant mode calls `packed_matmul` on fixed row counts instead
 (`cpu_invariant_linear`).

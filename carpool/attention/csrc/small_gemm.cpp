@@ -85,10 +85,7 @@ void rows_tile(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t
     default: TORCH_CHECK(false, "small_gemm_bf16: bad tile height ", rows);
   }
 }
-#endif
 
-
-#if defined(CPU_CAPABILITY_AVX512)
 // The float32 tile: rows [0, R) of x times blocks [0, B) of a [blocks][K][16] weight.
 template <int R, int B>
 void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t k,
