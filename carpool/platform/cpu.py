@@ -39,6 +39,9 @@ class CpuPlatform(Platform):
     batch_invariant: bool = False
     omp_threads_bind: str = NO_BIND  # see cpu_threads
     thread_slot: int = 0  # this process's slot in omp_threads_bind
+    # The step token budget: a linear called on exactly that many rows (a full prefill
+    # step) runs as one oneDNN call (`cpu_linear.PackedLinear`); 0: none.
+    full_step_rows: int = 0
 
     def prepare_process(self) -> None:
         if self.malloc_tuning:
@@ -48,7 +51,10 @@ class CpuPlatform(Platform):
     def prepare_model(self, model: nn.Module) -> None:
         kernels = self.compiled_kernels()
         if self.packed_linears and can_pack(model):
-            pack_linears(model, None if self.batch_invariant else kernels)
+            if self.batch_invariant:  # tile_linears fixes the row counts instead
+                pack_linears(model)
+            else:
+                pack_linears(model, kernels, self.full_step_rows)
         if self.batch_invariant:
             tile_linears(model)
         if kernels is not None:

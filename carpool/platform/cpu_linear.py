@@ -17,6 +17,14 @@ a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
 and memory stops growing once they have all been seen. Padding costs at most
 7 rows per call up to 128 rows, 15 above.
 
+A call of exactly `full_rows` rows (the step token budget, which every prefill-heavy step
+fills) is the one exception: it runs as a single oneDNN call of that many rows, one more
+shape per layer. On the 135M bfloat16 model's layers, 2048 rows in one call took
+0.87-0.92x the time of four 512-row calls and their `torch.cat` (1 and 2 threads); the
+shape's primitive held about 3 MiB per layer shape at 2048 rows (BENCHMARKS §23). Other row
+counts above `MAX_ROWS` keep the pieces: a primitive per row count would grow memory
+with every step size, and its size grows with the rows.
+
 bfloat16 calls of at most `SMALL_GEMM_MAX_ROWS` rows (decode batches, short prompt
 chunks, the LM head's sampled rows) take the compiled `small_gemm_bf16` instead when the
 CPU has AVX512-BF16 (`csrc/small_gemm.cpp`): it streams the weight once at close to the
@@ -69,9 +77,11 @@ class PackedLinear(nn.Module):
     given the compiled kernels, a bfloat16 weight's few-row calls by `small_gemm_bf16`'s
     packed copy on an AVX512-BF16 CPU, a float32 weight's by `small_gemm_f32`'s on AVX-512)."""
 
-    def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None) -> None:
+    def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None,
+                 full_rows: int = 0) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._full_rows = full_rows if full_rows > MAX_ROWS else 0  # 0: no one-call shape
         self.weight = linear.weight  # kept: tied embeddings, inspection
         self.bias = linear.bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
@@ -94,6 +104,8 @@ class PackedLinear(nn.Module):
             out = self._small_gemm(flat if flat.stride(-1) == 1 else flat.contiguous(),
                                    self._small_packed, self.out_features, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
+        if flat.shape[0] == self._full_rows:
+            return self.packed_matmul(flat).view(*x.shape[:-1], self.out_features)
         pieces = [self._matmul(flat[start:start + MAX_ROWS])
                   for start in range(0, flat.shape[0], MAX_ROWS)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -123,12 +135,14 @@ def can_pack(model: nn.Module) -> bool:
     return param.dtype == torch.float32
 
 
-def pack_linears(model: nn.Module, kernels: ModuleType | None = None) -> int:
+def pack_linears(model: nn.Module, kernels: ModuleType | None = None,
+                 full_rows: int = 0) -> int:
     """Replace every `nn.Linear` inside `model` with a `PackedLinear` (given `kernels`, the
-    compiled module, few-row calls also take `small_gemm_bf16` / `small_gemm_f32`); returns
-    how many."""
+    compiled module, few-row calls also take `small_gemm_bf16` / `small_gemm_f32`; given
+    `full_rows` above MAX_ROWS, calls of exactly that many rows take one oneDNN call);
+    returns how many."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, kernels))
+        setattr(parent, name, PackedLinear(child, kernels, full_rows))
     return len(targets)

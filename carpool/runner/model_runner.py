@@ -78,7 +78,8 @@ class ModelRunner:
             self.device, cpu_packed_linears=cpu_packed_linears,
             cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
             batch_invariant=batch_invariant, cpu_omp_threads_bind=cpu_omp_threads_bind,
-            cpu_thread_slot=cpu_thread_slot + tp.rank)
+            cpu_thread_slot=cpu_thread_slot + tp.rank,
+            max_num_batched_tokens=max_num_batched_tokens)
         self.platform.prepare_process()
         self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
         self.block_size = block_size

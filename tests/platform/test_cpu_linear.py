@@ -121,6 +121,43 @@ def test_row_counts_reach_onednn_as_a_few_buckets_only():
     assert len(ROW_BUCKETS) == 43
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_full_step_is_one_onednn_call_and_other_large_counts_are_pieces(dtype, monkeypatch):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160).to(dtype)
+    packed = PackedLinear(linear, full_rows=1536)
+    calls = []
+    matmul = packed.packed_matmul
+    monkeypatch.setattr(packed, "packed_matmul",
+                        lambda rows: calls.append(len(rows)) or matmul(rows))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for rows, expected_calls in ((1536, [1536]), (1535, [512, 512, 512]),
+                                     (1600, [512, 512, 512, 64])):
+            calls.clear()
+            x = torch.randn(rows, 96, dtype=dtype)
+            torch.testing.assert_close(packed(x), linear(x), atol=tolerance, rtol=tolerance)
+            assert calls == expected_calls, rows
+    assert PackedLinear(linear, full_rows=MAX_ROWS)._full_rows == 0  # no shape of its own
+
+
+def test_runner_gives_its_step_budget_to_the_linears_but_not_in_batch_invariant_mode(
+        llama_checkpoint):
+    from carpool.platform import platform_for
+
+    assert platform_for(torch.device("cpu"), max_num_batched_tokens=2048).full_step_rows == 2048
+    linears = _runner_linears(llama_checkpoint, max_num_batched_tokens=1024)
+    assert {m._full_rows for m in linears} == {1024}
+    from carpool.platform.cpu_invariant_linear import RowTiledLinear
+    from carpool.runner.model_runner import ModelRunner
+
+    runner = ModelRunner(llama_checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
+                         max_model_len=64, max_num_batched_tokens=1024, max_num_seqs=2,
+                         batch_invariant=True)
+    tiled = [m for m in runner.model.modules() if isinstance(m, RowTiledLinear)]
+    assert tiled and {m.matmul.__self__._full_rows for m in tiled} == {0}  # fixed tiles only
+
+
 def test_pack_linears_replaces_every_float32_linear_only():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
     assert can_pack(model)
@@ -132,8 +169,9 @@ def test_pack_linears_replaces_every_float32_linear_only():
 def _runner_linears(checkpoint, **kwargs):
     from carpool.runner.model_runner import ModelRunner
 
+    kwargs.setdefault("max_num_batched_tokens", 64)
     runner = ModelRunner(checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
-                         max_model_len=64, max_num_batched_tokens=64, max_num_seqs=2, **kwargs)
+                         max_model_len=64, max_num_seqs=2, **kwargs)
     return [m for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
 
 
