@@ -16,6 +16,7 @@ from carpool.config import (
     DEFAULT_MAX_LOGPROBS,
     DTYPE_ALIASES,
     DTYPES,
+    OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS,
     SERVER_CPU_MAX_NUM_SEQS,
 )
 from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
@@ -178,8 +179,9 @@ def add_scheduler_arguments(group) -> None:
                             f"for a server on CPU, else {defaults.max_num_seqs}; vLLM's).")
     group.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
                        help="Most tokens per step, the step's budget (default "
-                            f"{defaults.max_num_batched_tokens}, or max-model-len if larger "
-                            "without chunked prefill).")
+                            f"{OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS} offline on CPU, else "
+                            f"{defaults.max_num_batched_tokens}, vLLM's; or max-model-len if "
+                            "larger without chunked prefill).")
     group.add_argument("--max-model-len", type=human_readable_int_or_auto, default=None,
                        help="Longest prompt + output, e.g. 4096, 32k (32000) or 32K (32768) "
                             "(default, or auto or -1: the model's, capped at 8192).")

@@ -41,6 +41,7 @@ DEFAULT_MAX_MODEL_LEN_CAP = 8192
 # `carpool serve`. As in vLLM (its usage context), some defaults differ between the two.
 USAGE_CONTEXTS = ("offline", "server")
 SERVER_CPU_MAX_NUM_SEQS = 128  # vLLM's for its API server on CPU
+OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's for its offline LLM on CPU
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,15 @@ class EngineConfig:
     # replica takes 1/N of the CPU threads, or its own CUDA card(s).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    # Who builds the engine, one of USAGE_CONTEXTS: the server's default max_num_seqs is
-    # lower on CPU (`default_max_num_seqs`), which needs the device, known only in the engine.
+    # Who builds the engine, one of USAGE_CONTEXTS: on CPU the server's default max_num_seqs
+    # is lower (`default_max_num_seqs`) and the offline step budget higher
+    # (`default_max_num_batched_tokens`), which needs the device, known only in the engine.
     usage: str = "offline"
-    # max_num_seqs as the user gave it; None: not given, so `for_device` may replace the
-    # scheduler's (the CUDA default until then) with the default for usage and device.
+    # max_num_seqs and max_num_batched_tokens as the user gave them; None: not given, so
+    # `for_device` may replace the scheduler's (the CUDA defaults until then) with the
+    # defaults for usage and device.
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -174,7 +178,7 @@ class EngineConfig:
         DEFAULT_MAX_MODEL_LEN_CAP. max_num_seqs: None takes `default_max_num_seqs` for
         `usage` (one of USAGE_CONTEXTS) and the device (for device "auto" the engine sets it,
         `for_device`, once it knows the device). max_num_batched_tokens: None takes
-        the scheduler's default, raised to max_model_len without chunked prefill.
+        `default_max_num_batched_tokens` for `usage` and the device, likewise.
         chat_template: a file,
         or the template itself. enforce_eager is accepted for vLLM's sake and changes
         nothing: carpool has no CUDA graphs or compilation to turn off.
@@ -190,11 +194,13 @@ class EngineConfig:
         check_generation_config(generation_config)
         max_model_len = resolve_max_model_len(max_model_len, max_position_embeddings)
         requested_max_num_seqs = max_num_seqs
+        requested_max_num_batched_tokens = max_num_batched_tokens
+        device_until_known = "cuda" if device == "auto" else device
         if max_num_seqs is None:
-            max_num_seqs = default_max_num_seqs(usage, "cuda" if device == "auto" else device)
+            max_num_seqs = default_max_num_seqs(usage, device_until_known)
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = SchedulerConfig.default_max_num_batched_tokens(
-                max_model_len, enable_chunked_prefill)
+            max_num_batched_tokens = default_max_num_batched_tokens(
+                usage, device_until_known, max_model_len, enable_chunked_prefill)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
@@ -217,7 +223,8 @@ class EngineConfig:
                    generation_config=generation_config, max_logprobs=max_logprobs,
                    tensor_parallel_size=tensor_parallel_size,
                    distributed_init_method=distributed_init_method, usage=usage,
-                   max_num_seqs=requested_max_num_seqs)
+                   max_num_seqs=requested_max_num_seqs,
+                   max_num_batched_tokens=requested_max_num_batched_tokens)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
@@ -242,14 +249,21 @@ class EngineConfig:
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with the defaults that depend on the device set for `device_type`
-        ("cpu" or "cuda", the device "auto" resolved to): max_num_seqs, when not given."""
-        if self.max_num_seqs is not None:
+        ("cpu" or "cuda", the device "auto" resolved to): max_num_seqs and
+        max_num_batched_tokens, each when not given."""
+        changes = {}
+        if self.max_num_seqs is None:
+            changes["max_num_seqs"] = default_max_num_seqs(self.usage, device_type)
+        sched = self.scheduler
+        placeholder = default_max_num_batched_tokens(self.usage, "cuda", sched.max_model_len,
+                                                     sched.enable_chunked_prefill)
+        # A scheduler built field by field keeps a budget other than the placeholder.
+        if self.max_num_batched_tokens is None and sched.max_num_batched_tokens == placeholder:
+            changes["max_num_batched_tokens"] = default_max_num_batched_tokens(
+                self.usage, device_type, sched.max_model_len, sched.enable_chunked_prefill)
+        if all(getattr(self.scheduler, name) == value for name, value in changes.items()):
             return self
-        max_num_seqs = default_max_num_seqs(self.usage, device_type)
-        if max_num_seqs == self.scheduler.max_num_seqs:
-            return self
-        scheduler = dataclasses.replace(self.scheduler, max_num_seqs=max_num_seqs)
-        return dataclasses.replace(self, scheduler=scheduler)
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **changes))
 
 
 def check_batch_invariant_supported(config: EngineConfig) -> None:
@@ -281,6 +295,21 @@ def default_max_num_seqs(usage: str, device: str) -> int:
     if usage == "server" and str(device).startswith("cpu"):
         return SERVER_CPU_MAX_NUM_SEQS
     return SchedulerConfig.max_num_seqs
+
+
+def default_max_num_batched_tokens(usage: str, device: str, max_model_len: int,
+                                   enable_chunked_prefill: bool) -> int:
+    """The step token budget when none is given, on `device` (a resolved name): vLLM's, 4096
+    for the offline LLM on CPU (each prefill step's linears then run on more rows, where
+    oneDNN is at its fastest), else the scheduler's 2048; without chunked prefill at least
+    max_model_len, so the longest prompt fits one step. ValueError names `usage` if it is
+    not one of USAGE_CONTEXTS."""
+    if usage not in USAGE_CONTEXTS:
+        raise ValueError(f"usage must be one of {USAGE_CONTEXTS}, got {usage!r}")
+    budget = SchedulerConfig.default_max_num_batched_tokens(max_model_len, enable_chunked_prefill)
+    if usage == "offline" and str(device).startswith("cpu"):
+        return max(budget, OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS)
+    return budget
 
 
 def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:

@@ -146,6 +146,34 @@ def test_max_num_seqs_defaults_are_vllms_per_usage_and_device(monkeypatch):
         .scheduler.max_num_seqs == 256
 
 
+def test_step_budget_defaults_are_vllms_per_usage_and_device():
+    """vLLM's: the offline LLM on CPU takes 4096 tokens a step, a server (or CUDA) 2048;
+    given, or without chunked prefill below max_model_len, the budget is the user's rule."""
+    from carpool.config import OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS
+    from carpool.core.config import SchedulerConfig
+    from carpool.engine.runner_setup import resolve_for_model
+
+    def budget(config: EngineConfig) -> int:
+        return resolve_for_model(config)[0].scheduler.max_num_batched_tokens
+
+    offline = EngineConfig.from_cli_args(serve_args())
+    assert (offline.max_num_batched_tokens, offline.scheduler.max_num_batched_tokens) == (
+        None, 2048)  # the CUDA value until the device is known
+    assert budget(offline) == OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS == 4096  # no CUDA here
+    assert budget(EngineConfig.from_cli_args(serve_args(), usage="server")) == 2048
+    assert EngineConfig.from_args(device="cpu").scheduler.max_num_batched_tokens == 4096
+    assert EngineConfig.from_args(device="cuda").scheduler.max_num_batched_tokens == 2048
+    assert offline.for_device("cuda").scheduler.max_num_batched_tokens == 2048
+    given = EngineConfig.from_cli_args(serve_args("--max-num-batched-tokens", "1000"))
+    assert given.max_num_batched_tokens == 1000 and budget(given) == 1000
+    unchunked = EngineConfig.from_args(device="cpu", enable_chunked_prefill=False)
+    assert unchunked.scheduler.max_num_batched_tokens == 4096  # >= max_model_len (512)
+    unchunked = EngineConfig.from_args(device="cuda", enable_chunked_prefill=False)
+    assert unchunked.scheduler.max_num_batched_tokens == 2048
+    by_fields = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    assert by_fields.for_device("cpu").scheduler.max_num_batched_tokens == 512
+
+
 def test_usage_must_be_known():
     with pytest.raises(ValueError, match="usage must be one of"):
         EngineConfig.from_args(usage="batch")
