@@ -1,6 +1,9 @@
 // Elementwise passes of a decoder layer fused into one pass each, rounding where PyTorch
 // rounds (each eager op's result is stored in the tensor's dtype; no fused multiply-add in
-// this file, see the pragma).
+// this file, see the pragma). On AVX-512 the rounding float -> bfloat16/float16 -> float is
+// done on one vector (ATen's round-to-nearest-even with NaN -> 0xffff in integer ops for
+// bfloat16, one vcvtps2ph/vcvtph2ps round trip for float16), the same bits as ATen's
+// conversions (checked over all 2^32 floats), instead of two vectors each way.
 //
 // rotary_(q, k, cos, sin): q [T, H, D] and k [T, Hkv, D] rotated in place (HF's rotate_half
 // form: x * cos + rotate_half(x) * sin), one pass instead of the eager path's slices, cat,
@@ -10,13 +13,16 @@
 // rms_norm(x, residual, weight, eps) -> (out, residual_out): for bfloat16/float16 rows.
 // With a residual, s = x + residual rounded to the dtype (the eager add), else s = x; then
 // out = s * rsqrt(mean(s^2) + eps) * weight in float32, rounded once, as F.rms_norm does
-// (its sum of squares runs in another order, so the last bit may differ). One pass over the
-// rows instead of the eager add plus F.rms_norm's upcast, pow, mean, add, rsqrt, two
-// products and downcast. float32 keeps Hugging Face's eager ops (bitwise HF).
+// (its sum of squares runs in another order, so the last bit may differ). Two passes over a
+// row (the sum, stored, and its squares; then the scaled output from the stored sum) instead
+// of the eager add plus F.rms_norm's upcast, pow, mean, add, rsqrt, two products and
+// downcast. float32 keeps Hugging Face's eager ops (bitwise HF).
 //
-// silu_and_mul(gate_up) -> out: out = silu(gate) * up for gate_up = [gate | up] [T, 2I], for
-// bfloat16/float16, rounded after the silu and after the product as eager rounds; silu in
-// float32 as x / (1 + exp(-x)) with ATen's vectorised exp.
+// silu_and_mul(gate_up) -> out: out = silu(gate) * up for gate_up = [gate | up] [T, 2I],
+// rounded after the silu and after the product as eager rounds, eager's bits in every dtype
+// (NaNs included): silu in float32 as x / (1 + exp(-x)) with ATen's vectorised exp where eager
+// vectorises, libm's exp in the row tails where eager runs scalar. For bfloat16 the
+// vectorised silu is a lookup in a 65536-entry table built once with that formula.
 //
 // write_kv_(kv_cache, slot_mapping, k, v): this step's k, v [T, Hkv, D] copied to their
 // slots of kv_cache [2, Hkv, num_blocks, block_size, D] in one pass (eager: two index_copy_).
@@ -33,7 +39,13 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
+#include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
@@ -49,13 +61,45 @@ inline float round_to(float x) {
   return static_cast<float>(static_cast<scalar_t>(x));
 }
 
+// The vector rounding as ATen's conversions do it (two vectors each way): the generic path.
 template <typename scalar_t>
-inline Vec round_to(const Vec& x) {
+inline Vec round_to_aten(const Vec& x) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return x;
   } else {
     auto packed = at::vec::convert_from_float<scalar_t>(x, x);
     return std::get<0>(at::vec::convert_to_float<scalar_t>(packed));
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// ATen's cvtfp32_bf16 on one vector: round to nearest even (add 0x7fff + the kept lsb), NaN ->
+// 0xffff. Returns the bfloat16 bits in the high half of each lane (low half garbage).
+inline __m512i bf16_rounded_bits(const __m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)), bits);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(-1), sum);
+}
+constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ATen's fp16 mode
+#endif
+
+// round_to on a vector, the same bits as round_to_aten on one vector instead of two each way.
+template <typename scalar_t>
+inline Vec round_to(const Vec& x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return x;
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      return _mm512_castsi512_ps(
+          _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    } else {
+      return _mm512_cvtph_ps(_mm512_cvtps_ph(x, kRoundNearest));
+    }
+#else
+    return round_to_aten<scalar_t>(x);
+#endif
   }
 }
 
@@ -71,13 +115,24 @@ inline Vec load_float(const scalar_t* src) {
   }
 }
 
-// Vec::size() float values -> dst in scalar_t (already rounded, so the cast is exact).
+// Vec::size() float values -> dst in scalar_t, rounded as the eager store rounds: the bits of
+// round_to(x) (for float32, x itself).
 template <typename scalar_t>
-inline void store_from_float(const Vec& x, scalar_t* dst) {
+inline void store_rounded(const Vec& x, scalar_t* dst) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     x.store(dst);
   } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    __m256i packed;
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16));
+    } else {
+      packed = _mm512_cvtps_ph(x, kRoundNearest);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+#else
     at::vec::convert_from_float<scalar_t>(x, x).store(dst, Vec::size());
+#endif
   }
 }
 
@@ -88,13 +143,12 @@ inline void rotate_row(scalar_t* x, const scalar_t* cos, const scalar_t* sin, in
   int64_t i = 0;
   for (; i + Vec::size() <= half; i += Vec::size()) {
     const Vec a = load_float(x + i), b = load_float(x + i + half);
-    const Vec first = round_to<scalar_t>(round_to<scalar_t>(a * load_float(cos + i)) +
-                                         round_to<scalar_t>(b.neg() * load_float(sin + i)));
-    const Vec second =
-        round_to<scalar_t>(round_to<scalar_t>(b * load_float(cos + i + half)) +
-                           round_to<scalar_t>(a * load_float(sin + i + half)));
-    store_from_float(first, x + i);
-    store_from_float(second, x + i + half);
+    store_rounded(round_to<scalar_t>(a * load_float(cos + i)) +
+                      round_to<scalar_t>(b.neg() * load_float(sin + i)),
+                  x + i);
+    store_rounded(round_to<scalar_t>(b * load_float(cos + i + half)) +
+                      round_to<scalar_t>(a * load_float(sin + i + half)),
+                  x + i + half);
   }
   for (; i < half; ++i) {
     const float a = static_cast<float>(x[i]);
@@ -147,81 +201,157 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor
 
 namespace {
 
-// Sum of squares of n floats of a row (already rounded to the dtype), vectorised.
-inline float sum_of_squares(const float* s, int64_t n) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    const Vec x = Vec::loadu(s + i);
-    acc = acc + x * x;
-  }
-  float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc);
-  for (; i < n; ++i) total += s[i] * s[i];
-  return total;
-}
-
+// Per row: s = round(x + residual) stored as the new residual (or s = x), its sum of squares
+// accumulated in the same pass (16 lanes, then the lanes summed, then the tail in order), then
+// out = round(s * rstd * weight) from s re-read in the dtype (exact). Two passes, no buffer.
 template <typename scalar_t>
 void rms_norm_rows(const at::Tensor& x, const scalar_t* residual, int64_t residual_stride,
                    scalar_t* residual_out, const scalar_t* weight, scalar_t* out, float eps) {
   const int64_t rows = x.size(0), dim = x.size(1), x_stride = x.stride(0);
   const scalar_t* x_data = x.const_data_ptr<scalar_t>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(dim);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x_data + r * x_stride;
+      const scalar_t* s = xr;
+      Vec acc(0.f);
       int64_t i = 0;
       if (residual != nullptr) {  // s = round(x + residual), kept as the new residual
         const scalar_t* rr = residual + r * residual_stride;
         scalar_t* ro = residual_out + r * dim;
         for (; i + Vec::size() <= dim; i += Vec::size()) {
           const Vec sum = round_to<scalar_t>(load_float(xr + i) + load_float(rr + i));
-          sum.store(s.data() + i);
-          store_from_float(sum, ro + i);
+          acc = acc + sum * sum;
+          store_rounded(sum, ro + i);
         }
-        for (; i < dim; ++i) {
-          ro[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-          s[i] = static_cast<float>(ro[i]);
+        for (int64_t j = i; j < dim; ++j) {
+          ro[j] = static_cast<scalar_t>(static_cast<float>(xr[j]) + static_cast<float>(rr[j]));
         }
+        s = ro;
       } else {
-        for (; i + Vec::size() <= dim; i += Vec::size()) load_float(xr + i).store(s.data() + i);
-        for (; i < dim; ++i) s[i] = static_cast<float>(xr[i]);
+        for (; i + Vec::size() <= dim; i += Vec::size()) {
+          const Vec v = load_float(xr + i);
+          acc = acc + v * v;
+        }
       }
-      const float rstd = 1.f / std::sqrt(sum_of_squares(s.data(), dim) / dim + eps);
+      float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc);
+      for (int64_t j = i; j < dim; ++j) {
+        const float v = static_cast<float>(s[j]);
+        total += v * v;
+      }
+      const float rstd = 1.f / std::sqrt(total / dim + eps);
       const Vec scale(rstd);
       scalar_t* o = out + r * dim;
       i = 0;
       for (; i + Vec::size() <= dim; i += Vec::size()) {
-        store_from_float(round_to<scalar_t>(Vec::loadu(s.data() + i) * scale * load_float(weight + i)),
-                         o + i);
+        store_rounded(load_float(s + i) * scale * load_float(weight + i), o + i);
       }
-      for (; i < dim; ++i) o[i] = static_cast<scalar_t>(s[i] * rstd * static_cast<float>(weight[i]));
+      for (; i < dim; ++i) {
+        o[i] = static_cast<scalar_t>(static_cast<float>(s[i]) * rstd *
+                                     static_cast<float>(weight[i]));
+      }
     }
   });
 }
 
+// silu(g) = g / (1 + exp(-g)) rounded to scalar_t, as ATen's vector loop computes it.
+template <typename scalar_t>
+inline Vec silu_formula(const Vec& g) {
+  return round_to<scalar_t>(g / (Vec(1.f) + g.neg().exp()));
+}
+
+// silu_formula for each of the 65536 bit patterns of a bfloat16 g, as floats: built once (a
+// thread-safe static) by the formula itself, so a lookup gives the formula's bits.
+template <typename scalar_t>
+const float* silu_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(1 << 16);
+    uint16_t bits[Vec::size()];
+    for (int32_t base = 0; base < (1 << 16); base += Vec::size()) {
+      for (int j = 0; j < Vec::size(); ++j) bits[j] = static_cast<uint16_t>(base + j);
+      const Vec g = load_float(reinterpret_cast<const scalar_t*>(bits));
+      silu_formula<scalar_t>(g).store(t.data() + base);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// silu * up with the NaN eager's product gives when both are NaN: x86 returns the first
+// operand's NaN, but compilers swap a product's operands at will, so it is picked here (torch's
+// float16 mul keeps silu's NaN, its float32 mul up's; bfloat16 rounds every NaN to one pattern).
+template <typename scalar_t>
+inline Vec silu_times(const Vec& silu, const Vec& up) {
+  if constexpr (std::is_same_v<scalar_t, at::Half>) {
+    return Vec::blendv(silu * up, silu, silu.isnan());
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vec::blendv(silu * up, up, up.isnan());
+  } else {
+    return silu * up;
+  }
+}
+
+template <typename scalar_t>
+inline float silu_times(float silu, float up) {
+  if constexpr (std::is_same_v<scalar_t, at::Half>) {
+    return std::isnan(silu) ? silu : silu * up;
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    return std::isnan(up) ? up : silu * up;
+  } else {
+    return silu * up;
+  }
+}
+
+// silu(g) rounded to scalar_t as ATen's scalar loop computes it (libm's exp, scalar rounding).
+template <typename scalar_t>
+inline float silu_scalar(float g) {
+  return round_to<scalar_t>(g / (1.f + std::exp(-g)));
+}
+
+// Eager's loop shapes: F.silu steps two Vectorized<scalar_t> (64 bfloat16 on AVX-512), the
+// product 32 elements, each finishing its row scalar; the scalar silu differs
+// from the vector one (libm's exp) and scalar rounding keeps NaN as 0x7fc0, not 0xffff, so
+// each part of a row is computed the way eager computes it there. For bfloat16 the vector
+// silu is a lookup (the gate has 65536 values), done in a scalar pass into a float buffer
+// (AVX-512 gathers measured slower), then the product vectorised. float16 keeps the formula:
+// its gates spread over ~8x more table entries than bfloat16's and the lookup measured slower.
 template <typename scalar_t>
 void silu_and_mul_rows(const at::Tensor& gate_up, scalar_t* out) {
+  constexpr bool kTable = std::is_same_v<scalar_t, at::BFloat16>;
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  const int64_t silu_step = 2 * at::vec::Vectorized<scalar_t>::size();
+  // The product's step, found against eager (NaN gates at every position, all 65536 gates):
+  // 32 on AVX-512 and AVX2 builds for 16-bit dtypes; float32's is silu's (32 or 16).
+  const int64_t mul_step = std::min<int64_t>(silu_step, 32);
+  const int64_t silu_vectorised = inner / silu_step * silu_step;
+  const int64_t mul_vectorised = inner / mul_step * mul_step;  // >= silu_vectorised
   const scalar_t* data = gate_up.const_data_ptr<scalar_t>();
-  const Vec one(1.f);
+  const float* table = nullptr;
+  if constexpr (kTable) table = silu_table<scalar_t>();  // built here, on the calling thread
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> silu_row(mul_vectorised);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* gate = data + r * stride;
       const scalar_t* up = gate + inner;
       scalar_t* o = out + r * inner;
-      // ATen's loop shape: two vectors at a time, then scalar with libm's exp.
       int64_t i = 0;
-      for (; i + 2 * Vec::size() <= inner; i += 2 * Vec::size()) {
-        for (int64_t j = i; j < i + 2 * Vec::size(); j += Vec::size()) {
-          const Vec g = load_float(gate + j);
-          const Vec silu = round_to<scalar_t>(g / (one + g.neg().exp()));
-          store_from_float(round_to<scalar_t>(silu * load_float(up + j)), o + j);
+      if constexpr (kTable) {
+        const uint16_t* gate_bits = reinterpret_cast<const uint16_t*>(gate);
+        for (; i < silu_vectorised; ++i) silu_row[i] = table[gate_bits[i]];
+      } else {
+        for (; i < silu_vectorised; i += Vec::size()) {
+          silu_formula<scalar_t>(load_float(gate + i)).store(silu_row.data() + i);
         }
       }
+      for (; i < mul_vectorised; ++i) {
+        silu_row[i] = silu_scalar<scalar_t>(static_cast<float>(gate[i]));
+      }
+      for (i = 0; i < mul_vectorised; i += Vec::size()) {
+        store_rounded(silu_times<scalar_t>(Vec::loadu(silu_row.data() + i), load_float(up + i)),
+                      o + i);
+      }
       for (; i < inner; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float silu = round_to<scalar_t>(g / (1.f + std::exp(-g)));
-        o[i] = static_cast<scalar_t>(silu * static_cast<float>(up[i]));
+        const float silu = silu_scalar<scalar_t>(static_cast<float>(gate[i]));
+        o[i] = static_cast<scalar_t>(silu_times<scalar_t>(silu, static_cast<float>(up[i])));
       }
     }
   });

@@ -1,0 +1,122 @@
+"""The compiled elementwise passes (`csrc/fused_ops.cpp`) on the 135M model's shapes.
+
+Times one call of `silu_and_mul` (gate_up [rows, 2 x 1536]), `rms_norm` (x, residual
+[rows, 576]) and `rotary_` (q [rows, 9, 64] and k [rows, 3, 64], views into one qkv
+projection output) at each row count, in milliseconds, best of `--repeats` rounds.
+`--against DIR` also builds the kernels of another checkout (e.g. `git archive <commit> |
+tar -x -C DIR`) and times them in the same process, alternated round by round with this
+checkout's, and checks that the two give the same bits. `--activations` takes real gate_up
+rows (a saved list of [N, 3072] tensors) instead of random ones for silu_and_mul.
+
+    OMP_NUM_THREADS=1 python3 benchmarks/fused_ops.py --rows 2048 64
+    OMP_NUM_THREADS=1 python3 benchmarks/fused_ops.py --against /tmp/old --dtype float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from carpool.attention import cpu_kernels
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64  # SmolLM2-135M
+
+
+def other_kernels(checkout: str):
+    """The compiled kernels of another checkout: its own cpu_kernels.py builds its own csrc/."""
+    path = Path(checkout) / "carpool" / "attention" / "cpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("carpool_other_cpu_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load()
+
+
+def make_calls(rows: int, dtype: torch.dtype, activations: list[torch.Tensor] | None):
+    """name -> (call(kernels) -> output tensors): inputs made once, shared by every build."""
+    gen = torch.Generator().manual_seed(rows)
+    if activations:
+        gate_up = torch.cat(activations)[:rows].to(dtype).contiguous()
+    else:
+        gate_up = (torch.randn(rows, 2 * INTERMEDIATE, generator=gen) * 2).to(dtype)
+    x = torch.randn(rows, HIDDEN + 2, generator=gen).to(dtype)[:, :HIDDEN]
+    residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
+    weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    angles = torch.arange(rows)[:, None] * 0.1 ** torch.linspace(0, 4, HEAD_DIM // 2)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(dtype)
+
+    def rotary(kernels):  # in place on a fresh copy each time, so every build sees one input
+        q, k, _ = qkv.clone().split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
+                                     KV_HEADS * HEAD_DIM], dim=-1)
+        q, k = q.view(rows, HEADS, HEAD_DIM), k.view(rows, KV_HEADS, HEAD_DIM)
+        kernels.rotary_(q, k, cos, sin)
+        return q, k
+
+    return {
+        "silu_and_mul": lambda kernels: (kernels.silu_and_mul(gate_up),),
+        "rms_norm": lambda kernels: kernels.rms_norm(x, residual, weight, 1e-5),
+        "rms_norm (no residual)": lambda kernels: kernels.rms_norm(x, None, weight, 1e-5)[:1],
+        "rotary_ (+ qkv copy)": rotary,
+        "qkv copy alone": lambda kernels: (qkv.clone(),),
+    }
+
+
+def seconds(call, kernels, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        call(kernels)
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[2048, 64])
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--against", help="another checkout whose kernels to time alongside")
+    parser.add_argument("--activations", help="a torch.save'd list of bf16 gate_up tensors")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    builds = {"this": cpu_kernels.load()}
+    if args.against:
+        builds["against"] = other_kernels(args.against)
+    if any(k is None for k in builds.values()):
+        sys.exit("the compiled kernels did not build")
+    activations = torch.load(args.activations) if args.activations else None
+    print(f"{args.dtype}, {args.threads} thread(s), ms per call, best of {args.repeats}")
+    header = f"{'op':24s} {'rows':>5s} " + " ".join(f"{name:>9s}" for name in builds)
+    print(header + ("   this/against  same bits" if args.against else ""))
+    with torch.inference_mode():
+        for rows in args.rows:
+            for name, call in make_calls(rows, dtype, activations).items():
+                if name == "rms_norm (no residual)" and dtype == torch.float32:
+                    continue  # float32 keeps the eager ops
+                calls = max(3, int(2e5 // rows))
+                best = {b: float("inf") for b in builds}
+                for _ in range(args.repeats):  # alternate the builds round by round
+                    for b, kernels in builds.items():
+                        call(kernels)
+                        best[b] = min(best[b], seconds(call, kernels, calls))
+                line = f"{name:24s} {rows:5d} " + " ".join(f"{best[b] * 1e3:9.4f}" for b in builds)
+                if args.against:
+                    same = all(torch.equal(a.view(torch.int16 if a.element_size() == 2 else
+                                                  torch.int32),
+                                           b.view(torch.int16 if b.element_size() == 2 else
+                                                  torch.int32))
+                               for a, b in zip(call(builds["this"]), call(builds["against"])))
+                    line += f"   {best['this'] / best['against']:12.2f}  {same}"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
