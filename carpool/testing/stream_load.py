@@ -44,8 +44,13 @@ class ClientResult:
 
 
 def plan_clients(rng: random.Random, num_clients: int, prompts: list[str], max_tokens: int,
-                 leave_fraction: float = 0.5) -> list[ClientPlan]:
-    """A random `leave_fraction` of the clients leave at random points; the rest read all."""
+                 leave_fraction: float = 0.5,
+                 leaver_max_tokens: int | None = None) -> list[ClientPlan]:
+    """A random `leave_fraction` of the clients leave at random points (within their first
+    `max_tokens` chunks); the rest read all `max_tokens`. Leavers ask for `leaver_max_tokens`
+    (default `max_tokens`): more than they read keeps their requests generating when they
+    leave, so the server has something to abort however fast it runs."""
+    leaver_tokens = max_tokens if leaver_max_tokens is None else leaver_max_tokens
     plans = []
     for i in range(num_clients):
         prompt = prompts[i % len(prompts)]
@@ -54,12 +59,12 @@ def plan_clients(rng: random.Random, num_clients: int, prompts: list[str], max_t
             continue
         where = rng.random()
         if where < 0.2:
-            plans.append(ClientPlan(prompt, max_tokens,
+            plans.append(ClientPlan(prompt, leaver_tokens,
                                     leave_before_headers_s=rng.uniform(0, 0.05)))
         elif where < 0.4:
-            plans.append(ClientPlan(prompt, max_tokens, leave_after_chunks=0))
+            plans.append(ClientPlan(prompt, leaver_tokens, leave_after_chunks=0))
         else:
-            plans.append(ClientPlan(prompt, max_tokens,
+            plans.append(ClientPlan(prompt, leaver_tokens,
                                     leave_after_chunks=rng.randint(1, max_tokens)))
     return plans
 
