@@ -1,15 +1,17 @@
-"""The compiled few-row float32 GEMM against oneDNN's packed matmul, on a model's linear shapes.
+"""The compiled few-row GEMMs against oneDNN's packed matmul, on a model's linear shapes.
 
 Builds `PackedLinear`s of the 135M model's four layer shapes (SmolLM2-135M: qkv, o,
 gate_up, down), `--copies` times over so that their weights stream from memory as a
 30-layer model's do (1 copy: they stay in cache, as a tiny model's do), and times one pass
 over all of them at each row count, through oneDNN (`PackedLinear._matmul`, bucketed rows)
-and through `small_gemm_f32`, alternated in one process. Prints both times, their ratio
+and through `small_gemm_f32` (`--dtype bfloat16`: `small_gemm_bf16`), alternated in one
+process. Prints both times, their ratio
 and the largest difference between the two results.
 
     python3 benchmarks/small_gemm.py --threads 2 --copies 30 --rows 1 2 4 8 12 16
     python3 benchmarks/small_gemm.py --threads 1 --copies 30 --rows 1 4 8 16 32 48
     python3 benchmarks/small_gemm.py --shapes tiny --copies 1
+    python3 benchmarks/small_gemm.py --dtype bfloat16 --rows 1 4 16 64 128 256
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ SHAPES = {
 def one_pass(layers: list[PackedLinear], inputs: list[torch.Tensor], small: bool, kernels) -> None:
     for layer, x in zip(layers, inputs):
         if small:
-            kernels.small_gemm_f32(x, layer._small_packed, layer.out_features, None)
+            small_gemm(kernels, x)(x, layer._small_packed, layer.out_features, None)
         else:
             layer._matmul(x)
+
+
+def small_gemm(kernels, x: torch.Tensor):
+    return kernels.small_gemm_bf16 if x.dtype == torch.bfloat16 else kernels.small_gemm_f32
 
 
 def seconds(layers, inputs, small: bool, kernels, repeats: int) -> float:
@@ -57,21 +63,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     kernels = cpu_kernels.load()
-    if kernels is None or not kernels.has_f32_gemm():
-        sys.exit("no compiled kernels with small_gemm_f32 on this machine")
+    has_gemm = kernels is not None and (kernels.has_bf16_gemm() if dtype == torch.bfloat16
+                                        else kernels.has_f32_gemm())
+    if not has_gemm:
+        sys.exit(f"no compiled kernels with a small {args.dtype} GEMM on this machine")
     torch.manual_seed(0)
     shapes = SHAPES[args.shapes] * args.copies
-    layers = [PackedLinear(nn.Linear(k, n, bias=False), kernels) for k, n in shapes]
-    print(f"{len(layers)} float32 layers, {args.threads} threads")
+    layers = [PackedLinear(nn.Linear(k, n, bias=False, dtype=dtype), kernels)
+              for k, n in shapes]
+    print(f"{len(layers)} {args.dtype} layers, {args.threads} threads, "
+          f"AMX {torch.cpu._is_amx_tile_supported()}")
     with torch.inference_mode():
         for rows in args.rows:
-            inputs = [torch.randn(rows, k) for k, _ in shapes]
+            inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
             onednn = seconds(layers, inputs, False, kernels, args.repeats)
             small = seconds(layers, inputs, True, kernels, args.repeats)
-            diff = max((kernels.small_gemm_f32(x, layer._small_packed, layer.out_features, None)
+            diff = max((small_gemm(kernels, x)(x, layer._small_packed, layer.out_features, None)
                         - layer._matmul(x)).abs().max().item()
                        for layer, x in zip(layers, inputs))
             print(f"rows {rows:4d}  oneDNN {onednn * 1e6:9.1f} us  small {small * 1e6:9.1f} us  "

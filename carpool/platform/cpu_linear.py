@@ -36,6 +36,12 @@ so oneDNN keeps only the larger calls. The cost is a second packed copy of each 
 weight (the model's weight bytes again). No row buckets are needed there: it builds
 nothing per shape.
 
+On a CPU with AMX (Intel Sapphire Rapids and later) oneDNN's bfloat16 matmul runs on the
+tile unit, and the small GEMM wins only at 1-2 rows: on the 135M model's 120 layers (2
+threads, `benchmarks/small_gemm.py --dtype bfloat16`) it took 0.70x oneDNN's time at 1 row,
+0.89x at 2, 1.0-1.05x at 3-5, 1.4x at 8, 2.2x at 16, 3.9x at 64 and 7.1x at 256. There the
+cut is `SMALL_GEMM_AMX_MAX_ROWS` (`small_gemm_max_rows`).
+
 float32 calls of at most `SMALL_GEMM_F32_MAX_ROWS` rows take `small_gemm_f32` (plain
 AVX-512, the same layout in float32): the 135M model's 120 layers, weights streamed from
 memory, took 0.70-0.90x oneDNN's time at 1 row and 0.56-0.92x at 2 (2 threads or 1), about
@@ -61,6 +67,7 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 # batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
 SMALL_GEMM_MAX_ROWS = 256  # bfloat16 calls up to this many rows take small_gemm_bf16
+SMALL_GEMM_AMX_MAX_ROWS = 2  # the same where oneDNN has AMX (and is far faster above it)
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
 
 
@@ -72,13 +79,25 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None) -> int:
+    """The most rows a `dtype` call sends to the compiled small GEMM rather than oneDNN, on
+    this CPU (amx: whether oneDNN has AMX tiles; None: ask torch)."""
+    if dtype == torch.float32:
+        return SMALL_GEMM_F32_MAX_ROWS
+    if amx is None:
+        amx = torch.cpu._is_amx_tile_supported()
+    return SMALL_GEMM_AMX_MAX_ROWS if amx else SMALL_GEMM_MAX_ROWS
+
+
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight (and,
     given the compiled kernels, a bfloat16 weight's few-row calls by `small_gemm_bf16`'s
     packed copy on an AVX512-BF16 CPU, a float32 weight's by `small_gemm_f32`'s on AVX-512)."""
 
     def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None,
-                 full_rows: int = 0) -> None:
+                 full_rows: int = 0, small_max_rows: int | None = None) -> None:
+        """small_max_rows: the most rows a call sends to the small GEMM (None: this CPU's
+        `small_gemm_max_rows`)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._full_rows = full_rows if full_rows > MAX_ROWS else 0  # 0: no one-call shape
@@ -92,11 +111,12 @@ class PackedLinear(nn.Module):
                 and linear.in_features % 2 == 0 and kernels.has_bf16_gemm()):
             self._small_gemm = kernels.small_gemm_bf16
             self._small_packed = kernels.pack_bf16_weight(linear.weight.detach())
-            self._small_max_rows = SMALL_GEMM_MAX_ROWS
         elif kernels is not None and dtype == torch.float32 and kernels.has_f32_gemm():
             self._small_gemm = kernels.small_gemm_f32
             self._small_packed = kernels.pack_f32_weight(linear.weight.detach())
-            self._small_max_rows = SMALL_GEMM_F32_MAX_ROWS
+        if self._small_gemm is not None:
+            self._small_max_rows = (small_gemm_max_rows(dtype) if small_max_rows is None
+                                    else small_max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from carpool.attention import cpu_kernels
-from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_F32_MAX_ROWS,
-                                         SMALL_GEMM_MAX_ROWS, PackedLinear, can_pack,
-                                         pack_linears, padded_rows)
+from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_AMX_MAX_ROWS,
+                                         SMALL_GEMM_F32_MAX_ROWS, SMALL_GEMM_MAX_ROWS,
+                                         PackedLinear, can_pack, pack_linears, padded_rows,
+                                         small_gemm_max_rows)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -44,7 +45,8 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
                                                               out_features):
     torch.manual_seed(in_features)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
-    packed = PackedLinear(linear, bf16_kernels)
+    # The AVX512-BF16 cut whatever this CPU's (with AMX oneDNN takes all but 1-2 rows).
+    packed = PackedLinear(linear, bf16_kernels, small_max_rows=SMALL_GEMM_MAX_ROWS)
     x = torch.randn(SMALL_GEMM_MAX_ROWS, in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         reference = nn.functional.linear(x.float(), linear.weight.float(),
@@ -100,6 +102,32 @@ def test_small_f32_gemm_checks_its_arguments(f32_kernels):
         f32_kernels.small_gemm_f32(torch.randn(2, 6, dtype=torch.bfloat16), packed, 8)
     with pytest.raises(RuntimeError, match="bias"):
         f32_kernels.small_gemm_f32(torch.randn(2, 6), packed, 8, torch.zeros(7))
+
+
+def test_bf16_small_gemm_cut_follows_amx():
+    assert small_gemm_max_rows(torch.bfloat16, amx=False) == SMALL_GEMM_MAX_ROWS
+    assert small_gemm_max_rows(torch.bfloat16, amx=True) == SMALL_GEMM_AMX_MAX_ROWS
+    assert small_gemm_max_rows(torch.float32, amx=True) == SMALL_GEMM_F32_MAX_ROWS
+    assert small_gemm_max_rows(torch.bfloat16) == small_gemm_max_rows(
+        torch.bfloat16, amx=torch.cpu._is_amx_tile_supported())
+
+
+def test_bf16_calls_above_the_cut_go_to_onednn(bf16_kernels, monkeypatch):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160).to(torch.bfloat16)
+    packed = PackedLinear(linear, bf16_kernels, small_max_rows=SMALL_GEMM_AMX_MAX_ROWS)
+    x = torch.randn(SMALL_GEMM_AMX_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
+    small_calls, onednn_calls = [], []
+    small, onednn = packed._small_gemm, packed.packed_matmul
+    monkeypatch.setattr(packed, "_small_gemm", lambda rows, *a: small_calls.append(
+        rows.shape[0]) or small(rows, *a))
+    monkeypatch.setattr(packed, "packed_matmul", lambda rows: onednn_calls.append(
+        rows.shape[0]) or onednn(rows))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), atol=2e-2, rtol=2e-2)
+        packed(x[:SMALL_GEMM_AMX_MAX_ROWS])
+    assert small_calls == [SMALL_GEMM_AMX_MAX_ROWS]
+    assert onednn_calls == [padded_rows(SMALL_GEMM_AMX_MAX_ROWS + 1)]
 
 
 def test_small_bf16_gemm_checks_its_arguments(bf16_kernels):
