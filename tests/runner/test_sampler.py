@@ -10,7 +10,7 @@ import torch
 from carpool.core.scheduler_output import ScheduledRequest
 from carpool.runner.penalties import apply_penalties
 from carpool.runner.sampler import (CDF_BLOCK, TOP_CANDIDATES, Sampler, _apply_top_k_top_p,
-                                    _cut_sorted, draw_by_inverse_cdf)
+                                    _cut_sorted, draw_by_inverse_cdf, greedy_ids)
 
 from carpool.sampling_params import SamplingParams
 
@@ -220,3 +220,15 @@ def test_overflowing_penalty_still_samples_the_boosted_token():
     logits[0, 7] = 100.0
     reqs = [_req(prompt=(7,), temperature=1.0, repetition_penalty=1e-37)]
     assert _draw(logits.clone(), reqs) == [7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_ids_pick_what_argmax_picks(dtype):
+    """First of equal maxima, NaN above everything, +inf, all -inf rows; and random rows."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 1.0, nan, 2.0], [-inf] * 4,
+                         [1.0, inf, inf, 2.0], [0.0, 0.0, 0.0, 0.0]], dtype=dtype)
+    assert torch.equal(greedy_ids(rows), rows.argmax(dim=-1))
+    torch.manual_seed(0)
+    logits = torch.randn(37, 4099).round(decimals=1).to(dtype)  # many ties
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
