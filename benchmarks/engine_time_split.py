@@ -1,0 +1,134 @@
+"""carpool alone on `vs_vllm.py`'s workload: output tok/s, and where the step time goes.
+
+Runs issue 8's workload (`vs_vllm.build_requests`: N requests added at once, prompts of
+16-512 random ids, outputs half 16-32 and half 128-256 tokens, exactly that many) through
+`LLMEngine.step` with the settings `vs_vllm_worker_carpool.py` gives carpool (256
+sequences, 4096 tokens a step, chunked prefill, no prefix caching, 4 GiB of KV cache),
+after a 4-request warm-up, and prints the output tok/s. With `--kernel-times` every
+function of the compiled kernels module and every oneDNN call of `PackedLinear` is wrapped
+in a timer (a few microseconds a call) and the table gives each one's seconds over the
+timed run.
+
+Two knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
+sets the bfloat16 small GEMM's cut (256: the cut of CPUs without AMX, `cpu_linear`), and
+`--block-size` the KV cache block size. One process runs one setting; alternate them from
+the shell:
+
+    for i in 1 2; do for rows in 256 2; do
+        python3 benchmarks/engine_time_split.py /tmp/vs-vllm/135m-bfloat16 \\
+            --bf16-small-max-rows $rows
+    done; done
+    python3 benchmarks/engine_time_split.py /tmp/vs-vllm/135m-bfloat16 --kernel-times
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.insert(0, str(_HERE.parent))
+
+import torch  # noqa: E402
+from vs_vllm import build_requests  # noqa: E402
+from vs_vllm_common import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS  # noqa: E402
+
+from carpool.attention import cpu_kernels  # noqa: E402
+from carpool.llm import LLM  # noqa: E402
+from carpool.platform import cpu_linear  # noqa: E402
+from carpool.sampling_params import SamplingParams  # noqa: E402
+
+
+class KernelTimer:
+    """Seconds and calls per wrapped function."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - begin
+                self.calls[name] += 1
+        return timed
+
+    def install(self) -> None:
+        """Wrap the kernels module's functions (before the model takes references to them)
+        and `PackedLinear.packed_matmul`, the one oneDNN call."""
+        kernels = cpu_kernels.load()
+        if kernels is None:
+            raise SystemExit("the compiled kernels could not be built")
+        for name in dir(kernels):
+            fn = getattr(kernels, name)
+            if callable(fn) and not name.startswith(("_", "has_", "pack_", "max_", "prefill_head")):
+                setattr(kernels, name, self.wrap(name, fn))
+        matmul = cpu_linear.PackedLinear.packed_matmul
+        cpu_linear.PackedLinear.packed_matmul = self.wrap("oneDNN linears", matmul)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def run(engine, requests: list[tuple[list[int], int]], tag: str) -> float:
+    """Add every request at once, step until all finish; the seconds that took."""
+    for i, (ids, num_tokens) in enumerate(requests):
+        params = SamplingParams(max_tokens=num_tokens, min_tokens=num_tokens, ignore_eos=True,
+                                temperature=0.0)
+        engine.add_request(f"{tag}-{i}", ids, params)
+    begin = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - begin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a checkpoint folder (make_vs_vllm_checkpoints.py)")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--bf16-small-max-rows", type=int, default=None,
+                        help="the bfloat16 small GEMM's cut (default: this CPU's)")
+    parser.add_argument("--kernel-times", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.bf16_small_max_rows is not None:
+        cpu_linear.SMALL_GEMM_MAX_ROWS = cpu_linear.SMALL_GEMM_AMX_MAX_ROWS = \
+            args.bf16_small_max_rows
+    timer = KernelTimer()
+    if args.kernel_times:
+        timer.install()
+    llm = LLM(model=args.model, max_num_seqs=MAX_NUM_SEQS,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
+              enable_prefix_caching=False, kv_cache_memory=4 * 2**30, device="cpu", seed=0,
+              block_size=args.block_size)
+    engine = llm.engine
+    vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    requests = build_requests(args.requests, vocab_size, args.seed)
+    run(engine, requests[:4], "warmup")
+    timer.reset()
+    seconds = run(engine, requests, "timed")
+    num_out = sum(n for _, n in requests)
+    cut = cpu_linear.small_gemm_max_rows(torch.bfloat16)
+    print(f"{args.model}: {args.requests} requests, {args.threads} threads, block size "
+          f"{args.block_size}, bf16 small GEMM cut {cut} rows: {seconds:.2f} s, "
+          f"{num_out / seconds:.1f} out tok/s")
+    if args.kernel_times:
+        for name, spent in timer.seconds.most_common():
+            print(f"  {name:24} {spent:7.2f} s  {spent / seconds:6.1%}  "
+                  f"{timer.calls[name]:7d} calls")
+
+
+if __name__ == "__main__":
+    main()
