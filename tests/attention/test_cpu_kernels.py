@@ -144,23 +144,49 @@ def test_long_contexts_bfloat16(kernels):
     check_against_reference(kernels, case)
 
 
-def test_strided_q_and_out(kernels):
+@pytest.mark.parametrize("block_size", [5, 16, 32])
+@pytest.mark.parametrize("sliding_window", [0, 21])
+@pytest.mark.parametrize("heads", [(8, 1), (9, 3)], ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_bfloat16_decodes(kernels, block_size, sliding_window, heads, head_dim):
+    """bfloat16 decodes of head_dim a multiple of 32 take their own one-pass loop (where the
+    CPU has AVX512-BF16): groups of 16 keys within a block (blocks of 5 hold fewer), windows
+    that start inside a group, every query head of a kv head (one or several register
+    passes of the value sums), contexts shorter than one group."""
+    seq_lens = [1, 7, 16, 17, 90, 200]
+    case = make_case([1] * len(seq_lens), seq_lens, *heads, head_dim, torch.bfloat16,
+                     block_size=block_size, seed=head_dim + block_size)
+    check_against_reference(kernels, case, sliding_window=sliding_window)
+
+
+def test_bfloat16_decode_rejects_a_block_outside_the_cache(kernels):
+    case = make_case([1], [40], 9, 3, 64, torch.bfloat16)
+    case["block_tables"][0, 1] = case["kv_cache"].shape[2]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.paged_attention(torch.empty_like(case["q"]), case["q"], case["kv_cache"],
+                                case["block_tables"], case["query_starts"],
+                                case["query_lens"], case["seq_lens"], 0.125, 0)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.bfloat16, 64)])
+def test_strided_q_and_out(kernels, dtype, head_dim):
     """q and out may be views into wider rows (e.g. a fused qkv projection)."""
-    case = make_case([1, 5, 1], [9, 20, 33], 4, 2, 16, torch.float32, seed=6)
+    case = make_case([1, 5, 1], [9, 20, 33], 4, 2, head_dim, dtype, seed=6)
     q = case["q"]
-    num_tokens = q.shape[0]
-    wide = torch.randn(num_tokens, 3 * 4 * 16)
-    wide[:, :4 * 16] = q.reshape(num_tokens, -1)
-    strided_q = wide[:, :4 * 16].view(num_tokens, 4, 16)  # token stride 192
-    out_wide = torch.full((num_tokens, 2 * 4 * 16), UNTOUCHED)
-    strided_out = out_wide[:, 4 * 16:].view(num_tokens, 4, 16)
+    num_tokens, width = q.shape[0], 4 * head_dim
+    wide = torch.randn(num_tokens, 3 * width).to(dtype)
+    wide[:, :width] = q.reshape(num_tokens, -1)
+    strided_q = wide[:, :width].view(num_tokens, 4, head_dim)  # token stride 3 * width
+    out_wide = torch.full((num_tokens, 2 * width), UNTOUCHED, dtype=dtype)
+    strided_out = out_wide[:, width:].view(num_tokens, 4, head_dim)
     args = (case["kv_cache"], case["block_tables"], case["query_starts"], case["query_lens"],
             case["seq_lens"], 0.25, 0)
     expected = torch.full_like(q, UNTOUCHED)
     paged_attention_reference(expected, q, *args)
     kernels.paged_attention(strided_out, strided_q, *args)
-    torch.testing.assert_close(strided_out, expected, atol=1e-5, rtol=1e-5)
-    assert (out_wide[:, :4 * 16] == UNTOUCHED).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(strided_out, expected, atol=tol, rtol=tol)
+    assert (out_wide[:, :width] == UNTOUCHED).all()
 
 
 def test_runs_on_torchs_threads(kernels):

@@ -25,6 +25,9 @@
 // block_ops.h and bf16_pair_ops.h. Threads take work items
 // dynamically, longest context first.
 //
+// Decodes of bfloat16 caches (single-query items, head_dim a multiple of 32) take
+// decode_bf16.h's one-pass loop instead on AVX512-BF16 builds, outside batch_invariant.
+//
 // batch_invariant: every row is scored by row (chunk_scores_by_row), never from transposed
 // keys, whose sums over head_dim run in another order: the transposed path is taken by items
 // of 4+ rows, so without this a query's scores would depend on how many queries share its
@@ -40,6 +43,7 @@
 
 #include "bf16_pair_ops.h"
 #include "block_ops.h"
+#include "decode_bf16.h"
 
 #include <algorithm>
 #include <atomic>
@@ -436,6 +440,28 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
   }
 }
 
+#if defined(CARPOOL_AVX512_BF16)
+// The arguments of attend_decode_bf16 for a single-query item.
+template <typename scalar_t>
+DecodeArgs decode_args(const Shapes& s, const WorkItem& item, const scalar_t* q,
+                       const scalar_t* cache, scalar_t* out, const int32_t* block_tables,
+                       const int32_t* query_starts, const int32_t* query_lens,
+                       const int32_t* seq_lens) {
+  const int64_t G = s.group_size, head_stride = s.num_cache_blocks * s.block_size * s.head_dim;
+  const int64_t token = query_starts[item.seq] + item.q_begin;
+  const auto [begin, end] = item_keys(s, item, query_lens, seq_lens);
+  auto bits = [](auto* p) { return reinterpret_cast<uint16_t*>(const_cast<scalar_t*>(p)); };
+  return DecodeArgs{bits(q + token * s.q_token_stride + item.kv_head * G * s.q_head_stride),
+                    s.q_head_stride,
+                    bits(cache + item.kv_head * head_stride),
+                    bits(cache + (s.num_kv_heads + item.kv_head) * head_stride),
+                    block_tables + item.seq * s.max_blocks,
+                    s.num_cache_blocks, s.block_size, s.head_dim, G, begin, end, s.scale,
+                    bits(out + token * s.out_token_stride + item.kv_head * G * s.out_head_stride),
+                    s.out_head_stride, item.seq};
+}
+#endif
+
 std::vector<WorkItem> plan(const Shapes& s, const int32_t* query_lens, const int32_t* seq_lens,
                            int64_t num_seqs) {
   std::vector<WorkItem> items;
@@ -530,6 +556,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   }
   const std::vector<WorkItem> items = plan(s, q_lens, s_lens, num_seqs);
   if (items.empty()) return;
+  // Single-query items (decodes) of bfloat16 caches take decode_bf16.h's loop, except in the
+  // batch-invariant mode: there a position's arithmetic may not depend on whether it was
+  // scheduled alone or in a chunk.
+#if defined(CARPOOL_AVX512_BF16)
+  const bool fast_decode = !batch_invariant && q.scalar_type() == at::kBFloat16 &&
+                           decode_bf16_head_dim_ok(s.head_dim);
+#endif
 
   auto run = [&](auto dtype_tag) {
     using scalar_t = decltype(dtype_tag);
@@ -541,9 +574,22 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       Scratch<scalar_t> buf;
+#if defined(CARPOOL_AVX512_BF16)
+      DecodeScratch decode_buf;
+#endif
       // Each thread claims its next item before attending the current one, to prefetch it.
       for (int64_t i = next.fetch_add(1); i < num_items;) {
         const int64_t j = next.fetch_add(1);
+#if defined(CARPOOL_AVX512_BF16)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (fast_decode && items[i].q_end - items[i].q_begin == 1) {
+            attend_decode_bf16(decode_args(s, items[i], q_ptr, cache_ptr, out_ptr, tables,
+                                           starts, q_lens, s_lens), decode_buf);
+            i = j;
+            continue;
+          }
+        }
+#endif
         attend_item<scalar_t>(s, items[i], q_ptr, cache_ptr, out_ptr, tables, starts, q_lens,
                               s_lens, j < num_items ? &items[j] : nullptr, buf);
         i = j;

@@ -1,0 +1,246 @@
+// Decode attention over a bfloat16 cache on CPUs with AVX512-BF16: one query position of one
+// request against its keys, for the G query heads sharing one kv head, in a single pass.
+//
+// Why its own loop: a decode reads every key and value once and does little arithmetic per
+// byte, so it runs at the speed memory delivers the request's blocks, which sit anywhere in
+// the cache. The general loop (paged_attention.cpp) gathers 64-key chunks into pointer
+// tables, then makes one pass for the scores and one for the values with software
+// prefetches two chunks ahead; measured, it stalls on memory at about a third of what these
+// cores stream. Here each cache block is attended whole while the next one is prefetched
+// into L1 (one block ahead: farther ahead, the prefetches queue behind each other), scores
+// come from the bfloat16 keys in place through vdpbf16ps (products of bfloat16 pairs are
+// exact in float32; no conversion), and the value sums stay in float32.
+//
+// Per group of up to 16 keys of one block: each row's 16 dot products are folded into one
+// vector of 16 scores by a transpose-add tree; the online softmax takes the group at once
+// (the running max, the sum, and the float32 accumulators rescaled only when the max grows);
+// the value rows are converted to float32 in registers and added with the probabilities.
+// Keys outside [key_begin, key_end) are never read (the cache holds anything there).
+
+#pragma once
+
+#include "block_ops.h"
+
+#if defined(CARPOOL_AVX512_BF16)
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace carpool_cpu {
+namespace {  // internal linkage, as in block_ops.h
+
+constexpr int64_t kDecodeGroup = 16;  // keys per softmax step: one float32 vector of scores
+constexpr int kMaxDecodePairVecs = 8;  // head_dim up to 256, in vectors of 32 bfloat16
+
+// One request's decode against one kv head. Rows are the G query heads of that kv head.
+struct DecodeArgs {
+  const uint16_t* q;         // row r's bfloat16 query at q + r * q_head_stride
+  int64_t q_head_stride;
+  const uint16_t* key_head;  // this kv head's keys: block b's row t at (b * block_size + t) * D
+  const uint16_t* value_head;
+  const int32_t* table;      // the request's block table
+  int64_t num_cache_blocks, block_size, head_dim, rows;
+  int64_t key_begin, key_end;  // the positions attended
+  float scale;
+  uint16_t* out;  // row r's bfloat16 output at out + r * out_head_stride
+  int64_t out_head_stride;
+  int64_t seq;    // the request's index, for errors
+};
+
+// Per-thread state across a call's items.
+struct DecodeScratch {
+  std::vector<float> acc, probs, row_max, row_sum;
+  void reserve(int64_t rows, int64_t head_dim) {
+    if (static_cast<int64_t>(acc.size()) < rows * head_dim) acc.resize(rows * head_dim);
+    if (static_cast<int64_t>(row_max.size()) < rows) {
+      probs.resize(rows * kDecodeGroup);
+      row_max.resize(rows);
+      row_sum.resize(rows);
+    }
+  }
+};
+
+// Lane i of the result = the sum of the lanes of a[i].
+inline __m512 fold16(const __m512 (&a)[16]) {
+  __m512 pair[8], quad[4], half[2];
+  for (int i = 0; i < 8; ++i) {  // per 128 bits: [a0 l0+l2, a1 l0+l2, a0 l1+l3, a1 l1+l3]
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                            _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128 bits: keys 4i .. 4i + 3, each its lanes' sum
+    const __m512d x = _mm512_castps_pd(pair[2 * i]), y = _mm512_castps_pd(pair[2 * i + 1]);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                            _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    half[i] = _mm512_add_ps(
+        _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The n <= 16 scores of one query row (NP vectors of 32 bfloat16) against the key rows at
+// keys + t * D, t < n, scaled; lanes from n on are -inf. Key rows past n are not read.
+template <int NP>
+inline __m512 group_scores(const uint16_t* q, const uint16_t* keys, int64_t n, float scale) {
+  constexpr int64_t D = 32 * NP;
+  __m512bh qv[NP];
+  for (int p = 0; p < NP; ++p) qv[p] = (__m512bh)_mm512_loadu_si512(q + 32 * p);
+  __m512 part[16];
+  for (int t = 0; t < 16; ++t) {
+    const uint16_t* key = keys + std::min<int64_t>(t, n - 1) * D;
+    __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(key));
+    for (int p = 1; p < NP; ++p) {
+      a = _mm512_dpbf16_ps(a, qv[p], (__m512bh)_mm512_loadu_si512(key + 32 * p));
+    }
+    part[t] = a;
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                            fold16(part), _mm512_set1_ps(scale));
+}
+
+// acc[r] += sum_t probs[r][t] * values[t] for R rows and the n value rows at values + t * D.
+template <int NP, int R>
+void group_values(const float* probs, const uint16_t* values, int64_t n, float* acc) {
+  constexpr int NV = 2 * NP;
+  constexpr int64_t D = 32 * NP;
+  __m512 a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 x[NV];
+    for (int p = 0; p < NP; ++p) {  // bfloat16 -> float32: the 16 bits become the high half
+      const __m512i raw = _mm512_loadu_si512(values + t * D + 32 * p);
+      x[2 * p] = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+      x[2 * p + 1] = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * kDecodeGroup + t]);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(p, x[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + 16 * v, a[r][v]);
+  }
+}
+
+// Rows per register pass of group_values: R * 2NP accumulators and 2NP value vectors.
+constexpr int decode_rows_per_pass(int NP) {
+  return std::max(1, std::min(kMaxRows, (kVecRegisters - 2 * NP) / (2 * NP)));
+}
+
+template <int NP, int... R>
+void group_values_rows(const float* probs, const uint16_t* values, int64_t n, float* acc,
+                       int64_t rows, std::integer_sequence<int, R...>) {
+  constexpr int kPass = decode_rows_per_pass(NP);
+  using Fn = void (*)(const float*, const uint16_t*, int64_t, float*);
+  static constexpr Fn fns[] = {&group_values<NP, R + 1>...};
+  for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
+    const int64_t m = std::min<int64_t>(kPass, rows - r0);
+    fns[m - 1](probs + r0 * kDecodeGroup, values, n, acc + r0 * 32 * NP);
+  }
+}
+
+inline void prefetch_block_l1(const uint16_t* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+template <int NP>
+void attend_decode(const DecodeArgs& a, DecodeScratch& buf) {
+  constexpr int64_t D = 32 * NP;
+  const int64_t G = a.rows, BS = a.block_size;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  buf.reserve(G, D);
+  float* acc = buf.acc.data();
+  std::fill(acc, acc + G * D, 0.f);
+  std::fill(buf.row_max.begin(), buf.row_max.begin() + G, kNegInf);
+  std::fill(buf.row_sum.begin(), buf.row_sum.begin() + G, 0.f);
+  auto block_id = [&](int64_t b) {
+    const int64_t block = a.table[b];
+    TORCH_CHECK(block >= 0 && block < a.num_cache_blocks, "paged_attention: block id ", block,
+                " of request ", a.seq, " is outside the cache (", a.num_cache_blocks, " blocks)");
+    return block;
+  };
+  const int64_t first_block = a.key_begin / BS, end_block = (a.key_end + BS - 1) / BS;
+  int64_t block = block_id(first_block);
+  for (int64_t b = first_block; b < end_block; ++b) {
+    int64_t next = -1;
+    if (b + 1 < end_block) {  // the next block into L1 while this one is attended
+      next = block_id(b + 1);
+      const int64_t bytes = std::min(BS, a.key_end - (b + 1) * BS) * D * sizeof(uint16_t);
+      prefetch_block_l1(a.key_head + next * BS * D, bytes);
+      prefetch_block_l1(a.value_head + next * BS * D, bytes);
+    }
+    const int64_t lo = std::max(a.key_begin, b * BS), hi = std::min(a.key_end, (b + 1) * BS);
+    for (int64_t t0 = lo; t0 < hi; t0 += kDecodeGroup) {
+      const int64_t n = std::min(kDecodeGroup, hi - t0);
+      const int64_t offset = (block * BS + t0 - b * BS) * D;
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t r = 0; r < G; ++r) {
+        const __m512 s = group_scores<NP>(a.q + r * a.q_head_stride, a.key_head + offset, n,
+                                          a.scale);
+        const float group_max = _mm512_reduce_max_ps(s);
+        if (group_max > buf.row_max[r]) {  // rescale what the row accumulated so far
+          const float c = buf.row_max[r] == kNegInf ? 0.f : std::exp(buf.row_max[r] - group_max);
+          const __m512 cv = _mm512_set1_ps(c);
+          for (int64_t d = 0; d < D; d += 16) {
+            _mm512_storeu_ps(acc + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), cv));
+          }
+          buf.row_sum[r] *= c;
+          buf.row_max[r] = group_max;
+        }
+        const __m512 p = _mm512_maskz_mov_ps(valid, at::vec::Vectorized<float>(
+            _mm512_sub_ps(s, _mm512_set1_ps(buf.row_max[r]))).exp_u20());
+        buf.row_sum[r] += _mm512_reduce_add_ps(p);
+        _mm512_storeu_ps(buf.probs.data() + r * kDecodeGroup, p);
+      }
+      group_values_rows<NP>(buf.probs.data(), a.value_head + offset, n, acc, G,
+                            std::make_integer_sequence<int, decode_rows_per_pass(NP)>{});
+    }
+    block = next;
+  }
+  for (int64_t r = 0; r < G; ++r) {
+    const __m512 f = _mm512_set1_ps(1.f / buf.row_sum[r]);
+    uint16_t* o = a.out + r * a.out_head_stride;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), f);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + 16), f);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(lo));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+  }
+}
+
+// Whether attend_decode_bf16 takes this head_dim.
+inline bool decode_bf16_head_dim_ok(int64_t head_dim) {
+  return head_dim % 32 == 0 && head_dim / 32 <= kMaxDecodePairVecs;
+}
+
+inline void attend_decode_bf16(const DecodeArgs& a, DecodeScratch& buf) {
+  switch (a.head_dim / 32) {
+    case 1: attend_decode<1>(a, buf); break;
+    case 2: attend_decode<2>(a, buf); break;
+    case 3: attend_decode<3>(a, buf); break;
+    case 4: attend_decode<4>(a, buf); break;
+    case 5: attend_decode<5>(a, buf); break;
+    case 6: attend_decode<6>(a, buf); break;
+    case 7: attend_decode<7>(a, buf); break;
+    case 8: attend_decode<8>(a, buf); break;
+    default: TORCH_CHECK(false, "attend_decode_bf16: head_dim ", a.head_dim, " not taken");
+  }
+}
+
+}  // namespace
+}  // namespace carpool_cpu
+#endif
