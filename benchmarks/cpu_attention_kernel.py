@@ -72,7 +72,26 @@ def load_other_kernels(tree: str, build_dir: str | None):
     kernels = module.load(build_dir)
     if kernels is None:
         raise SystemExit(f"the C++ kernels of {tree} could not be built")
+    if not hasattr(kernels, "prefill_has_amx"):  # a tree from before the AMX prefill path
+        return _WithoutAmx(kernels)
     return kernels
+
+
+class _WithoutAmx:
+    """An older kernels module as this checkout's backend calls it: no AMX prefill path."""
+
+    def __init__(self, kernels) -> None:
+        self._kernels = kernels
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+    @staticmethod
+    def prefill_has_amx() -> bool:
+        return False
+
+    def prefill_attention_bf16(self, *args, amx: bool = False):
+        return self._kernels.prefill_attention_bf16(*args)
 
 
 def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes: int,
@@ -91,7 +110,9 @@ def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes:
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
     scale = HEAD_DIM ** -0.5
-    shape, cpu = AttentionShape(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM), torch.device("cpu")
+    # dtype: bfloat16 backends send prompt chunks to prefill_attention_bf16, as in the engine
+    shape = AttentionShape(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    cpu = torch.device("cpu")
     backends = {"torch": create_backend("cpu", shape, cpu)}
     for side, module in kernel_modules.items():
         backends[side] = create_backend("cpu", shape, cpu, kernels=module)

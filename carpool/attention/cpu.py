@@ -89,6 +89,9 @@ class CpuBackend(AttentionBackend):
                              and shape.dtype == torch.bfloat16 and shape.sliding_window is None
                              and kernels.has_bf16_gemm()
                              and kernels.prefill_head_dim_ok(shape.head_dim))
+        # ... with both products on AMX tiles where the CPU has them (head_dim in 32s).
+        self.prefill_amx = (self.bf16_prefill and shape.head_dim % 32 == 0
+                            and kernels.prefill_has_amx())
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)
@@ -125,7 +128,7 @@ class CpuBackend(AttentionBackend):
             rows = meta.prefill_rows
             self.kernels.prefill_attention_bf16(out, q, kv_cache, rows.block_tables,
                                                 rows.query_starts, rows.query_lens,
-                                                rows.seq_lens, scale)
+                                                rows.seq_lens, scale, amx=self.prefill_amx)
         if meta.kernel_rows is not None:
             rows = meta.kernel_rows
             self.kernels.paged_attention(out, q, kv_cache, rows.block_tables, rows.query_starts,

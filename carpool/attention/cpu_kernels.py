@@ -71,6 +71,8 @@ def _build(build_dir: str | None) -> ModuleType | None:
     flags = _CAPABILITY_FLAGS.get(capability, [])
     if capability == "AVX512" and "avx512_bf16" in _cpu_flags():
         flags = [*flags, "-mavx512bf16", "-DCARPOOL_AVX512_BF16"]  # vdpbf16ps on bf16 prompts
+        if {"amx_bf16", "amx_tile"} <= _cpu_flags():
+            flags = [*flags, "-DCARPOOL_AMX"]  # bf16 prompts' products on AMX tiles
     try:
         name = _extension_name(capability.lower() if flags else "default", flags)
         if not cpp_extension.is_ninja_available():

@@ -57,13 +57,18 @@ def chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
     (4, 1, 16, [16, 97, 3], [16, 200, 64]),  # MQA
     (8, 8, 128, [130], [130]),  # MHA, wide heads
     (6, 2, 32, [513, 0], [513, 40]),  # a request with no queries is skipped
+    (4, 1, 256, [70, 3], [90, 3]),  # the widest heads; a tile of 3 rows (13 of padding)
 ])
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
 def test_prefill_kernel_matches_reference(kernels, num_heads, num_kv_heads, head_dim, q_lens,
-                                          seq_lens):
+                                          seq_lens, amx):
+    """Both paths: vdpbf16ps, and (where the CPU has AMX, head_dim in 32s) the tile unit."""
+    if amx and not (kernels.prefill_has_amx() and head_dim % 32 == 0):
+        pytest.skip("no AMX on this CPU, or a head_dim the AMX path does not take")
     case = chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim)
     scale = head_dim ** -0.5
     out, expected = (torch.full_like(case["q"], UNTOUCHED) for _ in range(2))
-    kernels.prefill_attention_bf16(out, **case, scale=scale)
+    kernels.prefill_attention_bf16(out, **case, scale=scale, amx=amx)
     paged_attention_reference(expected, **case, scale=scale, sliding_window=0)
     covered = expected != UNTOUCHED
     assert torch.equal(out[~covered], expected[~covered])  # rows outside the requests untouched
@@ -83,6 +88,18 @@ def test_prefill_kernel_checks_its_arguments(kernels):
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernels.prefill_attention_bf16(out.float(), **dict(case, q=case["q"].float()), scale=0.25)
     assert not kernels.prefill_head_dim_ok(40) and kernels.prefill_head_dim_ok(64)
+    with pytest.raises(RuntimeError, match="amx needs"):  # head_dim 16: not in 32s
+        kernels.prefill_attention_bf16(out, **case, scale=0.25, amx=True)
+
+
+def test_cpu_backend_takes_the_amx_path_where_it_can(kernels):
+    cpu = torch.device("cpu")
+    wide = create_backend("cpu", AttentionShape(9, 3, 64, dtype=torch.bfloat16), cpu,
+                          kernels=kernels)
+    narrow = create_backend("cpu", AttentionShape(4, 2, 16, dtype=torch.bfloat16), cpu,
+                            kernels=kernels)
+    assert wide.prefill_amx is kernels.prefill_has_amx()
+    assert narrow.prefill_amx is False
 
 
 @pytest.mark.parametrize("dtype,window,takes_it", [(torch.bfloat16, None, True),

@@ -43,10 +43,11 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
 
 namespace carpool_prefill {  // prefill_attention.cpp
 bool prefill_head_dim_ok(int64_t head_dim);
+bool prefill_has_amx();
 void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& query_starts,
                             const at::Tensor& query_lens, const at::Tensor& seq_lens,
-                            double scale);
+                            double scale, bool amx);
 }
 
 namespace carpool_fused {  // fused_ops.cpp
@@ -106,11 +107,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,
         "Whether prefill_attention_bf16 takes this head_dim (a multiple of 16 up to 256).");
+  m.def("prefill_has_amx", &carpool_prefill::prefill_has_amx,
+        "Whether prefill_attention_bf16 can run its products on AMX tiles here (amx=True).");
   m.def("prefill_attention_bf16", &carpool_prefill::prefill_attention_bf16,
-        "paged_attention for bfloat16 prompt chunks (no sliding window), on AVX512-BF16.",
+        "paged_attention for bfloat16 prompt chunks (no sliding window), on AVX512-BF16, "
+        "or with amx=True on AMX tiles (head_dim a multiple of 32).",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("query_starts"), py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("amx") = false, py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),

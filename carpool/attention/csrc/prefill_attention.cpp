@@ -19,6 +19,12 @@
 // (running max and sum, the output accumulator rescaled), the probabilities rounded to
 // bfloat16 (as bfloat16 SDPA kernels do) for the second product. Threads take items
 // dynamically, longest first.
+//
+// With amx (builds for CPUs with AMX, cpu_kernels.py's -DCARPOOL_AMX; head_dim a multiple of
+// 32) both products run on the tile unit instead, on 16-row tiles (rows padded with zeros):
+// the packed layouts are already its B operands. Prompts are packed to whole 64-key chunks
+// so the value tiles' 32-key groups never read past a prompt's buffer. The softmax is the
+// same code either way.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -35,6 +41,14 @@
 #include <vector>
 
 #include "bf16_dot.h"
+
+#if defined(CARPOOL_AMX)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CARPOOL_AMX_TARGET \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#endif
 
 namespace carpool_prefill {
 
@@ -106,6 +120,69 @@ CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64
   }
 }
 
+#if defined(CARPOOL_AMX)
+// AMX (the tile unit of Intel Sapphire Rapids and later): the same two products on 16-row
+// tiles, from the same packed layouts, which are exactly the tile unit's B operands: keys as
+// (d, d + 1) pairs of 16 keys (64 bytes a pair row), values as (key, key + 1) pairs of 16
+// columns. A is 16 rows of 32 bfloat16 (queries; probabilities), C 16 x 16 float32.
+
+// Linux hands out the tile registers' state only on request (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction faults. Once per process.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows of 64 bytes. A constant in memory: GCC's _tile_loadconfig tells the
+// compiler it reads only 8 bytes of its argument, so a local's other fields may not be
+// stored yet when it runs. A thread's configuration is its own; other code (oneDNN) sets
+// its own between calls, so each worker sets it before its items and releases after.
+alignas(64) const TileConfig kTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+CARPOOL_AMX_TARGET void configure_tiles() { _tile_loadconfig(&kTileConfig); }
+
+CARPOOL_AMX_TARGET void release_tiles() { _tile_release(); }
+
+// scores[r][0..16 * nblocks) = q[r] . keys of the chunk for 16 rows (q row stride D).
+CARPOOL_AMX_TARGET void amx_score_tile(const uint16_t* q, int64_t D, const uint16_t* kp,
+                                       int64_t k_block_stride, int64_t nblocks, float* scores) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    _tile_zero(2);
+    for (int64_t j = 0; j < D / 32; ++j) {
+      _tile_loadd(0, q + 32 * j, D * sizeof(uint16_t));
+      _tile_loadd(1, kp + b * k_block_stride + j * 16 * 2 * kBlock, 64);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, scores + b * kBlock, kKeyChunk * sizeof(float));
+  }
+}
+
+// o[r] += p[r] . V chunk for 16 rows: key_groups groups of 32 keys, d_blocks of 16 columns.
+CARPOOL_AMX_TARGET void amx_value_tile(const uint16_t* p, const uint16_t* vchunk,
+                                       int64_t v_block_stride, int64_t key_groups,
+                                       int64_t d_blocks, float* o, int64_t D) {
+  for (int64_t b = 0; b < d_blocks; ++b) {
+    _tile_loadd(2, o + b * kBlock, D * sizeof(float));
+    for (int64_t j = 0; j < key_groups; ++j) {
+      _tile_loadd(0, p + 32 * j, kKeyChunk * sizeof(uint16_t));
+      _tile_loadd(1, vchunk + b * v_block_stride + j * 16 * 2 * kBlock, 64);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, o + b * kBlock, D * sizeof(float));
+  }
+}
+#endif
+
 struct Shapes {
   int64_t num_heads, num_kv_heads, group, head_dim, d_pairs, d_blocks;
   float scale;
@@ -120,15 +197,18 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
                                      int64_t q_tok, int64_t q_head, const uint16_t* k_packed,
                                      const uint16_t* v_packed, int64_t pack_offset,
                                      int64_t key_blocks, int64_t start, int64_t first_pos,
-                                     uint16_t* out, int64_t o_tok, int64_t o_head) {
+                                     uint16_t* out, int64_t o_tok, int64_t o_head, bool amx) {
   const int64_t G = s.group, D = s.head_dim;
   const int64_t nq = item.q_end - item.q_begin, rows = nq * G;
+  const int64_t padded_rows = amx ? (rows + 15) / 16 * 16 : rows;  // whole tiles (zeros)
   thread_local std::vector<uint16_t> qbuf, pbuf;
   thread_local std::vector<float> scores, obuf, row_max, row_sum, corr;
-  qbuf.resize(rows * D);
-  pbuf.resize(rows * kKeyChunk);
-  scores.resize(rows * kKeyChunk);
-  obuf.assign(rows * D, 0.f);
+  qbuf.resize(padded_rows * D);
+  std::fill(qbuf.begin() + rows * D, qbuf.begin() + padded_rows * D, 0);
+  pbuf.resize(padded_rows * kKeyChunk);
+  std::fill(pbuf.begin() + rows * kKeyChunk, pbuf.begin() + padded_rows * kKeyChunk, 0);
+  scores.resize(padded_rows * kKeyChunk);
+  obuf.assign(padded_rows * D, 0.f);
   row_max.assign(rows, kNegInf);
   row_sum.assign(rows, 0.f);
   corr.resize(rows);
@@ -145,7 +225,15 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
   for (int64_t c0 = 0; c0 < keys_end; c0 += kKeyChunk) {
     const int64_t chunk_keys = std::min(kKeyChunk, keys_end - c0);
     const int64_t nblocks = (chunk_keys + kBlock - 1) / kBlock;
-    for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+#if defined(CARPOOL_AMX)
+    if (amx) {
+      for (int64_t r0 = 0; r0 < padded_rows; r0 += 16) {
+        amx_score_tile(qbuf.data() + r0 * D, D, kp + (c0 / kBlock) * k_block_stride,
+                       k_block_stride, nblocks, scores.data() + r0 * kKeyChunk);
+      }
+    }
+#endif
+    for (int64_t r0 = 0; !amx && r0 < rows; r0 += kScoreRows) {
       const int64_t n = std::min<int64_t>(kScoreRows, rows - r0);
       const uint16_t* qa = qbuf.data() + r0 * D;
       const uint16_t* kb = kp + (c0 / kBlock) * k_block_stride;
@@ -195,7 +283,21 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
     }
     const int64_t key_pairs = (nblocks * kBlock) / 2;
     const uint16_t* vchunk = vp + (c0 / 2) * 2 * kBlock;
-    for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
+#if defined(CARPOOL_AMX)
+    if (amx) {
+      for (int64_t r = 0; r < rows; ++r) {  // rescale, then the tiles add P . V
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int64_t d = 0; d < D; d += kBlock) {
+          _mm512_storeu_ps(obuf.data() + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(obuf.data() + r * D + d), c));
+        }
+      }
+      for (int64_t r0 = 0; r0 < padded_rows; r0 += 16) {
+        amx_value_tile(pbuf.data() + r0 * kKeyChunk, vchunk, v_block_stride,
+                       (chunk_keys + 31) / 32, s.d_blocks, obuf.data() + r0 * D, D);
+      }
+    }
+#endif
+    for (int64_t r0 = 0; !amx && r0 < rows; r0 += kValueRows) {
       const int64_t n = std::min<int64_t>(kValueRows, rows - r0);
       const uint16_t* pa = pbuf.data() + r0 * kKeyChunk;
       float* o = obuf.data() + r0 * D;
@@ -222,12 +324,22 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
 
 bool prefill_head_dim_ok(int64_t head_dim) { return head_dim % kBlock == 0 && head_dim <= 256; }
 
+bool prefill_has_amx() {
+#if defined(CARPOOL_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& query_starts,
                             const at::Tensor& query_lens, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, bool amx) {
 #if defined(CPU_CAPABILITY_AVX512)
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prefill_attention_bf16: no AVX512-BF16");
+  TORCH_CHECK(!amx || (prefill_has_amx() && q.size(2) % 32 == 0), "prefill_attention_bf16: "
+              "amx needs a build and CPU with AMX (prefill_has_amx) and head_dim a multiple of 32");
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 &&
                     t->stride(2) == 1,
@@ -281,7 +393,8 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
                   block, " of request ", i, " is outside the cache (", num_cache_blocks,
                   " blocks)");
     }
-    blocks[i] = (slen[i] + kBlock - 1) / kBlock;
+    // whole key chunks: the tiles read 32-key groups of values up to the chunk's end
+    blocks[i] = (slen[i] + kKeyChunk - 1) / kKeyChunk * (kKeyChunk / kBlock);
     for (int64_t h = 0; h < Hkv; ++h) {
       offset[i * Hkv + h + 1] = offset[i * Hkv + h] + blocks[i] * kBlock * D;
       for (int64_t b = 0; b < qlen[i]; b += kQueryBlock) {
@@ -324,12 +437,18 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+#if defined(CARPOOL_AMX)
+    if (amx) configure_tiles();
+#endif
     for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
       const Item& it = items[n];
       attend_item(s, it, qd, q.stride(0), q.stride(1), k_packed.data(), v_packed.data(),
                   offset[it.request * Hkv + it.kv_head], blocks[it.request], st[it.request],
-                  slen[it.request] - qlen[it.request], od, out.stride(0), out.stride(1));
+                  slen[it.request] - qlen[it.request], od, out.stride(0), out.stride(1), amx);
     }
+#if defined(CARPOOL_AMX)
+    if (amx) release_tiles();
+#endif
   });
 #else
   TORCH_CHECK(false, "prefill_attention_bf16: built without AVX512");
