@@ -11,7 +11,8 @@ timed run.
 
 Two knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
 sets the bfloat16 small GEMM's cut (256: the cut of CPUs without AMX, `cpu_linear`), and
-`--block-size` the KV cache block size. One process runs one setting; alternate them from
+`--block-size` the KV cache block size, and `--no-kv-huge-pages` leaves the KV cache on
+small pages. One process runs one setting; alternate them from
 the shell:
 
     for i in 1 2; do for rows in 256 2; do
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--bf16-small-max-rows", type=int, default=None,
                         help="the bfloat16 small GEMM's cut (default: this CPU's)")
     parser.add_argument("--kernel-times", action="store_true")
+    parser.add_argument("--kv-huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                        help="the KV cache on transparent huge pages (cpu_kv_huge_pages)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.bf16_small_max_rows is not None:
@@ -112,7 +115,7 @@ def main() -> None:
     llm = LLM(model=args.model, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
               enable_prefix_caching=False, kv_cache_memory=4 * 2**30, device="cpu", seed=0,
-              block_size=args.block_size)
+              block_size=args.block_size, cpu_kv_huge_pages=args.kv_huge_pages)
     engine = llm.engine
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     requests = build_requests(args.requests, vocab_size, args.seed)
@@ -122,7 +125,8 @@ def main() -> None:
     num_out = sum(n for _, n in requests)
     cut = cpu_linear.small_gemm_max_rows(torch.bfloat16)
     print(f"{args.model}: {args.requests} requests, {args.threads} threads, block size "
-          f"{args.block_size}, bf16 small GEMM cut {cut} rows: {seconds:.2f} s, "
+          f"{args.block_size}, bf16 small GEMM cut {cut} rows, KV huge pages "
+          f"{'on' if args.kv_huge_pages else 'off'}: {seconds:.2f} s, "
           f"{num_out / seconds:.1f} out tok/s")
     if args.kernel_times:
         for name, spent in timer.seconds.most_common():

@@ -141,6 +141,11 @@ def add_engine_arguments(group) -> None:
                        default=True,
                        help="CPU: keep freed memory in the malloc heap (no page faults on each "
                             "step's large temporaries; the process keeps its peak heap).")
+    group.add_argument("--cpu-kv-huge-pages", action=argparse.BooleanOptionalAction,
+                       default=True,
+                       help="CPU: ask Linux for transparent huge pages under the KV cache "
+                            "(madvise), so decode attention's reads of blocks all over the "
+                            "cache do not each miss the TLB.")
     group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                        help="CPU: the C++ kernels (paged attention reading the KV cache in "
                             "place, fused RoPE), built on first use; off, or without a "

@@ -63,6 +63,7 @@ class EngineConfig:
     # CPU platform switches (see carpool.platform.cpu); ignored on CUDA.
     cpu_packed_linears: bool = True  # linear layers through oneDNN on weights packed once
     cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
+    cpu_kv_huge_pages: bool = True  # the KV cache on transparent huge pages (Linux)
     cpu_kernels: bool = True  # the C++ kernels (paged attention, fused RoPE), built on first use
     # Pin torch's threads one to a CPU: auto (in the processes carpool starts for the engine),
     # nobind, or CPU lists like "0-3" or "0-1|2-3" (see carpool.utils.cpu_threads).
@@ -165,7 +166,8 @@ class EngineConfig:
                   tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
                   trust_remote_code: bool = False, attention_backend: str = "auto",
                   cpu_packed_linears: bool = True,
-                  cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
+                  cpu_malloc_tuning: bool = True, cpu_kv_huge_pages: bool = True,
+                  cpu_kernels: bool = True,
                   cpu_omp_threads_bind: str = "auto", cpu_omp_spin_count: int | None = None,
                   batch_invariant: bool = False, tokenizer: str | None = None,
                   chat_template: str | None = None,
@@ -215,7 +217,8 @@ class EngineConfig:
                    gpu_memory_utilization=gpu_memory_utilization,
                    scheduler=scheduler_config, max_model_len=max_model_len,
                    attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
-                   cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
+                   cpu_malloc_tuning=cpu_malloc_tuning,
+                   cpu_kv_huge_pages=cpu_kv_huge_pages, cpu_kernels=cpu_kernels,
                    cpu_omp_threads_bind=cpu_omp_threads_bind,
                    cpu_omp_spin_count=cpu_omp_spin_count,
                    batch_invariant=batch_invariant, tokenizer=tokenizer,

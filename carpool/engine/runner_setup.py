@@ -59,7 +59,8 @@ def runner_arguments(config: EngineConfig, path) -> dict:
         max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
         attention_backend=config.attention_backend,
         cpu_packed_linears=config.cpu_packed_linears,
-        cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kernels=config.cpu_kernels,
+        cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kv_huge_pages=config.cpu_kv_huge_pages,
+        cpu_kernels=config.cpu_kernels,
         batch_invariant=config.batch_invariant,
         cpu_omp_threads_bind=config.cpu_omp_threads_bind,
         cpu_thread_slot=config.data_parallel_rank * config.tensor_parallel_size)

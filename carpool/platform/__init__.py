@@ -20,7 +20,8 @@ __all__ = ["CpuPlatform", "CudaMemory", "CudaPlatform", "Platform", "TorchCudaMe
 
 
 def platform_for(device: torch.device, *, cpu_packed_linears: bool = True,
-                 cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
+                 cpu_malloc_tuning: bool = True, cpu_kv_huge_pages: bool = True,
+                 cpu_kernels: bool = True,
                  batch_invariant: bool = False, cpu_omp_threads_bind: str = "nobind",
                  cpu_thread_slot: int = 0, max_num_batched_tokens: int = 0) -> Platform:
     """The platform of `device`, with the CPU switches applied where they matter
@@ -29,6 +30,7 @@ def platform_for(device: torch.device, *, cpu_packed_linears: bool = True,
     if device.type == "cuda":
         return CudaPlatform(device)
     return CpuPlatform(packed_linears=cpu_packed_linears, malloc_tuning=cpu_malloc_tuning,
+                       kv_huge_pages=cpu_kv_huge_pages,
                        kernels=cpu_kernels, batch_invariant=batch_invariant,
                        omp_threads_bind=cpu_omp_threads_bind, thread_slot=cpu_thread_slot,
                        full_step_rows=max_num_batched_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import torch
 from torch import nn
 
 
@@ -21,6 +22,11 @@ class Platform:
     def compiled_kernels(self) -> ModuleType | None:
         """The compiled kernels module the attention backend and model may use, if any."""
         return None
+
+    def kv_cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+        """One layer's KV cache tensor, zeroed."""
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def default_kv_cache_bytes(self) -> int:
         """KV cache bytes when nothing else sizes it (platforms that do not profile)."""

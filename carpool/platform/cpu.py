@@ -1,6 +1,7 @@
 """The CPU platform: malloc tuning and pinned threads for the process, oneDNN-packed
 linears and the C++ kernels for the model, and a modest share of RAM for the KV cache.
-Each is a config switch (`cpu_malloc_tuning`, `cpu_omp_threads_bind`, `cpu_packed_linears`,
+The KV cache goes on transparent huge pages (`cpu_huge_pages`). Each is a config switch
+(`cpu_malloc_tuning`, `cpu_kv_huge_pages`, `cpu_omp_threads_bind`, `cpu_packed_linears`,
 `cpu_kernels`), on by default because each helps here (threads are pinned by default only
 in the processes carpool starts, see `utils/cpu_threads`). The C++ kernels (paged
 attention, the KV write, fused RoPE, residual add + RMSNorm, SiLU x up) are built on first
@@ -16,12 +17,14 @@ import os
 from dataclasses import dataclass
 from types import ModuleType
 
+import torch
 from torch import nn
 
 from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.rope import Rotary
 from carpool.platform.base import Platform
 from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMul
+from carpool.platform.cpu_huge_pages import zeros_on_huge_pages
 from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_linear import can_pack, pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
@@ -35,6 +38,7 @@ CPU_DEFAULT_MAX_BYTES = 4 * 1024**3
 class CpuPlatform(Platform):
     packed_linears: bool = True
     malloc_tuning: bool = True
+    kv_huge_pages: bool = True
     kernels: bool = True
     batch_invariant: bool = False
     omp_threads_bind: str = NO_BIND  # see cpu_threads
@@ -72,6 +76,12 @@ class CpuPlatform(Platform):
         from carpool.attention import cpu_kernels  # builds once per process, then cached
         return cpu_kernels.load()
 
+    def kv_cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+        if self.kv_huge_pages:
+            return zeros_on_huge_pages(shape, dtype)
+        return super().kv_cache_zeros(shape, dtype, device)
+
     def default_kv_cache_bytes(self) -> int:
         """min(10% of available RAM, 4 GiB)."""
         return min(int(available_ram_bytes() * CPU_DEFAULT_FRACTION), CPU_DEFAULT_MAX_BYTES)
@@ -81,7 +91,8 @@ class CpuPlatform(Platform):
             return "on" if on else "off"
         kernels = self.kernels and self.compiled_kernels() is not None
         return (f"cpu (oneDNN-packed linears {state(self.packed_linears)}, malloc tuning "
-                f"{state(self.malloc_tuning)}, C++ kernels {state(kernels)}, batch-invariant "
+                f"{state(self.malloc_tuning)}, KV cache huge pages {state(self.kv_huge_pages)}, "
+                f"C++ kernels {state(kernels)}, batch-invariant "
                 f"{state(self.batch_invariant)})")
 
 

@@ -53,13 +53,14 @@ def num_blocks_for_bytes(spec: KVCacheSpec, num_bytes: int, field: str) -> int:
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                       backend: AttentionBackend) -> list[torch.Tensor]:
+                       backend: AttentionBackend, zeros=torch.zeros) -> list[torch.Tensor]:
     """One zeroed tensor per layer in the backend's layout, with num_blocks + 1 (scratch) blocks.
 
     Zeroed so that masked-out slots never hold NaN (0 * NaN would leak into SDPA).
+    `zeros(shape, dtype=, device=)` makes each (the platform's `kv_cache_zeros`).
     """
     shape = backend.kv_cache_shape(num_blocks + 1, spec.block_size)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return [zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
 def kv_cache_info(spec: KVCacheSpec, num_blocks: int, max_model_len: int) -> dict:

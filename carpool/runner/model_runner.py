@@ -60,7 +60,8 @@ class ModelRunner:
                  kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                  seed: int = 0, attention_backend: str = "auto", cpu_packed_linears: bool = True,
-                 cpu_malloc_tuning: bool = True, cpu_kernels: bool = True,
+                 cpu_malloc_tuning: bool = True, cpu_kv_huge_pages: bool = True,
+                 cpu_kernels: bool = True,
                  batch_invariant: bool = False, cpu_omp_threads_bind: str = "nobind",
                  cpu_thread_slot: int = 0, platform: Platform | None = None,
                  tp: TensorParallelGroup = SINGLE) -> None:
@@ -76,7 +77,8 @@ class ModelRunner:
                              f"{self.device}); run with device cpu or without it")
         self.platform = platform if platform is not None else platform_for(
             self.device, cpu_packed_linears=cpu_packed_linears,
-            cpu_malloc_tuning=cpu_malloc_tuning, cpu_kernels=cpu_kernels,
+            cpu_malloc_tuning=cpu_malloc_tuning, cpu_kv_huge_pages=cpu_kv_huge_pages,
+            cpu_kernels=cpu_kernels,
             batch_invariant=batch_invariant, cpu_omp_threads_bind=cpu_omp_threads_bind,
             cpu_thread_slot=cpu_thread_slot + tp.rank,
             max_num_batched_tokens=max_num_batched_tokens)
@@ -107,7 +109,7 @@ class ModelRunner:
         self.num_kv_blocks = tp.all_reduce_min(self._choose_num_blocks(
             num_kv_blocks, kv_cache_memory, gpu_memory_utilization))
         self.kv_caches = kv_cache.allocate_kv_caches(self._spec, self.num_kv_blocks, self.device,
-                                                     self.attention)
+                                                     self.attention, self.platform.kv_cache_zeros)
         self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks, max_model_len)
         logger.info("attention backend: %s; platform: %s%s", self.attention.name,
                     self.platform.describe(), f"; {tp.describe()}" if tp.is_parallel else "")

@@ -1,0 +1,79 @@
+"""The KV cache on transparent huge pages: the advice, the switch, and a zeroed cache either way."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from carpool.platform import CpuPlatform, platform_for
+from carpool.platform import cpu_huge_pages
+from carpool.platform.cpu_huge_pages import HUGE_PAGE_BYTES, advise_huge_pages, zeros_on_huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def anon_huge_kib() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_zeros_on_huge_pages_is_a_zeroed_tensor_of_that_shape():
+    cache = zeros_on_huge_pages((2, 3, 100, 16, 64), torch.bfloat16)
+    assert cache.shape == (2, 3, 100, 16, 64) and cache.dtype == torch.bfloat16
+    assert cache.is_contiguous() and not cache.any()
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text()
+                    or not Path("/proc/self/smaps_rollup").exists(),
+                    reason="no transparent huge pages on this machine")
+def test_a_large_cache_lands_on_huge_pages():
+    before = anon_huge_kib()
+    cache = zeros_on_huge_pages((64 * HUGE_PAGE_BYTES // 4,), torch.float32)  # 64 huge pages
+    gained = anon_huge_kib() - before
+    # the kernel may fall back to small pages when it cannot find free 2 MiB frames, but on
+    # a machine with 24 GiB and little else running most of the 128 MiB should be huge
+    assert gained >= 32 * HUGE_PAGE_BYTES // 1024, gained
+    del cache
+
+
+def test_advice_covers_only_whole_huge_pages_inside_the_tensor(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_huge_pages, "_libc_madvise",
+                        lambda: lambda start, length, advice: calls.append((start, length)) or 0)
+    small = torch.empty(1024)  # far below one huge page: nothing to advise
+    assert advise_huge_pages(small) is False and calls == []
+    big = torch.empty(5 * HUGE_PAGE_BYTES // 4)
+    assert advise_huge_pages(big) is True
+    (start, length), = calls
+    begin, end = big.data_ptr(), big.data_ptr() + big.untyped_storage().nbytes()
+    assert start % HUGE_PAGE_BYTES == 0 and length % HUGE_PAGE_BYTES == 0
+    assert begin <= start and start + length <= end and length >= 4 * HUGE_PAGE_BYTES
+
+
+def test_the_switch_picks_the_allocator(monkeypatch):
+    used = []
+    monkeypatch.setattr("carpool.platform.cpu.zeros_on_huge_pages",
+                        lambda shape, dtype: used.append(shape) or torch.zeros(shape, dtype=dtype))
+    cpu = torch.device("cpu")
+    on = platform_for(cpu)
+    off = platform_for(cpu, cpu_kv_huge_pages=False)
+    assert isinstance(on, CpuPlatform) and on.kv_huge_pages and not off.kv_huge_pages
+    assert not on.kv_cache_zeros((4, 8), torch.float32, cpu).any() and used == [(4, 8)]
+    assert not off.kv_cache_zeros((4, 8), torch.float32, cpu).any() and used == [(4, 8)]
+    assert "KV cache huge pages on" in on.describe()
+
+
+def test_the_flag_reaches_the_config():
+    from carpool.config import EngineConfig
+    from carpool.server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args([])).cpu_kv_huge_pages is True
+    config = EngineConfig.from_cli_args(parser.parse_args(["--no-cpu-kv-huge-pages"]))
+    assert config.cpu_kv_huge_pages is False
