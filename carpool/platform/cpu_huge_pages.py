@@ -2,61 +2,42 @@
 
 A decode step reads every running request's keys and values, block by block, from
 anywhere in a cache of gigabytes: with 4 KiB pages nearly every block is a TLB miss and a
-page-table walk, and the walks, not the bytes, set the pace. Linux backs memory with
-2 MiB pages where asked (`madvise(MADV_HUGEPAGE)`, honoured when
-/sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`); one 2 MiB page
-holds 512 of the 135M model's 16-token blocks of one kv head. The advice must come before
-the pages are first touched, so the cache is allocated empty, advised, then zeroed.
+page-table walk. Linux backs memory with 2 MiB pages where asked (`madvise(MADV_HUGEPAGE)`,
+honoured when /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`); one
+2 MiB page holds 512 of the 135M model's 16-token blocks of one kv head.
+
+The advice only shapes pages not yet touched, so each layer's cache gets a fresh anonymous
+mapping of its own (not malloc's heap, which `cpu_memory` keeps and reuses), advised, then
+zeroed, which faults the huge pages in at start-up rather than in the step loop. The
+tensor keeps the mapping alive; it is unmapped when the tensor goes.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
+import math
+import mmap
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-_MADV_HUGEPAGE = 14
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
-_madvise = None
 
 
-def _libc_madvise():
-    """libc's madvise, or None where there is none (not glibc/musl, not Linux)."""
-    global _madvise
-    if _madvise is None:
-        path = ctypes.util.find_library("c")
-        try:
-            fn = ctypes.CDLL(path, use_errno=True).madvise if path else None
-        except (OSError, AttributeError):
-            fn = None
-        if fn is not None:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        _madvise = fn or False
-    return _madvise or None
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask for huge pages under the whole 2 MiB pages `tensor`'s storage spans; True if the
-    kernel took the advice. Call before the memory is first written."""
-    madvise = _libc_madvise()
-    if madvise is None:
-        return False
-    address = tensor.data_ptr()
-    nbytes = tensor.untyped_storage().nbytes()
-    start = -(-address // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (address + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if end <= start:
-        return False
-    return madvise(start, end - start, _MADV_HUGEPAGE) == 0
-
-
-def zeros_on_huge_pages(shape, dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the CPU, advised onto huge pages before it is zeroed."""
-    tensor = torch.empty(shape, dtype=dtype)
-    advise_huge_pages(tensor)
-    return tensor.zero_()
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU, its memory advised onto huge pages (plain
+    torch.zeros where the platform has no MADV_HUGEPAGE, or below one huge page)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * element_size
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < HUGE_PAGE_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    # One huge page more than needed, so the tensor can start on a huge-page boundary.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(advice)
+    except OSError:  # THP "never", or a kernel without it: small pages, as torch.zeros
+        pass
+    address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    offset = -address % HUGE_PAGE_BYTES
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=offset)
+    return tensor.view(shape).zero_()
