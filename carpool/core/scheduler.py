@@ -21,9 +21,10 @@ request needs one. A resumed request whose seat was taken meanwhile runs again
 oldest first: a step never schedules more than `max_num_seqs` requests.
 
 A running request that needs a KV block when none is free preempts a paused
-request first, then the victim named by `preemption_policy` (possibly
-itself): the victim's blocks
-are freed and it goes back to the front of the queue to be recomputed.
+request first, then a resumed one still without a seat (neither runs this
+step), then the victim named by `preemption_policy` (possibly itself): the
+victim's blocks are freed and it goes back to the front of the queue to be
+recomputed.
 No waiting request is admitted in a step that preempted one.
 `update()` then takes the sampled tokens back and finishes requests.
 """
@@ -79,6 +80,7 @@ class Scheduler(RequestTable):
         # first); the rest keep their blocks and wait for a seat.
         seated = ([r for r in self._running if r.request_id not in self._paused]
                   if self._paused else self._running)
+        unseated = seated[self.config.max_num_seqs:]  # hold blocks, do not run this step
         decoding, prefilling = [], []
         for request in seated[:self.config.max_num_seqs]:
             (prefilling if self._is_prefilling(request) else decoding).append(request)
@@ -89,18 +91,29 @@ class Scheduler(RequestTable):
                 continue  # preempted earlier in this pass
             num_remaining = request.num_tokens - request.num_computed_tokens
             num_new = prefill_chunk(num_remaining, plan.token_budget, self.config)
-            if num_new and self._grow_or_preempt(request, num_new, plan):
+            if num_new and self._grow_or_preempt(request, num_new, plan, unseated):
                 plan.add(request, num_new)
 
-    def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> bool:
-        """Give the request blocks for `num_new` more tokens, preempting victims until they fit.
+    def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
+                         unseated: list[Request]) -> bool:
+        """Give the request blocks for `num_new` more tokens, preempting victims until they fit:
+        paused requests, then `unseated` ones (both idle this step; preempted ones leave the
+        list), and only then one the policy picks among all running, possibly this one.
 
         Returns False when the request had to preempt itself.
         """
         num_tokens = request.num_computed_tokens + num_new
         while not self.block_manager.can_allocate(request.request_id, num_tokens):
             paused = [r for r in self._running if r.request_id in self._paused]
-            victim = paused[-1] if paused else self._choose_victim(self._running)
+            if paused:
+                victim = paused[-1]
+            elif unseated:
+                # Never the policy over all running here: it could pick a seated request (even
+                # this one) and leave the step with nothing scheduled, the unseated one idle.
+                victim = self._choose_victim(unseated)
+                unseated.remove(victim)
+            else:
+                victim = self._choose_victim(self._running)
             self._preempt(victim, plan)
             if victim is request:
                 return False

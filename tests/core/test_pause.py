@@ -68,6 +68,29 @@ def test_a_paused_request_is_the_first_to_give_up_its_blocks():
     assert request_a.num_output_tokens == 4
 
 
+def test_a_resumed_request_without_a_seat_is_preempted_before_a_seated_one():
+    # One seat, 4 blocks of 2. a runs, is paused; b takes the seat and all free blocks; a is
+    # resumed and takes the seat back (older), b keeps its blocks unseated. When a needs a
+    # block, least_work would pick a itself (fewer computed tokens): the step would preempt a
+    # and schedule nothing. b, which cannot run this step anyway, gives up its blocks instead.
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=16,
+                             block_size=2, preemption_policy="least_work",
+                             enable_prefix_caching=False)
+    scheduler = Scheduler(config, num_blocks=4)
+    scheduler.add_request(make_request("a", 1, max_tokens=4))
+    assert _ids(step(scheduler)) == {"a"}  # a: 1 block
+    scheduler.pause_requests(["a"])
+    scheduler.add_request(make_request("b", 5, max_tokens=2))
+    assert _ids(step(scheduler)) == {"b"}  # b: 3 blocks, none free
+    scheduler.resume_requests(["a"])
+    assert _ids(step(scheduler)) == {"a"}  # a's 2nd token still fits its block; b unseated
+    output = step(scheduler)  # a needs a 2nd block
+    assert (_ids(output), output.preempted_ids) == ({"a"}, ["b"])
+    while scheduler.has_unfinished_requests():
+        assert step(scheduler).scheduled
+    assert scheduler.block_manager.num_free_blocks == 4
+
+
 def test_aborting_a_paused_request_frees_it():
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64,
                                           max_model_len=64, block_size=4,
