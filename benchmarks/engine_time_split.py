@@ -9,7 +9,7 @@ function of the compiled kernels module and every oneDNN call of `PackedLinear` 
 in a timer (a few microseconds a call) and the table gives each one's seconds over the
 timed run.
 
-Two knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
+Three knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
 sets the bfloat16 small GEMM's cut (256: the cut of CPUs without AMX, `cpu_linear`), and
 `--block-size` the KV cache block size, and `--no-kv-huge-pages` leaves the KV cache on
 small pages. One process runs one setting; alternate them from
@@ -123,9 +123,14 @@ def main() -> None:
     timer.reset()
     seconds = run(engine, requests, "timed")
     num_out = sum(n for _, n in requests)
-    cut = cpu_linear.small_gemm_max_rows(torch.bfloat16)
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.has_amx_gemm():  # K in 32s: AMX tiles up to 512 rows
+        cut = f"AMX tiles up to {cpu_linear.SMALL_GEMM_AMX_TILE_MAX_ROWS} rows, else " \
+              f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)}"
+    else:
+        cut = f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)} rows"
     print(f"{args.model}: {args.requests} requests, {args.threads} threads, block size "
-          f"{args.block_size}, bf16 small GEMM cut {cut} rows, KV huge pages "
+          f"{args.block_size}, bf16 small GEMM {cut}, KV huge pages "
           f"{'on' if args.kv_huge_pages else 'off'}: {seconds:.2f} s, "
           f"{num_out / seconds:.1f} out tok/s")
     if args.kernel_times:

@@ -12,6 +12,7 @@ and the largest difference between the two results.
     python3 benchmarks/small_gemm.py --threads 1 --copies 30 --rows 1 4 8 16 32 48
     python3 benchmarks/small_gemm.py --shapes tiny --copies 1
     python3 benchmarks/small_gemm.py --dtype bfloat16 --rows 1 4 16 64 128 256
+    python3 benchmarks/small_gemm.py --dtype bfloat16 --amx --rows 3 16 64 128 256 512
 """
 
 from __future__ import annotations
@@ -35,24 +36,29 @@ SHAPES = {
 }
 
 
-def one_pass(layers: list[PackedLinear], inputs: list[torch.Tensor], small: bool, kernels) -> None:
+def one_pass(layers: list[PackedLinear], inputs: list[torch.Tensor], small: bool, kernels,
+             amx: bool = False) -> None:
     for layer, x in zip(layers, inputs):
         if small:
-            small_gemm(kernels, x)(x, layer._small_packed, layer.out_features, None)
+            small_gemm(kernels, x, amx)(x, layer._small_packed, layer.out_features, None)
         else:
             layer._matmul(x)
 
 
-def small_gemm(kernels, x: torch.Tensor):
-    return kernels.small_gemm_bf16 if x.dtype == torch.bfloat16 else kernels.small_gemm_f32
+def small_gemm(kernels, x: torch.Tensor, amx: bool = False):
+    if x.dtype != torch.bfloat16:
+        return kernels.small_gemm_f32
+    if amx:
+        return lambda *args: kernels.small_gemm_bf16(*args, amx=True)
+    return kernels.small_gemm_bf16
 
 
-def seconds(layers, inputs, small: bool, kernels, repeats: int) -> float:
+def seconds(layers, inputs, small: bool, kernels, repeats: int, amx: bool = False) -> float:
     for _ in range(2):
-        one_pass(layers, inputs, small, kernels)
+        one_pass(layers, inputs, small, kernels, amx)
     start = time.perf_counter()
     for _ in range(repeats):
-        one_pass(layers, inputs, small, kernels)
+        one_pass(layers, inputs, small, kernels, amx)
     return (time.perf_counter() - start) / repeats
 
 
@@ -64,6 +70,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--amx", action="store_true",
+                        help="bfloat16: the small GEMM on AMX tiles (small_gemm_bf16(amx=True))")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -72,6 +80,8 @@ def main() -> None:
                                         else kernels.has_f32_gemm())
     if not has_gemm:
         sys.exit(f"no compiled kernels with a small {args.dtype} GEMM on this machine")
+    if args.amx and not (dtype == torch.bfloat16 and kernels.has_amx_gemm()):
+        sys.exit("--amx: bfloat16 only, on a CPU with AMX")
     torch.manual_seed(0)
     shapes = SHAPES[args.shapes] * args.copies
     layers = [PackedLinear(nn.Linear(k, n, bias=False, dtype=dtype), kernels)
@@ -82,8 +92,9 @@ def main() -> None:
         for rows in args.rows:
             inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
             onednn = seconds(layers, inputs, False, kernels, args.repeats)
-            small = seconds(layers, inputs, True, kernels, args.repeats)
-            diff = max((small_gemm(kernels, x)(x, layer._small_packed, layer.out_features, None)
+            small = seconds(layers, inputs, True, kernels, args.repeats, args.amx)
+            diff = max((small_gemm(kernels, x, args.amx)(x, layer._small_packed,
+                                                         layer.out_features, None)
                         - layer._matmul(x)).abs().max().item()
                        for layer, x in zip(layers, inputs))
             print(f"rows {rows:4d}  oneDNN {onednn * 1e6:9.1f} us  small {small * 1e6:9.1f} us  "

@@ -37,10 +37,17 @@ weight (the model's weight bytes again). No row buckets are needed there: it bui
 nothing per shape.
 
 On a CPU with AMX (Intel Sapphire Rapids and later) oneDNN's bfloat16 matmul runs on the
-tile unit, and the small GEMM wins only at 1-2 rows: on the 135M model's 120 layers (2
+tile unit, and the AVX512-BF16 small GEMM wins only at 1-2 rows: on the 135M model's 120 layers (2
 threads, `benchmarks/small_gemm.py --dtype bfloat16`) it took 0.70x oneDNN's time at 1 row,
 0.89x at 2, 1.0-1.05x at 3-5, 1.4x at 8, 2.2x at 16, 3.9x at 64 and 7.1x at 256. There the
-cut is `SMALL_GEMM_AMX_MAX_ROWS` (`small_gemm_max_rows`).
+cut is `SMALL_GEMM_AMX_MAX_ROWS` (`small_gemm_max_rows`). There the small GEMM itself runs on
+the tile unit instead where the build has it (`small_gemm_bf16(amx=True)`, in_features a
+multiple of 32), from the same packed weight, and takes every call up to
+`SMALL_GEMM_AMX_TILE_MAX_ROWS` (512): on the same 120 layers it took 0.65-0.70x oneDNN's
+time at 1-16 rows, 0.74x at 64, 0.87x at 128, 0.87-1.00x at 256-512 (2 threads,
+`benchmarks/small_gemm.py --dtype bfloat16 --amx`). Like the other small GEMM it builds
+nothing per row count, so no buckets: calls above 512 rows (other than a full step) still go
+to oneDNN in 512-row pieces.
 
 float32 calls of at most `SMALL_GEMM_F32_MAX_ROWS` rows take `small_gemm_f32` (plain
 AVX-512, the same layout in float32): the 135M model's 120 layers, weights streamed from
@@ -56,6 +63,7 @@ Batch-invariant mode calls `packed_matmul` on fixed row counts instead
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -68,6 +76,9 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
 SMALL_GEMM_MAX_ROWS = 256  # bfloat16 calls up to this many rows take small_gemm_bf16
 SMALL_GEMM_AMX_MAX_ROWS = 2  # the same where oneDNN has AMX (and is far faster above it)
+# bfloat16 calls up to this many rows take small_gemm_bf16 on AMX tiles where the build has
+# them (`has_amx_gemm`) and in_features is a multiple of 32
+SMALL_GEMM_AMX_TILE_MAX_ROWS = MAX_ROWS
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
 
 
@@ -95,9 +106,12 @@ class PackedLinear(nn.Module):
     packed copy on an AVX512-BF16 CPU, a float32 weight's by `small_gemm_f32`'s on AVX-512)."""
 
     def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None,
-                 full_rows: int = 0, small_max_rows: int | None = None) -> None:
+                 full_rows: int = 0, small_max_rows: int | None = None,
+                 small_amx: bool | None = None) -> None:
         """small_max_rows: the most rows a call sends to the small GEMM (None: this CPU's
-        `small_gemm_max_rows`)."""
+        `small_gemm_max_rows`, or SMALL_GEMM_AMX_TILE_MAX_ROWS on AMX tiles). small_amx:
+        whether a bfloat16 small GEMM runs on AMX tiles (None: where the kernels have them
+        and in_features is a multiple of 32)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._full_rows = full_rows if full_rows > MAX_ROWS else 0  # 0: no one-call shape
@@ -109,14 +123,17 @@ class PackedLinear(nn.Module):
         dtype = linear.weight.dtype
         if (kernels is not None and dtype == torch.bfloat16
                 and linear.in_features % 2 == 0 and kernels.has_bf16_gemm()):
-            self._small_gemm = kernels.small_gemm_bf16
             self._small_packed = kernels.pack_bf16_weight(linear.weight.detach())
+            if small_amx is None:
+                small_amx = kernels.has_amx_gemm() and linear.in_features % 32 == 0
+            self._small_gemm = (functools.partial(kernels.small_gemm_bf16, amx=True)
+                                if small_amx else kernels.small_gemm_bf16)
         elif kernels is not None and dtype == torch.float32 and kernels.has_f32_gemm():
             self._small_gemm = kernels.small_gemm_f32
             self._small_packed = kernels.pack_f32_weight(linear.weight.detach())
         if self._small_gemm is not None:
-            self._small_max_rows = (small_gemm_max_rows(dtype) if small_max_rows is None
-                                    else small_max_rows)
+            default = SMALL_GEMM_AMX_TILE_MAX_ROWS if small_amx else small_gemm_max_rows(dtype)
+            self._small_max_rows = default if small_max_rows is None else small_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

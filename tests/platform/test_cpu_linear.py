@@ -10,6 +10,7 @@ from torch import nn
 
 from carpool.attention import cpu_kernels
 from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_AMX_MAX_ROWS,
+                                         SMALL_GEMM_AMX_TILE_MAX_ROWS,
                                          SMALL_GEMM_F32_MAX_ROWS, SMALL_GEMM_MAX_ROWS,
                                          PackedLinear, can_pack, pack_linears, padded_rows,
                                          small_gemm_max_rows)
@@ -45,8 +46,10 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
                                                               out_features):
     torch.manual_seed(in_features)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
-    # The AVX512-BF16 cut whatever this CPU's (with AMX oneDNN takes all but 1-2 rows).
-    packed = PackedLinear(linear, bf16_kernels, small_max_rows=SMALL_GEMM_MAX_ROWS)
+    # The AVX512-BF16 GEMM at its cut whatever this CPU's (with AMX oneDNN or the tiles
+    # take all but 1-2 rows).
+    packed = PackedLinear(linear, bf16_kernels, small_max_rows=SMALL_GEMM_MAX_ROWS,
+                          small_amx=False)
     x = torch.randn(SMALL_GEMM_MAX_ROWS, in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         reference = nn.functional.linear(x.float(), linear.weight.float(),
@@ -57,6 +60,34 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
             assert torch.equal(packed(x[-rows:]), out[-rows:])
         assert packed(x[:3].view(3, 1, in_features)).shape == (3, 1, out_features)
         assert packed(x.t().contiguous().t()[:4]).shape == (4, out_features)  # strided rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features,out_features", [(96, 160), (576, 577), (32, 16)])
+def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_features):
+    """On AMX tiles: every call up to 512 rows (row tiles and column blocks in pairs, a last
+    odd one alone, rows past a whole tile padded), each row's bits independent of its batch."""
+    if not bf16_kernels.has_amx_gemm():
+        pytest.skip("no AMX on this CPU")
+    torch.manual_seed(in_features)
+    linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear, bf16_kernels)
+    assert packed._small_max_rows == SMALL_GEMM_AMX_TILE_MAX_ROWS == MAX_ROWS
+    x = torch.randn(MAX_ROWS, in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        reference = nn.functional.linear(x.float(), linear.weight.float(),
+                                         None if linear.bias is None else linear.bias.float())
+        out = packed(x)
+        torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=1e-2)
+        for rows in (1, 3, 17, 40, 200):
+            assert torch.equal(packed(x[-rows:]), out[-rows:])
+        assert packed(x.t().contiguous().t()[:20]).shape == (20, out_features)  # strided rows
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        bf16_kernels.small_gemm_bf16(torch.randn(2, 6, dtype=torch.bfloat16),
+                                     bf16_kernels.pack_bf16_weight(torch.randn(8, 6).bfloat16()),
+                                     8, amx=True)
+    assert PackedLinear(nn.Linear(48, 16).to(torch.bfloat16), bf16_kernels)._small_max_rows \
+        == small_gemm_max_rows(torch.bfloat16)  # K not in 32s: the AVX512-BF16 GEMM
 
 
 @pytest.fixture(scope="module")

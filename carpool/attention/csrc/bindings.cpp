@@ -32,9 +32,10 @@ int64_t parallel_width() {
 
 namespace carpool_gemm {  // small_gemm.cpp
 bool has_bf16_gemm();
+bool has_amx_gemm();
 at::Tensor pack_bf16_weight(const at::Tensor& weight);
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                           const c10::optional<at::Tensor>& bias);
+                           const c10::optional<at::Tensor>& bias, bool amx);
 bool has_f32_gemm();
 at::Tensor pack_f32_weight(const at::Tensor& weight);
 at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -91,12 +92,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_gemm", &carpool_gemm::has_bf16_gemm,
         "Whether this CPU runs small_gemm_bf16 (AVX512-BF16).");
+  m.def("has_amx_gemm", &carpool_gemm::has_amx_gemm,
+        "Whether small_gemm_bf16 can run on AMX tiles here (amx=True).");
   m.def("pack_bf16_weight", &carpool_gemm::pack_bf16_weight,
         "weight [N, K] bfloat16 -> the layout small_gemm_bf16 reads.", py::arg("weight"));
   m.def("small_gemm_bf16", &carpool_gemm::small_gemm_bf16,
-        "x [M, K] @ weight.T (+ bias) for a packed bfloat16 weight of n rows -> [M, n].",
+        "x [M, K] @ weight.T (+ bias) for a packed bfloat16 weight of n rows -> [M, n]; "
+        "amx=True: on AMX tiles (K a multiple of 32).",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("amx") = false, py::call_guard<py::gil_scoped_release>());
   m.def("has_f32_gemm", &carpool_gemm::has_f32_gemm,
         "Whether this build runs small_gemm_f32 (AVX-512).");
   m.def("pack_f32_weight", &carpool_gemm::pack_f32_weight,

@@ -42,13 +42,7 @@
 
 #include "bf16_dot.h"
 
-#if defined(CARPOOL_AMX)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define CARPOOL_AMX_TARGET \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#endif
+#include "amx_tiles.h"
 
 namespace carpool_prefill {
 
@@ -125,33 +119,6 @@ CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64
 // tiles, from the same packed layouts, which are exactly the tile unit's B operands: keys as
 // (d, d + 1) pairs of 16 keys (64 bytes a pair row), values as (key, key + 1) pairs of 16
 // columns. A is 16 rows of 32 bfloat16 (queries; probabilities), C 16 x 16 float32.
-
-// Linux hands out the tile registers' state only on request (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction faults. Once per process.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Every tile 16 rows of 64 bytes. A constant in memory: GCC's _tile_loadconfig tells the
-// compiler it reads only 8 bytes of its argument, so a local's other fields may not be
-// stored yet when it runs. A thread's configuration is its own; other code (oneDNN) sets
-// its own between calls, so each worker sets it before its items and releases after.
-alignas(64) const TileConfig kTileConfig = {
-    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
-CARPOOL_AMX_TARGET void configure_tiles() { _tile_loadconfig(&kTileConfig); }
-
-CARPOOL_AMX_TARGET void release_tiles() { _tile_release(); }
 
 // scores[r][0..16 * nblocks) = q[r] . keys of the chunk for 16 rows (q row stride D).
 CARPOOL_AMX_TARGET void amx_score_tile(const uint16_t* q, int64_t D, const uint16_t* kp,

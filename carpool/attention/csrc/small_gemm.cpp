@@ -17,12 +17,17 @@
 // output columns, [ceil(N / 16)][K][16], one `vfmadd231ps` per (row, block, k) on a broadcast
 // input value, the sums in k order, rounded once. Plain AVX-512F: every AVX512 build runs it.
 //
+// With amx=True (builds for CPUs with AMX, -DCARPOOL_AMX; K a multiple of 32) the same packed
+// weight feeds the AMX tile unit instead: its blocks of (k, k + 1) pairs are exactly the
+// unit's B tiles. Threads split the columns there too.
+//
 // Needs AVX512-BF16 at run time (`has_bf16_gemm()`; the functions carry it as a target
 // attribute, so the rest of the extension still runs on AVX512 CPUs without it). Elsewhere
 // the callers keep oneDNN.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -32,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "bf16_dot.h"
 
 namespace carpool_gemm {
@@ -148,6 +154,76 @@ void for_each_tile(int64_t m, int64_t blocks, const Tile& tile) {
 }
 #endif
 
+#if defined(CARPOOL_AMX)
+// The same product on AMX tiles, from the same packed weight: a block's 16 pairs of k rows
+// are one B tile (16 x 64 bytes), 16 rows of x one A tile (x's own rows, its row stride).
+//
+// c[r * 2 + b][16][16] = row tile r of x times column block b, r < RT, b < BT (1 or 2
+// each): per k step 2 A and 2 B tiles feed 4 products (tiles 0-3 hold C, 4-5 A, 6-7 B). A
+// first version kept 6 row tiles' C against one B tile (7 tile loads for 6 products) and
+// lost to oneDNN from 96 rows on; this one is ahead of it from 3 to 512 rows (BENCHMARKS).
+template <int RT, int BT>
+CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const uint16_t* w,
+                                    int64_t block_stride, int64_t ksteps, float* c) {
+  _tile_zero(0);
+  if constexpr (BT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && BT > 1) _tile_zero(3);
+  for (int64_t j = 0; j < ksteps; ++j) {
+    _tile_loadd(4, x + j * 32, x_stride * 2);
+    if constexpr (RT > 1) _tile_loadd(5, x + 16 * x_stride + j * 32, x_stride * 2);
+    _tile_loadd(6, w + j * 16 * 2 * kBlock, 64);
+    if constexpr (BT > 1) _tile_loadd(7, w + block_stride + j * 16 * 2 * kBlock, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (BT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && BT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (BT > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (RT > 1) _tile_stored(2, c + 512, 64);
+  if constexpr (RT > 1 && BT > 1) _tile_stored(3, c + 768, 64);
+}
+
+// y[m, n] = x[m, K] @ w.T (+ bias) on tiles: threads split the pairs of column blocks, each
+// pair's weight (its B tiles) read from memory once and then from cache for every pair of
+// row tiles; x's rows padded to whole tiles with zeros (x_stride elements a row, K % 32 == 0).
+CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
+                                   const uint16_t* w, int64_t blocks, const float* bias,
+                                   uint16_t* y, int64_t n) {
+  const int64_t block_stride = k * kBlock, row_tiles = (m + 15) / 16, ksteps = k / 32;
+  const int64_t pairs = (blocks + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float c[4 * 256];
+    for (int64_t pr = begin; pr < end; ++pr) {
+      const int64_t blk0 = 2 * pr, nb = std::min<int64_t>(2, blocks - blk0);
+      const uint16_t* wb = w + blk0 * block_stride;
+      for (int64_t t0 = 0; t0 < row_tiles; t0 += 2) {
+        const int64_t nt = std::min<int64_t>(2, row_tiles - t0);
+        const uint16_t* xt = x + t0 * 16 * x_stride;
+        if (nt == 2 && nb == 2) amx_tile_2x2<2, 2>(xt, x_stride, wb, block_stride, ksteps, c);
+        else if (nt == 2) amx_tile_2x2<2, 1>(xt, x_stride, wb, block_stride, ksteps, c);
+        else if (nb == 2) amx_tile_2x2<1, 2>(xt, x_stride, wb, block_stride, ksteps, c);
+        else amx_tile_2x2<1, 1>(xt, x_stride, wb, block_stride, ksteps, c);
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t col = (blk0 + b) * kBlock, cols = std::min(kBlock, n - col);
+          const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+          const __m512 bv = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + col);
+          for (int64_t r = 0; r < std::min<int64_t>(nt * 16, m - t0 * 16); ++r) {
+            const float* src = c + ((r / 16) * 2 + b) * 256 + (r % 16) * 16;
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(src), bv));
+            _mm256_mask_storeu_epi16(y + (t0 * 16 + r) * n + col, mask, out);
+          }
+        }
+      }
+    }
+    release_tiles();
+  });
+}
+
+#endif
+
 // The bias as float32 zero-padded to whole blocks (an undefined tensor without one).
 at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t n, int64_t blocks,
                        const at::TensorOptions& options, const char* caller) {
@@ -159,6 +235,14 @@ at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t n, int64_t
 }
 
 }  // namespace
+
+bool has_amx_gemm() {
+#if defined(CARPOOL_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 bool has_bf16_gemm() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -193,8 +277,11 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight) {
 }
 
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                           const c10::optional<at::Tensor>& bias) {
+                           const c10::optional<at::Tensor>& bias, bool amx) {
   TORCH_CHECK(has_bf16_gemm(), "small_gemm_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(!amx || (has_amx_gemm() && x.size(1) % 32 == 0),
+              "small_gemm_bf16: amx needs a build and CPU with AMX (has_amx_gemm) and K a "
+              "multiple of 32");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   x.stride(1) == 1,
               "small_gemm_bf16: x must be a bfloat16 CPU [M, K] tensor with contiguous rows");
@@ -206,6 +293,17 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
   const at::Tensor bias_f = padded_bias(bias, n, blocks, x.options(), "small_gemm_bf16");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
+#if defined(CARPOOL_AMX)
+  if (amx) {
+    // Whole row tiles: a last partial one is read from a zero-padded copy of x.
+    const at::Tensor xs = m % 16 == 0 ? x : at::constant_pad_nd(x, {0, 0, 0, 16 - m % 16});
+    amx_gemm(reinterpret_cast<const uint16_t*>(xs.const_data_ptr()), xs.stride(0), m,
+             x.size(1), reinterpret_cast<const uint16_t*>(packed.const_data_ptr()),
+             packed.size(0), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
+             reinterpret_cast<uint16_t*>(y.data_ptr()), n);
+    return y;
+  }
+#endif
 #if defined(CPU_CAPABILITY_AVX512)
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.const_data_ptr());
