@@ -156,8 +156,22 @@ inline void prefetch_block_l1(const uint16_t* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 
+// The first block of `a` (keys and values) into L1: the thread's next item, while the last
+// block of its current one is attended.
 template <int NP>
-void attend_decode(const DecodeArgs& a, DecodeScratch& buf) {
+inline void prefetch_first_block(const DecodeArgs& a) {
+  constexpr int64_t D = 32 * NP;
+  const int64_t b = a.key_begin / a.block_size, block = a.table[b];
+  if (block < 0 || block >= a.num_cache_blocks) return;  // attend_decode raises on it
+  const int64_t first = a.key_begin - b * a.block_size;
+  const int64_t n = std::min(a.block_size - first, a.key_end - a.key_begin);
+  const int64_t offset = (block * a.block_size + first) * D;
+  prefetch_block_l1(a.key_head + offset, n * D * sizeof(uint16_t));
+  prefetch_block_l1(a.value_head + offset, n * D * sizeof(uint16_t));
+}
+
+template <int NP>
+void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScratch& buf) {
   constexpr int64_t D = 32 * NP;
   const int64_t G = a.rows, BS = a.block_size;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -175,12 +189,14 @@ void attend_decode(const DecodeArgs& a, DecodeScratch& buf) {
   const int64_t first_block = a.key_begin / BS, end_block = (a.key_end + BS - 1) / BS;
   int64_t block = block_id(first_block);
   for (int64_t b = first_block; b < end_block; ++b) {
-    int64_t next = -1;
+    int64_t next = -1;  // the next block's id
     if (b + 1 < end_block) {  // the next block into L1 while this one is attended
       next = block_id(b + 1);
       const int64_t bytes = std::min(BS, a.key_end - (b + 1) * BS) * D * sizeof(uint16_t);
       prefetch_block_l1(a.key_head + next * BS * D, bytes);
       prefetch_block_l1(a.value_head + next * BS * D, bytes);
+    } else if (next_item != nullptr) {
+      prefetch_first_block<NP>(*next_item);
     }
     const int64_t lo = std::max(a.key_begin, b * BS), hi = std::min(a.key_end, (b + 1) * BS);
     for (int64_t t0 = lo; t0 < hi; t0 += kDecodeGroup) {
@@ -227,16 +243,18 @@ inline bool decode_bf16_head_dim_ok(int64_t head_dim) {
   return head_dim % 32 == 0 && head_dim / 32 <= kMaxDecodePairVecs;
 }
 
-inline void attend_decode_bf16(const DecodeArgs& a, DecodeScratch& buf) {
+// next_item: the thread's next decode (its first block is prefetched at the end), or null.
+inline void attend_decode_bf16(const DecodeArgs& a, const DecodeArgs* next_item,
+                               DecodeScratch& buf) {
   switch (a.head_dim / 32) {
-    case 1: attend_decode<1>(a, buf); break;
-    case 2: attend_decode<2>(a, buf); break;
-    case 3: attend_decode<3>(a, buf); break;
-    case 4: attend_decode<4>(a, buf); break;
-    case 5: attend_decode<5>(a, buf); break;
-    case 6: attend_decode<6>(a, buf); break;
-    case 7: attend_decode<7>(a, buf); break;
-    case 8: attend_decode<8>(a, buf); break;
+    case 1: attend_decode<1>(a, next_item, buf); break;
+    case 2: attend_decode<2>(a, next_item, buf); break;
+    case 3: attend_decode<3>(a, next_item, buf); break;
+    case 4: attend_decode<4>(a, next_item, buf); break;
+    case 5: attend_decode<5>(a, next_item, buf); break;
+    case 6: attend_decode<6>(a, next_item, buf); break;
+    case 7: attend_decode<7>(a, next_item, buf); break;
+    case 8: attend_decode<8>(a, next_item, buf); break;
     default: TORCH_CHECK(false, "attend_decode_bf16: head_dim ", a.head_dim, " not taken");
   }
 }

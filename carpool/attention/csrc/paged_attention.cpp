@@ -583,8 +583,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
 #if defined(CARPOOL_AVX512_BF16)
         if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
           if (fast_decode && items[i].q_end - items[i].q_begin == 1) {
+            const bool next_decode = j < num_items && items[j].q_end - items[j].q_begin == 1;
+            const DecodeArgs next_args = next_decode ? decode_args(
+                s, items[j], q_ptr, cache_ptr, out_ptr, tables, starts, q_lens, s_lens)
+                                                     : DecodeArgs{};
             attend_decode_bf16(decode_args(s, items[i], q_ptr, cache_ptr, out_ptr, tables,
-                                           starts, q_lens, s_lens), decode_buf);
+                                           starts, q_lens, s_lens),
+                               next_decode ? &next_args : nullptr, decode_buf);
             i = j;
             continue;
           }
