@@ -72,7 +72,7 @@ def load_other_kernels(tree: str, build_dir: str | None):
     kernels = module.load(build_dir)
     if kernels is None:
         raise SystemExit(f"the C++ kernels of {tree} could not be built")
-    if not hasattr(kernels, "prefill_has_amx"):  # a tree from before the AMX prefill path
+    if not hasattr(kernels, "has_amx"):  # a tree from before the AMX paths
         return _WithoutAmx(kernels)
     return kernels
 
@@ -87,7 +87,7 @@ class _WithoutAmx:
         return getattr(self._kernels, name)
 
     @staticmethod
-    def prefill_has_amx() -> bool:
+    def has_amx() -> bool:
         return False
 
     def prefill_attention_bf16(self, *args, amx: bool = False):

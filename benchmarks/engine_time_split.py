@@ -124,7 +124,7 @@ def main() -> None:
     seconds = run(engine, requests, "timed")
     num_out = sum(n for _, n in requests)
     kernels = cpu_kernels.load()
-    if kernels is not None and kernels.has_amx_gemm():  # K in 32s: AMX tiles up to 512 rows
+    if kernels is not None and kernels.has_amx():  # K in 32s: AMX tiles up to 512 rows
         cut = f"AMX tiles up to {cpu_linear.SMALL_GEMM_AMX_TILE_MAX_ROWS} rows, else " \
               f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)}"
     else:

@@ -80,7 +80,7 @@ def main() -> None:
                                         else kernels.has_f32_gemm())
     if not has_gemm:
         sys.exit(f"no compiled kernels with a small {args.dtype} GEMM on this machine")
-    if args.amx and not (dtype == torch.bfloat16 and kernels.has_amx_gemm()):
+    if args.amx and not (dtype == torch.bfloat16 and kernels.has_amx()):
         sys.exit("--amx: bfloat16 only, on a CPU with AMX")
     torch.manual_seed(0)
     shapes = SHAPES[args.shapes] * args.copies

@@ -91,7 +91,7 @@ class CpuBackend(AttentionBackend):
                              and kernels.prefill_head_dim_ok(shape.head_dim))
         # ... with both products on AMX tiles where the CPU has them (head_dim in 32s).
         self.prefill_amx = (self.bf16_prefill and shape.head_dim % 32 == 0
-                            and kernels.prefill_has_amx())
+                            and kernels.has_amx())
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)

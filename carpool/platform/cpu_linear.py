@@ -77,7 +77,7 @@ ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 
 SMALL_GEMM_MAX_ROWS = 256  # bfloat16 calls up to this many rows take small_gemm_bf16
 SMALL_GEMM_AMX_MAX_ROWS = 2  # the same where oneDNN has AMX (and is far faster above it)
 # bfloat16 calls up to this many rows take small_gemm_bf16 on AMX tiles where the build has
-# them (`has_amx_gemm`) and in_features is a multiple of 32
+# them (`has_amx`) and in_features is a multiple of 32
 SMALL_GEMM_AMX_TILE_MAX_ROWS = MAX_ROWS
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
 
@@ -125,7 +125,7 @@ class PackedLinear(nn.Module):
                 and linear.in_features % 2 == 0 and kernels.has_bf16_gemm()):
             self._small_packed = kernels.pack_bf16_weight(linear.weight.detach())
             if small_amx is None:
-                small_amx = kernels.has_amx_gemm() and linear.in_features % 32 == 0
+                small_amx = kernels.has_amx() and linear.in_features % 32 == 0
             self._small_gemm = (functools.partial(kernels.small_gemm_bf16, amx=True)
                                 if small_amx else kernels.small_gemm_bf16)
         elif kernels is not None and dtype == torch.float32 and kernels.has_f32_gemm():

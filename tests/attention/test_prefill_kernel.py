@@ -63,7 +63,7 @@ def chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
 def test_prefill_kernel_matches_reference(kernels, num_heads, num_kv_heads, head_dim, q_lens,
                                           seq_lens, amx):
     """Both paths: vdpbf16ps, and (where the CPU has AMX, head_dim in 32s) the tile unit."""
-    if amx and not (kernels.prefill_has_amx() and head_dim % 32 == 0):
+    if amx and not (kernels.has_amx() and head_dim % 32 == 0):
         pytest.skip("no AMX on this CPU, or a head_dim the AMX path does not take")
     case = chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim)
     scale = head_dim ** -0.5
@@ -98,7 +98,7 @@ def test_cpu_backend_takes_the_amx_path_where_it_can(kernels):
                           kernels=kernels)
     narrow = create_backend("cpu", AttentionShape(4, 2, 16, dtype=torch.bfloat16), cpu,
                             kernels=kernels)
-    assert wide.prefill_amx is kernels.prefill_has_amx()
+    assert wide.prefill_amx is kernels.has_amx()
     assert narrow.prefill_amx is False
 
 

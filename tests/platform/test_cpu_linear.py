@@ -67,7 +67,7 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
 def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_features):
     """On AMX tiles: every call up to 512 rows (row tiles and column blocks in pairs, a last
     odd one alone, rows past a whole tile padded), each row's bits independent of its batch."""
-    if not bf16_kernels.has_amx_gemm():
+    if not bf16_kernels.has_amx():
         pytest.skip("no AMX on this CPU")
     torch.manual_seed(in_features)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)

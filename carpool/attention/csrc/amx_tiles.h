@@ -1,7 +1,8 @@
 // The AMX tile unit (Intel Sapphire Rapids and later), shared by the kernels that use it:
 // the process's permission to use it, and the one tile configuration they all run with.
 // Compiled only where cpu_kernels.py adds -DCARPOOL_AMX (the CPU lists amx_bf16 and
-// amx_tile); the functions carry the ISA as a target attribute. Internal linkage: each file
+// amx_tile); the functions carry the ISA as a target attribute. amx_usable() (bound as
+// has_amx) answers in every build. Internal linkage: each file
 // that includes it gets its own copy.
 
 #pragma once
@@ -48,3 +49,14 @@ CARPOOL_AMX_TARGET inline void release_tiles() { _tile_release(); }
 
 }  // namespace
 #endif
+
+namespace {
+// Whether this build and process can run the tile unit (false in builds without AMX).
+inline bool amx_usable() {
+#if defined(CARPOOL_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+}  // namespace

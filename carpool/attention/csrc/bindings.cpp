@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "amx_tiles.h"
 #include "block_ops.h"
 
 #include <atomic>
@@ -32,7 +33,6 @@ int64_t parallel_width() {
 
 namespace carpool_gemm {  // small_gemm.cpp
 bool has_bf16_gemm();
-bool has_amx_gemm();
 at::Tensor pack_bf16_weight(const at::Tensor& weight);
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                            const c10::optional<at::Tensor>& bias, bool amx);
@@ -44,7 +44,6 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
 
 namespace carpool_prefill {  // prefill_attention.cpp
 bool prefill_head_dim_ok(int64_t head_dim);
-bool prefill_has_amx();
 void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& query_starts,
                             const at::Tensor& query_lens, const at::Tensor& seq_lens,
@@ -92,8 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_gemm", &carpool_gemm::has_bf16_gemm,
         "Whether this CPU runs small_gemm_bf16 (AVX512-BF16).");
-  m.def("has_amx_gemm", &carpool_gemm::has_amx_gemm,
-        "Whether small_gemm_bf16 can run on AMX tiles here (amx=True).");
+  m.def("has_amx", &amx_usable,
+        "Whether this build and CPU run AMX tiles: small_gemm_bf16 and "
+        "prefill_attention_bf16 take amx=True.");
   m.def("pack_bf16_weight", &carpool_gemm::pack_bf16_weight,
         "weight [N, K] bfloat16 -> the layout small_gemm_bf16 reads.", py::arg("weight"));
   m.def("small_gemm_bf16", &carpool_gemm::small_gemm_bf16,
@@ -111,8 +111,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,
         "Whether prefill_attention_bf16 takes this head_dim (a multiple of 16 up to 256).");
-  m.def("prefill_has_amx", &carpool_prefill::prefill_has_amx,
-        "Whether prefill_attention_bf16 can run its products on AMX tiles here (amx=True).");
   m.def("prefill_attention_bf16", &carpool_prefill::prefill_attention_bf16,
         "paged_attention for bfloat16 prompt chunks (no sliding window), on AVX512-BF16, "
         "or with amx=True on AMX tiles (head_dim a multiple of 32).",

@@ -14,7 +14,8 @@
 // Per group of up to 16 keys of one block: each row's 16 dot products are folded into one
 // vector of 16 scores by a transpose-add tree; the online softmax takes the group at once
 // (the running max, the sum, and the float32 accumulators rescaled only when the max grows);
-// the value rows are converted to float32 in registers and added with the probabilities.
+// the value rows are converted to float32 in registers (block_ops.h's load_row) and added
+// with the probabilities.
 // Keys outside [key_begin, key_end) are never read (the cache holds anything there).
 
 #pragma once
@@ -116,14 +117,8 @@ void group_values(const float* probs, const uint16_t* values, int64_t n, float* 
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
   }
   for (int64_t t = 0; t < n; ++t) {
-    __m512 x[NV];
-    for (int p = 0; p < NP; ++p) {  // bfloat16 -> float32: the 16 bits become the high half
-      const __m512i raw = _mm512_loadu_si512(values + t * D + 32 * p);
-      x[2 * p] = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-      x[2 * p + 1] = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-    }
+    Vec x[NV];
+    load_row(reinterpret_cast<const at::BFloat16*>(values + t * D), x);
     for (int r = 0; r < R; ++r) {
       const __m512 p = _mm512_set1_ps(probs[r * kDecodeGroup + t]);
       for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(p, x[v], a[r][v]);
@@ -134,15 +129,10 @@ void group_values(const float* probs, const uint16_t* values, int64_t n, float* 
   }
 }
 
-// Rows per register pass of group_values: R * 2NP accumulators and 2NP value vectors.
-constexpr int decode_rows_per_pass(int NP) {
-  return std::max(1, std::min(kMaxRows, (kVecRegisters - 2 * NP) / (2 * NP)));
-}
-
 template <int NP, int... R>
 void group_values_rows(const float* probs, const uint16_t* values, int64_t n, float* acc,
                        int64_t rows, std::integer_sequence<int, R...>) {
-  constexpr int kPass = decode_rows_per_pass(NP);
+  constexpr int kPass = rows_per_pass(2 * NP);  // block_ops.h: accumulators in registers
   using Fn = void (*)(const float*, const uint16_t*, int64_t, float*);
   static constexpr Fn fns[] = {&group_values<NP, R + 1>...};
   for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
@@ -222,19 +212,13 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
         _mm512_storeu_ps(buf.probs.data() + r * kDecodeGroup, p);
       }
       group_values_rows<NP>(buf.probs.data(), a.value_head + offset, n, acc, G,
-                            std::make_integer_sequence<int, decode_rows_per_pass(NP)>{});
+                            std::make_integer_sequence<int, rows_per_pass(2 * NP)>{});
     }
     block = next;
   }
   for (int64_t r = 0; r < G; ++r) {
-    const __m512 f = _mm512_set1_ps(1.f / buf.row_sum[r]);
-    uint16_t* o = a.out + r * a.out_head_stride;
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), f);
-      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + 16), f);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), (__m256i)_mm512_cvtneps_pbh(lo));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d + 16), (__m256i)_mm512_cvtneps_pbh(hi));
-    }
+    store_scaled(acc + r * D, 1.f / buf.row_sum[r],
+                 reinterpret_cast<at::BFloat16*>(a.out + r * a.out_head_stride), D);
   }
 }
 

@@ -291,22 +291,14 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
 
 bool prefill_head_dim_ok(int64_t head_dim) { return head_dim % kBlock == 0 && head_dim <= 256; }
 
-bool prefill_has_amx() {
-#if defined(CARPOOL_AMX)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
-
 void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& query_starts,
                             const at::Tensor& query_lens, const at::Tensor& seq_lens,
                             double scale, bool amx) {
 #if defined(CPU_CAPABILITY_AVX512)
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "prefill_attention_bf16: no AVX512-BF16");
-  TORCH_CHECK(!amx || (prefill_has_amx() && q.size(2) % 32 == 0), "prefill_attention_bf16: "
-              "amx needs a build and CPU with AMX (prefill_has_amx) and head_dim a multiple of 32");
+  TORCH_CHECK(!amx || (amx_usable() && q.size(2) % 32 == 0), "prefill_attention_bf16: "
+              "amx needs a build and CPU with AMX (has_amx) and head_dim a multiple of 32");
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 &&
                     t->stride(2) == 1,

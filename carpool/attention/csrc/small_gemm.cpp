@@ -164,7 +164,7 @@ void for_each_tile(int64_t m, int64_t blocks, const Tile& tile) {
 // lost to oneDNN from 96 rows on; this one is ahead of it from 3 to 512 rows (BENCHMARKS).
 template <int RT, int BT>
 CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const uint16_t* w,
-                                    int64_t block_stride, int64_t ksteps, float* c) {
+                                      int64_t block_stride, int64_t ksteps, float* c) {
   _tile_zero(0);
   if constexpr (BT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
@@ -189,8 +189,8 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const 
 // pair's weight (its B tiles) read from memory once and then from cache for every pair of
 // row tiles; x's rows padded to whole tiles with zeros (x_stride elements a row, K % 32 == 0).
 CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
-                                   const uint16_t* w, int64_t blocks, const float* bias,
-                                   uint16_t* y, int64_t n) {
+                                 const uint16_t* w, int64_t blocks, const float* bias,
+                                 uint16_t* y, int64_t n) {
   const int64_t block_stride = k * kBlock, row_tiles = (m + 15) / 16, ksteps = k / 32;
   const int64_t pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -236,14 +236,6 @@ at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t n, int64_t
 
 }  // namespace
 
-bool has_amx_gemm() {
-#if defined(CARPOOL_AMX)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
-
 bool has_bf16_gemm() {
 #if defined(CPU_CAPABILITY_AVX512)
   return __builtin_cpu_supports("avx512bf16");
@@ -279,8 +271,8 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight) {
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                            const c10::optional<at::Tensor>& bias, bool amx) {
   TORCH_CHECK(has_bf16_gemm(), "small_gemm_bf16: this CPU has no AVX512-BF16");
-  TORCH_CHECK(!amx || (has_amx_gemm() && x.size(1) % 32 == 0),
-              "small_gemm_bf16: amx needs a build and CPU with AMX (has_amx_gemm) and K a "
+  TORCH_CHECK(!amx || (amx_usable() && x.size(1) % 32 == 0),
+              "small_gemm_bf16: amx needs a build and CPU with AMX (has_amx) and K a "
               "multiple of 32");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   x.stride(1) == 1,
