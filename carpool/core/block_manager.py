@@ -9,9 +9,11 @@ only when no table holds it (reference counts).
     table:  [ 7 | 3 | 9 ]            block_size = 4, 10 tokens held
     tokens:  0..3 4..7 8 9 _ _       2 slots of internal waste in block 9
 
-With prefix caching on, a full block gets a hash once its K/V is computed
-(`cache_full_blocks`); a new table may start with such blocks found by
-`find_cached_blocks` (shared, reference count > 1, never written again). A
+With prefix caching on, a full block gets a hash once a step is planned to
+compute its K/V (`cache_full_blocks`); a new table may start with such blocks
+found by `find_cached_blocks` (shared, reference count > 1). A block is written
+in one step only, by the one request computing it: a table that starts with it
+reads it, in that step (after the step's writes) or later, and never writes it. A
 cached block that no table holds stays free *and* findable until evicted: new
 blocks come from the plain free queue first, then from the prefix cache's
 least recently used free blocks (see `core/prefix_cache.py`).
@@ -170,7 +172,8 @@ class BlockManager:
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Give a hash to each block of the request's table that `num_computed_tokens` fills
-        (its K/V is written), so other requests can hit it. No-op with caching off."""
+        (its K/V written by the end of the step being planned), so other requests can hit it.
+        No-op with caching off."""
         if self.prefix_cache is None or request.request_id not in self._tables:
             return
         table = self._tables[request.request_id]

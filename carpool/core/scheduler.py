@@ -11,9 +11,13 @@ under one token budget per step. `schedule()` plans a step in three passes:
      One that does not fit is skipped, at most `max_skips` times (aging).
      With prefix caching, a request's tokens already in cached blocks count
      as computed when it is admitted: only the rest is charged against the
-     budget and the partial-prefill limits. A request whose next uncached
-     block a running prefill is about to compute waits for it (it will hit)
-     rather than compute it a second time.
+     budget and the partial-prefill limits. A block gets its hash as soon as
+     a step is planned to fill it, so a request admitted after it in the same
+     step already hits it: that step writes the block's K/V before any of its
+     attention reads it (every layer stores the whole step's K/V first), as
+     vLLM's V1 scheduler does. A request whose next uncached block a running
+     prefill computes in a *later* step waits for it (it will hit) rather
+     than compute it a second time.
 
 Paused requests (their client stopped reading: `pause_requests`) are left out
 of every pass and do not hold a seat; they keep their blocks until a running
@@ -66,6 +70,8 @@ class Scheduler(RequestTable):
         `num_computed_tokens` moves only in `update()`."""
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
+        for request in self._running:  # no preemption from here on: the plan stands
+            self._cache_planned_blocks(request, plan)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
         return plan.to_output(self.block_manager, self._take_finished_ids())
@@ -162,6 +168,7 @@ class Scheduler(RequestTable):
                                                                               0) + 1
                 passed_over.clear()
                 self._admit(request, cached_block_ids, num_new, plan, slots)
+                self._cache_planned_blocks(request, plan)
                 num_seated += 1
                 self._add_in_flight(in_flight, request)
             elif self._num_skips.get(request.request_id, 0) >= self.config.max_skips:
@@ -218,9 +225,17 @@ class Scheduler(RequestTable):
 
     # -- prefix caching: blocks in flight ---------------------------------------------------
 
+    def _cache_planned_blocks(self, request: Request, plan: StepPlan) -> None:
+        """Hash the blocks this step fills for the request, so that requests admitted after it
+        in this step hit them (no-op with caching off, or for a request not in the plan)."""
+        num_new = plan.num_new_tokens(request.request_id)
+        if num_new:
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
+
     def _in_flight_block_hashes(self) -> set[bytes]:
         """Hashes of the full blocks that running prefills have yet to compute (none with
-        caching off): a waiting request whose next uncached block is one of them waits."""
+        caching off): a waiting request whose next uncached block is one of them waits. (Those
+        this step computes are hashed already, so a request hits them before asking.)"""
         hashes: set[bytes] = set()
         if self.block_manager.prefix_cache is not None and self._waiting:
             for request in self._running:

@@ -322,6 +322,9 @@ class LLMEngine:
         request.stop_reason = stop_string
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: BaseException) -> list[StepOutput]:
+        # The step's blocks were hashed when it was planned, but their K/V may never have been
+        # written: no later request may hit them (nor, simply, any other block).
+        self.scheduler.reset_prefix_cache()
         ids = [s.request_id for s in sched_out.scheduled if s.request_id in self._states]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         message = f"{type(exc).__name__}: {exc}"

@@ -171,15 +171,41 @@ def test_a_request_hits_another_still_prefilling_in_chunks():
     assert scheduler.get_request("b").num_cached_tokens == 8
 
 
+def test_a_request_hits_the_blocks_another_computes_in_the_same_step():
+    scheduler = make_scheduler(max_num_batched_tokens=12, long_prefill_token_threshold=8,
+                               max_num_partial_prefills=2, max_long_partial_prefills=2)
+    scheduler.add_request(request("a", range(20)))
+    scheduler.add_request(request("b", list(range(8)) + [77] * 12))  # diverges at block 2
+    out = step(scheduler)  # a's first chunk fills blocks 0 and 1; b shares them at once
+    assert plan(out) == [("a", 8), ("b", 4)]
+    assert out.scheduled[1].num_computed_tokens == 8
+    assert list(out.scheduled[1].block_ids[:2]) == list(out.scheduled[0].block_ids[:2])
+    assert scheduler.get_request("b").num_cached_tokens == 8
+    assert scheduler.block_manager._ref_counts[out.scheduled[0].block_ids[0]] == 2
+
+
+def test_a_failed_step_forgets_the_hashes_it_was_planned_to_fill():
+    scheduler = make_scheduler()
+    scheduler.add_request(request("a", range(20)))
+    scheduler.schedule()  # a 16-token chunk: blocks 0..3 hashed, never computed (the step fails)
+    assert scheduler.block_manager.prefix_cache.num_cached_blocks == 4
+    scheduler.reset_prefix_cache()  # what LLMEngine._fail_step does
+    scheduler.add_request(request("b", range(20)))
+    assert scheduler.block_manager.find_cached_blocks(scheduler.get_request("b")) == []
+
+
 def test_a_request_waits_for_the_prefix_block_another_is_computing():
     scheduler = make_scheduler(max_num_batched_tokens=12, long_prefill_token_threshold=8,
                                max_num_partial_prefills=2, max_long_partial_prefills=2)
     scheduler.add_request(request("a", range(20)))
     assert plan(step(scheduler)) == [("a", 8)]
-    scheduler.add_request(request("b", range(21)))  # a computes its block 2 next: b waits
+    scheduler.add_request(request("b", range(21)))
+    # This step a fills blocks 2 and 3 (b could share them) but its block 4 only in the next:
+    # b waits rather than compute block 4 a second time.
     assert plan(step(scheduler)) == [("a", 8)]
-    assert plan(step(scheduler)) == [("a", 4)]  # and its block 4
-    assert plan(step(scheduler)) == [("a", 1), ("b", 1)]  # b hits all 5 of a's blocks
+    out = step(scheduler)  # a fills block 4: b hits all 5 of a's blocks in this very step
+    assert plan(out) == [("a", 4), ("b", 1)]
+    assert list(out.scheduled[1].block_ids[:5]) == list(out.scheduled[0].block_ids)
     assert scheduler.get_request("b").num_cached_tokens == 20
     stats = scheduler.prefix_cache_stats
     assert (stats.num_queries, stats.num_hits) == (41, 20)

@@ -105,6 +105,9 @@ class Observer:
     prefill_len: dict[str, int] = field(default_factory=dict)  # uncached tokens at admission
     # What the test believes each KV slot holds: (cache salt, token ids of positions 0..p).
     slots: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    hashed_before: set[int] = field(default_factory=set)  # blocks with a hash before schedule()
+    evicted: set[int] = field(default_factory=set)  # blocks whose hash schedule() dropped
+    starts: dict[str, int] = field(default_factory=dict)  # this step: id -> first computed token
 
     def check_step(self, scheduler, output) -> None:
         ids = [s.request_id for s in output.scheduled]
@@ -125,6 +128,7 @@ class Observer:
         for rid in scheduler._requests:
             for block_id in scheduler.block_manager.get_block_table(rid):
                 holders.setdefault(block_id, []).append(rid)
+        self.starts = {s.request_id: s.num_computed_tokens for s in output.scheduled}
         for scheduled in output.scheduled:
             self._check_scheduled(scheduler, scheduled, holders)
 
@@ -177,8 +181,10 @@ class Observer:
             self.partial[rid] = self.prefill_len[rid]
 
     def _check_kv(self, scheduler, request, scheduled, tokens, holders) -> None:
-        """Reads see the request's own prefix; writes land only in blocks no other table
-        holds and that have no hash; then the model records what was written."""
+        """Reads see the request's own prefix; a block is written in one step only, by one
+        request: never a block hashed before this step, and any other table holding it
+        starts its computation after it (shares it, reads it after this step's writes);
+        then the model records what was written."""
         size = self.config.block_size
         table = scheduled.block_ids
         start = scheduled.num_computed_tokens
@@ -191,9 +197,13 @@ class Observer:
                 f"{request.request_id} reads a slot at position {p} holding another prefix"
         cache = scheduler.block_manager.prefix_cache
         for index in range(start // size, -(-end // size)):
-            assert holders[table[index]] == [request.request_id], \
-                f"write into block {table[index]} held by {holders[table[index]]}"
-            assert cache is None or cache.hash_of(table[index]) is None, "write into a hashed block"
+            block = table[index]
+            for other in holders[block]:
+                if other != request.request_id:
+                    assert self.starts.get(other, 0) >= (index + 1) * size, \
+                        f"write into block {block}, which {other} also computes"
+            assert block not in self.hashed_before or block in self.evicted, \
+                f"write into block {block}, hashed before this step"
         for p in range(start, end):
             self.slots[(table[p // size], p % size)] = prefixes[p + 1]
     def _note_admissions(self, ids: list[str]) -> None:
@@ -222,6 +232,16 @@ def drive(scheduler, config: SchedulerConfig, specs: list[Spec], abort_steps: li
     pending = sorted(enumerate(specs), key=lambda item: item[1].arrival_step)
     # static batching seats strictly first come first served: no request is ever passed
     observer = Observer(config, max_passes=config.max_skips if continuous else 0)
+    cache = scheduler.block_manager.prefix_cache
+    if cache is not None:  # the observer sees which blocks lose their hash to eviction
+        evict = cache.evict
+
+        def recording_evict() -> int:
+            block_id = evict()
+            observer.evicted.add(block_id)
+            return block_id
+
+        cache.evict = recording_evict
     aborts = sorted(abort_steps)
     for step_index in range(MAX_STEPS):
         while pending and pending[0][1].arrival_step <= step_index:
@@ -234,6 +254,9 @@ def drive(scheduler, config: SchedulerConfig, specs: list[Spec], abort_steps: li
         if not pending and not scheduler.has_unfinished_requests():
             return requests, observer
         busy = scheduler.has_unfinished_requests()
+        cache = scheduler.block_manager.prefix_cache
+        observer.hashed_before = set(cache._hash_by_block) if cache is not None else set()
+        observer.evicted = set()
         output = scheduler.schedule()
         assert output.scheduled or not busy, "unfinished requests but nothing scheduled"
         observer.check_step(scheduler, output)

@@ -1,6 +1,7 @@
 """Prefix caching end to end: greedy outputs equal transformers' and caching off, hits happen.
 
-Prompts share two system prefixes (70 and 33 tokens) with short user suffixes,
+Prompts share two system prefixes (70 and 33 tokens) with short user suffixes
+(the first pass shares them within the step that computes them),
 and one is exactly a whole number of blocks (its last token must still be
 computed). Each workload runs twice through one `LLM`: the second pass must be
 served mostly from the cache. The tight setting chunks prompts, preempts and
@@ -51,8 +52,8 @@ def test_cached_prefixes_give_transformers_greedy_outputs(arch, setting, separat
     references = [hf_greedy(arch, p, MAX_TOKENS) for p in prompts]
     llm = LLM(str(separated_checkpoint(arch)), dtype="float32", device="cpu",
               **SETTINGS[setting])
-    first_chunks = {}
-    llm.engine.step_hook = lambda out: first_chunks.update(
+    first_chunks, steps = {}, []
+    llm.engine.step_hook = lambda out: steps.append(out) or first_chunks.update(
         {s.request_id: s.num_computed_tokens for s in out.scheduled
          if s.request_id not in first_chunks})
     cache = llm.engine.scheduler.block_manager.prefix_cache
@@ -75,8 +76,10 @@ def test_cached_prefixes_give_transformers_greedy_outputs(arch, setting, separat
         block = 16
         for prompt, out in zip(prompts, second):
             assert out.num_cached_tokens == (len(prompt) - 1) // block * block
-        # A request whose first step starts past position 0 attends to its prefix in the cache.
+        # A request whose first step starts past position 0 attends to its prefix in the cache:
+        # already in the very first step, which computes that prefix for another request.
         assert any(n > 0 for n in first_chunks.values())
+        assert any(s.num_computed_tokens > 0 for s in steps[0].scheduled)
     else:
         assert stats.num_preemptions > 0 and evictions
     assert stats.num_free_blocks == stats.num_total_blocks
