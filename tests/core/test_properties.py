@@ -195,7 +195,6 @@ class Observer:
         for p in range(start):
             assert self.slots.get((table[p // size], p % size)) == prefixes[p + 1], \
                 f"{request.request_id} reads a slot at position {p} holding another prefix"
-        cache = scheduler.block_manager.prefix_cache
         for index in range(start // size, -(-end // size)):
             block = table[index]
             for other in holders[block]:
