@@ -149,6 +149,9 @@ CASES = [  # (name, decodes, (prefix, new) chunks, decode context)
     ("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4, None),
     # The shared-prefix workload's decodes (section 8): long, equal contexts.
     ("16 decodes at 830 tokens", 16, [], 830),
+    # The shared-prefix workload's first step (issue 15): one request computes the 800-token
+    # prompt, 15 more share its first 768 tokens in that very step and add 32 each.
+    ("800 fresh + 15 chunks x32 on 768", 0, [(0, 800)] + [(768, 32)] * 15, None),
     # Fresh prompts (no cached tokens): the prefill phase.
     ("4 fresh prompts x256", 0, [(0, 256)] * 4, None),
     ("1 fresh prompt x512", 0, [(0, 512)], None),

@@ -76,6 +76,18 @@ def test_prefill_kernel_matches_reference(kernels, num_heads, num_kv_heads, head
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("block_size", [4, 32, 48])
+def test_prefill_kernel_reads_any_block_size(kernels, block_size):
+    """Keys are packed 16 at a time from one block's consecutive rows where the block size
+    is a multiple of 16, else key by key; odd lengths leave a value row paired with zeros."""
+    case = chunk_case([32, 7, 45], [801, 7, 99], 9, 3, 64, block_size=block_size)
+    scale = 64 ** -0.5
+    out, expected = (torch.full_like(case["q"], UNTOUCHED) for _ in range(2))
+    kernels.prefill_attention_bf16(out, **case, scale=scale, amx=kernels.has_amx())
+    paged_attention_reference(expected, **case, scale=scale, sliding_window=0)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
+
+
 def test_prefill_kernel_checks_its_arguments(kernels):
     case = chunk_case([8], [8], 4, 2, 16)
     out = torch.zeros_like(case["q"])

@@ -285,6 +285,60 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
     }
   }
 }
+// One (request, kv head)'s `len` keys into [key block][d pair][16 keys][2]: each 16-key block
+// is a transpose of 16 rows of D / 2 pairs, one 16-lane gather per pair where the 16 keys
+// are one cache block's consecutive rows (block_size a multiple of 16: the usual case),
+// else key by key. Keys past `len` stay zero (the buffer starts zeroed).
+template <typename RowFn>
+CARPOOL_BF16_TARGET void pack_keys(const RowFn& row, int64_t len, int64_t block_size,
+                                   int64_t D, uint16_t* kp) {
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(D / 2)));  // key k's first pair, in 32-bit units
+  for (int64_t t0 = 0; t0 < len; t0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, len - t0);
+    uint16_t* dst = kp + (t0 / kBlock) * (D / 2) * 2 * kBlock;
+    if (block_size % kBlock == 0) {  // keys t0 .. t0 + 15 are consecutive rows of one block
+      const int* base = reinterpret_cast<const int*>(row(t0, 0));
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t p = 0; p < D / 2; ++p) {
+        const __m512i pairs = _mm512_mask_i32gather_epi32(
+            _mm512_setzero_si512(), valid, _mm512_add_epi32(lanes, _mm512_set1_epi32(p)), base, 4);
+        _mm512_storeu_si512(dst + p * 2 * kBlock, pairs);
+      }
+      continue;
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row(t0 + k, 0));
+      uint32_t* out = reinterpret_cast<uint32_t*>(dst) + k;
+      for (int64_t p = 0; p < D / 2; ++p) out[p * kBlock] = pairs[p];
+    }
+  }
+}
+
+// One (request, kv head)'s `len` values into [d block][key pair][16 d][2] (`padded` keys per
+// d block): per pair of positions, 16 columns of the two rows interleaved by one permute.
+// A last odd position pairs with zeros.
+template <typename RowFn>
+CARPOOL_BF16_TARGET void pack_values(const RowFn& row, int64_t len, int64_t padded, int64_t D,
+                                     uint16_t* vp) {
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const int64_t d_block_stride = padded / 2 * 2 * kBlock;
+  for (int64_t t = 0; t < len; t += 2) {
+    const uint16_t* a = row(t, 1);
+    const uint16_t* b = t + 1 < len ? row(t + 1, 1) : nullptr;
+    uint16_t* dst = vp + (t / 2) * 2 * kBlock;
+    for (int64_t d = 0; d < D; d += kBlock) {
+      const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      const __m512i y = b == nullptr ? _mm512_setzero_si512() : _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)));
+      _mm512_storeu_si512(dst + (d / kBlock) * d_block_stride, _mm512_permutex2var_epi16(x, interleave, y));
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -372,24 +426,14 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
   // Pack keys as [key block][d pair][16 keys][2] and values as [d block][key pair][16 d][2].
   at::parallel_for(0, num_requests * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t ih = begin; ih < end; ++ih) {
-      const int64_t i = ih / Hkv, h = ih % Hkv, padded = blocks[i] * kBlock;
+      const int64_t i = ih / Hkv, h = ih % Hkv;
       if (qlen[i] == 0) continue;
-      uint16_t* kp = k_packed.data() + offset[ih];
-      uint16_t* vp = v_packed.data() + offset[ih];
-      for (int64_t t = 0; t < slen[i]; ++t) {
+      auto row = [&](int64_t t, int64_t kv) {  // position t's key (kv 0) or value (1) row
         const int64_t slot = tables[i * max_blocks + t / block_size] * block_size + t % block_size;
-        const uint16_t* krow = cache + h * head_stride + slot * D;
-        const uint16_t* vrow = cache + (Hkv + h) * head_stride + slot * D;
-        uint16_t* kdst = kp + (t / kBlock) * (D / 2) * 2 * kBlock + (t % kBlock) * 2;
-        for (int64_t p = 0; p < D / 2; ++p) {
-          kdst[p * 2 * kBlock] = krow[2 * p];
-          kdst[p * 2 * kBlock + 1] = krow[2 * p + 1];
-        }
-        uint16_t* vdst = vp + (t / 2) * 2 * kBlock + (t % 2);
-        for (int64_t d = 0; d < D; ++d) {
-          vdst[(d / kBlock) * (padded / 2) * 2 * kBlock + (d % kBlock) * 2] = vrow[d];
-        }
-      }
+        return cache + (kv * Hkv + h) * head_stride + slot * D;
+      };
+      pack_keys(row, slen[i], block_size, D, k_packed.data() + offset[ih]);
+      pack_values(row, slen[i], blocks[i] * kBlock, D, v_packed.data() + offset[ih]);
     }
   });
   std::atomic<int64_t> next{0};
