@@ -21,9 +21,13 @@ A call of exactly `full_rows` rows (the step token budget, which every prefill-h
 fills) is the one exception: it runs as a single oneDNN call of that many rows, one more
 shape per layer. On the 135M bfloat16 model's layers, 2048 rows in one call took
 0.87-0.92x the time of four 512-row calls and their `torch.cat` (1 and 2 threads); the
-shape's primitive held about 3 MiB per layer shape at 2048 rows (BENCHMARKS §23). Other row
-counts above `MAX_ROWS` keep the pieces: a primitive per row count would grow memory
-with every step size, and its size grows with the rows.
+shape's primitive held about 3 MiB per layer shape at 2048 rows (BENCHMARKS §23). On an
+AMX machine one call gains far more (0.64x at 2048 rows, 0.72x at 1295 padded to 1536: its
+tiles reuse each weight block across many more rows), so calls of more than 2 * MAX_ROWS
+rows below `full_rows` also run as one call, zero-padded to a whole number of MAX_ROWS:
+at most `full_rows / MAX_ROWS - 2` more shapes per layer shape (5 at a 4096-token budget),
+a fixed set whatever the step sizes, so memory still stops growing. Up to 2 * MAX_ROWS
+the pieces stay (padding 513 rows to 1024 would double the work).
 
 bfloat16 calls of at most `SMALL_GEMM_MAX_ROWS` rows (decode batches, short prompt
 chunks, the LM head's sampled rows) take the compiled `small_gemm_bf16` instead when the
@@ -43,11 +47,11 @@ threads, `benchmarks/small_gemm.py --dtype bfloat16`) it took 0.70x oneDNN's tim
 cut is `SMALL_GEMM_AMX_MAX_ROWS` (`small_gemm_max_rows`). There the small GEMM itself runs on
 the tile unit instead where the build has it (`small_gemm_bf16(amx=True)`, in_features a
 multiple of 32), from the same packed weight, and takes every call up to
-`SMALL_GEMM_AMX_TILE_MAX_ROWS` (512): on the same 120 layers it took 0.65-0.70x oneDNN's
+`SMALL_GEMM_AMX_TILE_MAX_ROWS` (1024): on the same 120 layers it took 0.65-0.70x oneDNN's
 time at 1-16 rows, 0.74x at 64, 0.87x at 128, 0.87-1.00x at 256-512 (2 threads,
-`benchmarks/small_gemm.py --dtype bfloat16 --amx`). Like the other small GEMM it builds
-nothing per row count, so no buckets: calls above 512 rows (other than a full step) still go
-to oneDNN in 512-row pieces.
+`benchmarks/small_gemm.py --dtype bfloat16 --amx`), and 0.68-0.77x oneDNN's 512-row pieces
+at 600-1024 rows. Like the other small GEMM it builds nothing per row count, so no
+buckets.
 
 float32 calls of at most `SMALL_GEMM_F32_MAX_ROWS` rows take `small_gemm_f32` (plain
 AVX-512, the same layout in float32): the 135M model's 120 layers, weights streamed from
@@ -78,7 +82,7 @@ SMALL_GEMM_MAX_ROWS = 256  # bfloat16 calls up to this many rows take small_gemm
 SMALL_GEMM_AMX_MAX_ROWS = 2  # the same where oneDNN has AMX (and is far faster above it)
 # bfloat16 calls up to this many rows take small_gemm_bf16 on AMX tiles where the build has
 # them (`has_amx`) and in_features is a multiple of 32
-SMALL_GEMM_AMX_TILE_MAX_ROWS = MAX_ROWS
+SMALL_GEMM_AMX_TILE_MAX_ROWS = 2 * MAX_ROWS
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
 
 
@@ -141,8 +145,13 @@ class PackedLinear(nn.Module):
             out = self._small_gemm(flat if flat.stride(-1) == 1 else flat.contiguous(),
                                    self._small_packed, self.out_features, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
-        if flat.shape[0] == self._full_rows:
+        num_rows = flat.shape[0]
+        if num_rows == self._full_rows:
             return self.packed_matmul(flat).view(*x.shape[:-1], self.out_features)
+        if 2 * MAX_ROWS < num_rows < self._full_rows:  # one call, padded to whole MAX_ROWS
+            padding = -num_rows % MAX_ROWS
+            out = self.packed_matmul(F.pad(flat, (0, 0, 0, padding)) if padding else flat)
+            return out[:num_rows].view(*x.shape[:-1], self.out_features)
         pieces = [self._matmul(flat[start:start + MAX_ROWS])
                   for start in range(0, flat.shape[0], MAX_ROWS)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -65,15 +65,15 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_features,out_features", [(96, 160), (576, 577), (32, 16)])
 def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_features):
-    """On AMX tiles: every call up to 512 rows (row tiles and column blocks in pairs, a last
+    """On AMX tiles: every call up to 1024 rows (row tiles and column blocks in pairs, a last
     odd one alone, rows past a whole tile padded), each row's bits independent of its batch."""
     if not bf16_kernels.has_amx():
         pytest.skip("no AMX on this CPU")
     torch.manual_seed(in_features)
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     packed = PackedLinear(linear, bf16_kernels)
-    assert packed._small_max_rows == SMALL_GEMM_AMX_TILE_MAX_ROWS == MAX_ROWS
-    x = torch.randn(MAX_ROWS, in_features, dtype=torch.bfloat16)
+    assert packed._small_max_rows == SMALL_GEMM_AMX_TILE_MAX_ROWS == 2 * MAX_ROWS
+    x = torch.randn(2 * MAX_ROWS, in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         reference = nn.functional.linear(x.float(), linear.weight.float(),
                                          None if linear.bias is None else linear.bias.float())
@@ -182,17 +182,20 @@ def test_row_counts_reach_onednn_as_a_few_buckets_only():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_full_step_is_one_onednn_call_and_other_large_counts_are_pieces(dtype, monkeypatch):
+    """Up to 2 * MAX_ROWS rows, pieces; above, below the full step, one call padded to whole
+    MAX_ROWS (a fixed set of shapes); above the full step, pieces again."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 160).to(dtype)
-    packed = PackedLinear(linear, full_rows=1536)
+    packed = PackedLinear(linear, full_rows=2048, small_max_rows=0)
     calls = []
     matmul = packed.packed_matmul
     monkeypatch.setattr(packed, "packed_matmul",
                         lambda rows: calls.append(len(rows)) or matmul(rows))
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     with torch.inference_mode():
-        for rows, expected_calls in ((1536, [1536]), (1535, [512, 512, 512]),
-                                     (1600, [512, 512, 512, 64])):
+        for rows, expected_calls in ((2048, [2048]), (1024, [512, 512]), (1025, [1536]),
+                                     (1535, [1536]), (1536, [1536]), (2047, [2048]),
+                                     (2100, [512, 512, 512, 512, 56])):
             calls.clear()
             x = torch.randn(rows, 96, dtype=dtype)
             torch.testing.assert_close(packed(x), linear(x), atol=tolerance, rtol=tolerance)
