@@ -42,20 +42,24 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
 def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int,
-              context: int | None = None):
+              context: int | None = None, shared: int = 0):
     """A SchedulerOutput of decodes with contexts of 16-512 tokens (all `context` if given)
-    and (prefix, chunk) chunks (prefix 0: a fresh prompt), with shuffled block ids; returns
-    it and the number of cache blocks it needs."""
+    and (prefix, chunk) chunks (prefix 0: a fresh prompt), with shuffled block ids; the
+    chunks' first `shared` tokens (whole blocks) in the same blocks, as prompts sharing a
+    cached prefix have them. Returns it and the number of cache blocks it needs."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(context - 1 if context else int(torch.randint(15, 512, (1,), generator=gen)), 1)
               for _ in range(num_decodes)]
     shapes += chunks
     blocks_needed = [-(-(prefix + new) // BLOCK_SIZE) for prefix, new in shapes]
+    num_shared = shared // BLOCK_SIZE
     num_blocks = sum(blocks_needed) + 1
     order = torch.randperm(num_blocks, generator=gen).tolist()
+    shared_ids = [order.pop() for _ in range(num_shared)]
     scheduled = []
     for i, ((prefix, new), needed) in enumerate(zip(shapes, blocks_needed)):
-        block_ids = [order.pop() for _ in range(needed)]
+        own = needed - num_shared if i >= num_decodes and num_shared else needed
+        block_ids = (shared_ids if own < needed else []) + [order.pop() for _ in range(own)]
         scheduled.append(ScheduledRequest(
             request_id=str(i), token_ids=[1] * new, num_computed_tokens=prefix,
             block_ids=block_ids, sample=True, sampling_params=SamplingParams()))
@@ -96,11 +100,11 @@ class _WithoutAmx:
 
 def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes: int,
                chunks: list[tuple[int, int]], num_layers: int, repeats: int,
-               context: int | None = None, clock=time.perf_counter) -> dict:
+               context: int | None = None, clock=time.perf_counter, shared: int = 0) -> dict:
     """Median ms per layer call of each side ("torch" and one per kernels module), the
     medians of the per-sample ratios torch / side, and each side's max abs diff to torch."""
     step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes + len(chunks),
-                                 context=context)
+                                 context=context, shared=shared)
     batch = build_input_batch(step, block_size=BLOCK_SIZE, scratch_block=num_blocks - 1,
                               device=torch.device("cpu"))
     num_tokens = batch.layout.num_tokens
@@ -143,15 +147,15 @@ def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes:
                 speedup=speedup, max_diff=max_diff)
 
 
-CASES = [  # (name, decodes, (prefix, new) chunks, decode context)
+CASES = [  # (name, decodes, (prefix, new) chunks, decode context[, tokens the chunks share])
     ("40 decodes", 40, [], None),
     ("200 decodes", 200, [], None),
     ("4 chunks x64 on 256 + 36 decodes", 36, [(256, 64)] * 4, None),
     # The shared-prefix workload's decodes (section 8): long, equal contexts.
     ("16 decodes at 830 tokens", 16, [], 830),
     # The shared-prefix workload's first step (issue 15): one request computes the 800-token
-    # prompt, 15 more share its first 768 tokens in that very step and add 32 each.
-    ("800 fresh + 15 chunks x32 on 768", 0, [(0, 800)] + [(768, 32)] * 15, None),
+    # prompt, 15 more share its first 768 tokens (its blocks) in that very step, 32 new each.
+    ("800 fresh + 15 chunks x32 on 768", 0, [(0, 800)] + [(768, 32)] * 15, None, 768),
     # Fresh prompts (no cached tokens): the prefill phase.
     ("4 fresh prompts x256", 0, [(0, 256)] * 4, None),
     ("1 fresh prompt x512", 0, [(0, 512)], None),
@@ -197,9 +201,9 @@ def main() -> None:
         header += f" {'before/kernel':>13}"
     print(header + "".join(f" {s + ' diff':>12}" for s in modules))
     for dtype in (getattr(torch, d) for d in ns.dtypes.split(",")):
-        for name, num_decodes, chunks, context in cases:
+        for name, num_decodes, chunks, context, *shared in cases:
             row = bench_case(modules, name, dtype, num_decodes, chunks, ns.layers, ns.repeats,
-                             context, clock)
+                             context, clock, *shared)
             line = f"{row['name']:34} {row['dtype']:9}"
             line += "".join(f" {row['ms'][s]:10.3f}" for s in sides)
             line += "".join(f" {row['speedup'][s]:12.2f}x" for s in modules)

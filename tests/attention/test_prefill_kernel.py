@@ -25,9 +25,11 @@ def kernels():
     return module
 
 
-def chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0):
+def chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=16, seed=0,
+               shared_blocks=()):
     """bfloat16 q (a strided view), a cache whose slots no request owns are NaN, shuffled
-    block tables, and the requests' rows placed in q in a shuffled order after spare rows."""
+    block tables, and the requests' rows placed in q in a shuffled order after spare rows.
+    shared_blocks[i]: request i's first blocks are those of request 0 (a shared prefix)."""
     gen = torch.Generator().manual_seed(seed)
     needed = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(needed) + 3
@@ -35,9 +37,10 @@ def chunk_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=1
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(seq_lens), max(needed) + 1, **AS_INT)
     for i, (n, seq_len) in enumerate(zip(needed, seq_lens)):
-        ids = [order.pop() for _ in range(n)]
+        shared = shared_blocks[i] if i < len(shared_blocks) else 0
+        ids = tables[0, :shared].tolist() + [order.pop() for _ in range(n - shared)]
         tables[i, :n] = torch.tensor(ids, **AS_INT)
-        for b, block in enumerate(ids):
+        for b, block in enumerate(ids[shared:], start=shared):
             rows = min(block_size, seq_len - b * block_size)
             cache[:, :, block, :rows] = torch.randn(2, num_kv_heads, rows, head_dim,
                                                     generator=gen) * 2
@@ -84,6 +87,22 @@ def test_prefill_kernel_reads_any_block_size(kernels, block_size):
     scale = 64 ** -0.5
     out, expected = (torch.full_like(case["q"], UNTOUCHED) for _ in range(2))
     kernels.prefill_attention_bf16(out, **case, scale=scale, amx=kernels.has_amx())
+    paged_attention_reference(expected, **case, scale=scale, sliding_window=0)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
+def test_prefill_kernel_reads_a_shared_prefix_packed_once(kernels, amx):
+    """Requests whose tables start with request 0's blocks (a cached prefix, or one request 0
+    computes in this step) read those keys from request 0's packing, in whole 64-key chunks:
+    shares of 50 blocks (800 keys: 12 chunks and a part), 4 (one chunk), 3 (none whole)."""
+    if amx and not kernels.has_amx():
+        pytest.skip("no AMX on this CPU")
+    case = chunk_case([800, 32, 9, 40, 5], [800, 832, 809, 100, 60], 9, 3, 64,
+                      shared_blocks=[0, 50, 50, 4, 3])
+    scale = 64 ** -0.5
+    out, expected = (torch.full_like(case["q"], UNTOUCHED) for _ in range(2))
+    kernels.prefill_attention_bf16(out, **case, scale=scale, amx=amx)
     paged_attention_reference(expected, **case, scale=scale, sliding_window=0)
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
 

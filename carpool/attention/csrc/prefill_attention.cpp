@@ -11,8 +11,13 @@
 //
 // First every (request, kv head)'s keys and values are packed once into the pair layout
 // `vdpbf16ps` reads (as small_gemm.cpp packs a weight): keys as 16-key blocks of
-// (d, d + 1) pairs, so scores = Q . K^T is a GEMM over head_dim; values as 16-column blocks
-// of (key, key + 1) pairs, so out = P . V is a GEMM over keys. Then a work item is
+// (d, d + 1) pairs, so scores = Q . K^T is a GEMM over head_dim; values as rows of
+// (key, key + 1) pairs, 16 columns per block, so out = P . V is a GEMM over keys. Both
+// layouts run along the keys, so a request whose block table starts with another's blocks
+// (prompts sharing a cached prefix; in the step that computes it, too) reads that packing
+// for those keys, in whole 64-key chunks, and packs only the rest (`find_shared_prefixes`):
+// 16 chunks sharing 768 tokens pack them once, not 16 times. The buffers are kept from call
+// to call. Then a work item is
 // (request, kv head, block of kQueryBlock queries); its rows are the queries times the
 // G = H / Hkv query heads sharing the kv head. It walks the keys up to its last query in
 // chunks of kKeyChunk: scores in float32, the causal mask, an online softmax per row
@@ -38,6 +43,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <unordered_map>
 #include <vector>
 
 #include "bf16_dot.h"
@@ -84,10 +90,12 @@ CARPOOL_BF16_TARGET void score_rows(const uint16_t* q, int64_t q_stride, const u
 }
 
 // o[r][0..D) = o[r] * correction[r] + p[r] . V chunk (key pairs), R rows, D / 16 blocks.
+// The chunk's values are rows of 2 * D per key pair ([key pair][d block][16][2]).
 template <int R>
-CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64_t v_block_stride,
-                                    int64_t key_pairs, int64_t d_blocks, const float* correction,
-                                    float* o, int64_t o_stride) {
+CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64_t key_pairs,
+                                    int64_t d_blocks, const float* correction, float* o,
+                                    int64_t o_stride) {
+  const int64_t v_block_stride = 2 * kBlock, pair_stride = d_blocks * 2 * kBlock;
   for (int64_t b0 = 0; b0 < d_blocks; b0 += 4) {
     const int64_t nb = std::min<int64_t>(4, d_blocks - b0);
     __m512 acc[R][4];
@@ -99,12 +107,14 @@ CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64
       }
     }
     if (nb == 4) {
-      bf16_dot_tile<R, 4>(p, kKeyChunk, vp + b0 * v_block_stride, v_block_stride, key_pairs, acc);
+      bf16_dot_tile<R, 4>(p, kKeyChunk, vp + b0 * v_block_stride, v_block_stride, key_pairs, acc,
+                          pair_stride);
     } else {
       for (int64_t b = 0; b < nb; ++b) {
         __m512 one[R][1];
         for (int r = 0; r < R; ++r) one[r][0] = acc[r][b];
-        bf16_dot_tile<R, 1>(p, kKeyChunk, vp + (b0 + b) * v_block_stride, v_block_stride, key_pairs, one);
+        bf16_dot_tile<R, 1>(p, kKeyChunk, vp + (b0 + b) * v_block_stride, v_block_stride, key_pairs,
+                            one, pair_stride);
         for (int r = 0; r < R; ++r) acc[r][b] = one[r][0];
       }
     }
@@ -134,15 +144,16 @@ CARPOOL_AMX_TARGET void amx_score_tile(const uint16_t* q, int64_t D, const uint1
   }
 }
 
-// o[r] += p[r] . V chunk for 16 rows: key_groups groups of 32 keys, d_blocks of 16 columns.
+// o[r] += p[r] . V chunk for 16 rows: key_groups groups of 32 keys, d_blocks of 16 columns;
+// a B tile is 16 key pairs' rows of one d block, 2 * D values apart.
 CARPOOL_AMX_TARGET void amx_value_tile(const uint16_t* p, const uint16_t* vchunk,
-                                       int64_t v_block_stride, int64_t key_groups,
-                                       int64_t d_blocks, float* o, int64_t D) {
+                                       int64_t key_groups, int64_t d_blocks, float* o,
+                                       int64_t D) {
   for (int64_t b = 0; b < d_blocks; ++b) {
     _tile_loadd(2, o + b * kBlock, D * sizeof(float));
     for (int64_t j = 0; j < key_groups; ++j) {
       _tile_loadd(0, p + 32 * j, kKeyChunk * sizeof(uint16_t));
-      _tile_loadd(1, vchunk + b * v_block_stride + j * 16 * 2 * kBlock, 64);
+      _tile_loadd(1, vchunk + j * 16 * 2 * D + b * 2 * kBlock, 2 * D * sizeof(uint16_t));
       _tile_dpbf16ps(2, 0, 1);
     }
     _tile_stored(2, o + b * kBlock, D * sizeof(float));
@@ -160,11 +171,14 @@ struct Packed {
   std::vector<int64_t> blocks;  // per prompt: 16-key blocks
 };
 
+// kp, vp: this (request, kv head)'s packed keys and values; keys below `shared_keys` (whole
+// key chunks) are read from another request's, k_shared and v_shared (same blocks).
 CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const uint16_t* q,
-                                     int64_t q_tok, int64_t q_head, const uint16_t* k_packed,
-                                     const uint16_t* v_packed, int64_t pack_offset,
-                                     int64_t key_blocks, int64_t start, int64_t first_pos,
-                                     uint16_t* out, int64_t o_tok, int64_t o_head, bool amx) {
+                                     int64_t q_tok, int64_t q_head, const uint16_t* kp,
+                                     const uint16_t* vp, const uint16_t* k_shared,
+                                     const uint16_t* v_shared, int64_t shared_keys,
+                                     int64_t start, int64_t first_pos, uint16_t* out,
+                                     int64_t o_tok, int64_t o_head, bool amx) {
   const int64_t G = s.group, D = s.head_dim;
   const int64_t nq = item.q_end - item.q_begin, rows = nq * G;
   const int64_t padded_rows = amx ? (rows + 15) / 16 * 16 : rows;  // whole tiles (zeros)
@@ -184,26 +198,24 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
     std::memcpy(qbuf.data() + r * D, q + tok * q_tok + head * q_head, D * sizeof(uint16_t));
   }
   const int64_t k_block_stride = s.d_pairs * 2 * kBlock;  // one 16-key block of keys
-  const uint16_t* kp = k_packed + pack_offset;
-  const int64_t padded_keys = key_blocks * kBlock;
-  const int64_t v_block_stride = padded_keys / 2 * 2 * kBlock;  // one 16-column block of values
-  const uint16_t* vp = v_packed + pack_offset;
   const int64_t keys_end = first_pos + item.q_end;  // keys [0, the last query's position]
   for (int64_t c0 = 0; c0 < keys_end; c0 += kKeyChunk) {
     const int64_t chunk_keys = std::min(kKeyChunk, keys_end - c0);
     const int64_t nblocks = (chunk_keys + kBlock - 1) / kBlock;
+    const uint16_t* kchunk = (c0 < shared_keys ? k_shared : kp) + (c0 / kBlock) * k_block_stride;
+    const uint16_t* vchunk = (c0 < shared_keys ? v_shared : vp) + (c0 / 2) * 2 * D;
 #if defined(CARPOOL_AMX)
     if (amx) {
       for (int64_t r0 = 0; r0 < padded_rows; r0 += 16) {
-        amx_score_tile(qbuf.data() + r0 * D, D, kp + (c0 / kBlock) * k_block_stride,
-                       k_block_stride, nblocks, scores.data() + r0 * kKeyChunk);
+        amx_score_tile(qbuf.data() + r0 * D, D, kchunk, k_block_stride, nblocks,
+                       scores.data() + r0 * kKeyChunk);
       }
     }
 #endif
     for (int64_t r0 = 0; !amx && r0 < rows; r0 += kScoreRows) {
       const int64_t n = std::min<int64_t>(kScoreRows, rows - r0);
       const uint16_t* qa = qbuf.data() + r0 * D;
-      const uint16_t* kb = kp + (c0 / kBlock) * k_block_stride;
+      const uint16_t* kb = kchunk;
       float* sc = scores.data() + r0 * kKeyChunk;
       switch (n) {
 #define CARPOOL_SCORE(R) case R: score_rows<R>(qa, D, kb, k_block_stride, s.d_pairs, nblocks, sc); break;
@@ -249,7 +261,6 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
       row_sum[r] = row_sum[r] * corr[r] + _mm512_reduce_add_ps(sum);
     }
     const int64_t key_pairs = (nblocks * kBlock) / 2;
-    const uint16_t* vchunk = vp + (c0 / 2) * 2 * kBlock;
 #if defined(CARPOOL_AMX)
     if (amx) {
       for (int64_t r = 0; r < rows; ++r) {  // rescale, then the tiles add P . V
@@ -259,8 +270,8 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
         }
       }
       for (int64_t r0 = 0; r0 < padded_rows; r0 += 16) {
-        amx_value_tile(pbuf.data() + r0 * kKeyChunk, vchunk, v_block_stride,
-                       (chunk_keys + 31) / 32, s.d_blocks, obuf.data() + r0 * D, D);
+        amx_value_tile(pbuf.data() + r0 * kKeyChunk, vchunk, (chunk_keys + 31) / 32,
+                       s.d_blocks, obuf.data() + r0 * D, D);
       }
     }
 #endif
@@ -269,7 +280,7 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
       const uint16_t* pa = pbuf.data() + r0 * kKeyChunk;
       float* o = obuf.data() + r0 * D;
       switch (n) {
-#define CARPOOL_VALUE(R) case R: value_rows<R>(pa, vchunk, v_block_stride, key_pairs, s.d_blocks, corr.data() + r0, o, D); break;
+#define CARPOOL_VALUE(R) case R: value_rows<R>(pa, vchunk, key_pairs, s.d_blocks, corr.data() + r0, o, D); break;
         CARPOOL_VALUE(1) CARPOOL_VALUE(2) CARPOOL_VALUE(3) CARPOOL_VALUE(4) CARPOOL_VALUE(5) CARPOOL_VALUE(6)
 #undef CARPOOL_VALUE
       }
@@ -285,19 +296,21 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
     }
   }
 }
-// One (request, kv head)'s `len` keys into [key block][d pair][16 keys][2]: each 16-key block
-// is a transpose of 16 rows of D / 2 pairs, one 16-lane gather per pair where the 16 keys
-// are one cache block's consecutive rows (block_size a multiple of 16: the usual case),
-// else key by key. Keys past `len` stay zero (the buffer starts zeroed).
+// One (request, kv head)'s keys [begin, len) into [key block][d pair][16 keys][2] (begin a
+// multiple of 16; the buffer holds `padded` keys, those from len on zeroed): each 16-key
+// block is a transpose of 16 rows of D / 2 pairs, one 16-lane gather per pair where the
+// 16 keys are one cache block's consecutive rows (block_size a multiple of 16: the usual
+// case), else key by key.
 template <typename RowFn>
-CARPOOL_BF16_TARGET void pack_keys(const RowFn& row, int64_t len, int64_t block_size,
-                                   int64_t D, uint16_t* kp) {
+CARPOOL_BF16_TARGET void pack_keys(const RowFn& row, int64_t begin, int64_t len, int64_t padded,
+                                   int64_t block_size, int64_t D, uint16_t* kp) {
+  const int64_t block_values = (D / 2) * 2 * kBlock;
   const __m512i lanes = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(static_cast<int>(D / 2)));  // key k's first pair, in 32-bit units
-  for (int64_t t0 = 0; t0 < len; t0 += kBlock) {
+  for (int64_t t0 = begin; t0 < len; t0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, len - t0);
-    uint16_t* dst = kp + (t0 / kBlock) * (D / 2) * 2 * kBlock;
+    uint16_t* dst = kp + (t0 / kBlock) * block_values;
     if (block_size % kBlock == 0) {  // keys t0 .. t0 + 15 are consecutive rows of one block
       const int* base = reinterpret_cast<const int*>(row(t0, 0));
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -308,36 +321,75 @@ CARPOOL_BF16_TARGET void pack_keys(const RowFn& row, int64_t len, int64_t block_
       }
       continue;
     }
+    if (n < kBlock) std::memset(dst, 0, block_values * sizeof(uint16_t));
     for (int64_t k = 0; k < n; ++k) {
       const uint32_t* pairs = reinterpret_cast<const uint32_t*>(row(t0 + k, 0));
       uint32_t* out = reinterpret_cast<uint32_t*>(dst) + k;
       for (int64_t p = 0; p < D / 2; ++p) out[p * kBlock] = pairs[p];
     }
   }
+  const int64_t first_unused = (len + kBlock - 1) / kBlock * block_values;
+  std::memset(kp + first_unused, 0, (padded / kBlock * block_values - first_unused) * sizeof(uint16_t));
 }
 
-// One (request, kv head)'s `len` values into [d block][key pair][16 d][2] (`padded` keys per
-// d block): per pair of positions, 16 columns of the two rows interleaved by one permute.
-// A last odd position pairs with zeros.
+// One (request, kv head)'s values [begin, len) into [key pair][d block][16 d][2] (begin even;
+// `padded` keys, the pairs past len zeroed): per pair of positions, each 16 columns of the
+// two rows interleaved by one permute. A last odd position pairs with zeros.
 template <typename RowFn>
-CARPOOL_BF16_TARGET void pack_values(const RowFn& row, int64_t len, int64_t padded, int64_t D,
-                                     uint16_t* vp) {
+CARPOOL_BF16_TARGET void pack_values(const RowFn& row, int64_t begin, int64_t len,
+                                     int64_t padded, int64_t D, uint16_t* vp) {
   alignas(64) static constexpr uint16_t kInterleave[32] = {
       0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i interleave = _mm512_load_si512(kInterleave);
-  const int64_t d_block_stride = padded / 2 * 2 * kBlock;
-  for (int64_t t = 0; t < len; t += 2) {
+  for (int64_t t = begin; t < len; t += 2) {
     const uint16_t* a = row(t, 1);
     const uint16_t* b = t + 1 < len ? row(t + 1, 1) : nullptr;
-    uint16_t* dst = vp + (t / 2) * 2 * kBlock;
+    uint16_t* dst = vp + (t / 2) * 2 * D;
     for (int64_t d = 0; d < D; d += kBlock) {
       const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
       const __m512i y = b == nullptr ? _mm512_setzero_si512() : _mm512_castsi256_si512(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)));
-      _mm512_storeu_si512(dst + (d / kBlock) * d_block_stride, _mm512_permutex2var_epi16(x, interleave, y));
+      _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(x, interleave, y));
     }
   }
+  const int64_t used_pairs = (len + 1) / 2;
+  std::memset(vp + used_pairs * 2 * D, 0, (padded / 2 - used_pairs) * 2 * D * sizeof(uint16_t));
+}
+
+// The leading keys each request can read from another's packed buffers instead of packing
+// them again: the longest run of whole key chunks whose cache blocks equal, position by
+// position, those of an earlier request that packs its own from position 0 (prompts sharing
+// a cached prefix, or hitting what another computes in this step). Blocks are equal only
+// with equal contents, so any such request's packing serves.
+struct SharedPrefix {
+  std::vector<int64_t> owner;  // per request: whose buffers it reads first (-1: none)
+  std::vector<int64_t> keys;   // per request: how many keys it reads there (whole chunks)
+};
+
+inline SharedPrefix find_shared_prefixes(const int32_t* tables, int64_t max_blocks,
+                                         int64_t block_size, const int32_t* qlen,
+                                         const int32_t* slen, int64_t num_requests) {
+  SharedPrefix shared{std::vector<int64_t>(num_requests, -1), std::vector<int64_t>(num_requests, 0)};
+  std::unordered_map<int32_t, std::vector<int64_t>> owners;  // first block -> requests
+  for (int64_t i = 0; i < num_requests; ++i) {
+    if (qlen[i] == 0 || slen[i] == 0) continue;
+    const int32_t* row = tables + i * max_blocks;
+    std::vector<int64_t>& candidates = owners[row[0]];
+    for (int64_t j : candidates) {
+      const int32_t* other = tables + j * max_blocks;
+      const int64_t limit = std::min(slen[i], slen[j]);
+      int64_t b = 0;
+      while (b * block_size < limit && row[b] == other[b]) ++b;
+      const int64_t keys = std::min(b * block_size, limit) / kKeyChunk * kKeyChunk;
+      if (keys > shared.keys[i]) {
+        shared.keys[i] = keys;
+        shared.owner[i] = j;
+      }
+    }
+    if (shared.owner[i] < 0) candidates.push_back(i);
+  }
+  return shared;
 }
 #endif
 
@@ -418,12 +470,23 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
   }
   if (items.empty()) return;
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::vector<uint16_t> k_packed(offset.back(), 0), v_packed(offset.back(), 0);
+  // The packed buffers are kept from call to call (per calling thread): every value read is
+  // written first (tails zeroed), so they need no clearing.
+  thread_local std::vector<uint16_t> k_packed, v_packed;
+  if (static_cast<int64_t>(k_packed.size()) < offset.back()) {
+    k_packed.resize(offset.back());
+    v_packed.resize(offset.back());
+  }
+  const SharedPrefix shared = find_shared_prefixes(tables, max_blocks, block_size, qlen, slen,
+                                                   num_requests);
   const uint16_t* qd = reinterpret_cast<const uint16_t*>(q.const_data_ptr());
   const uint16_t* cache = reinterpret_cast<const uint16_t*>(kv_cache.const_data_ptr());
   uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t head_stride = num_cache_blocks * block_size * D;  // one head's blocks
-  // Pack keys as [key block][d pair][16 keys][2] and values as [d block][key pair][16 d][2].
+  // Pack keys as [key block][d pair][16 keys][2] and values as [key pair][d block][16 d][2],
+  // each request from the end of the prefix it reads from another's.
+  uint16_t* kbuf = k_packed.data();
+  uint16_t* vbuf = v_packed.data();
   at::parallel_for(0, num_requests * Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t ih = begin; ih < end; ++ih) {
       const int64_t i = ih / Hkv, h = ih % Hkv;
@@ -432,8 +495,9 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
         const int64_t slot = tables[i * max_blocks + t / block_size] * block_size + t % block_size;
         return cache + (kv * Hkv + h) * head_stride + slot * D;
       };
-      pack_keys(row, slen[i], block_size, D, k_packed.data() + offset[ih]);
-      pack_values(row, slen[i], blocks[i] * kBlock, D, v_packed.data() + offset[ih]);
+      const int64_t padded = blocks[i] * kBlock;
+      pack_keys(row, shared.keys[i], slen[i], padded, block_size, D, kbuf + offset[ih]);
+      pack_values(row, shared.keys[i], slen[i], padded, D, vbuf + offset[ih]);
     }
   });
   std::atomic<int64_t> next{0};
@@ -445,8 +509,11 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
 #endif
     for (int64_t n = next.fetch_add(1); n < num_items; n = next.fetch_add(1)) {
       const Item& it = items[n];
-      attend_item(s, it, qd, q.stride(0), q.stride(1), k_packed.data(), v_packed.data(),
-                  offset[it.request * Hkv + it.kv_head], blocks[it.request], st[it.request],
+      const int64_t own = offset[it.request * Hkv + it.kv_head];
+      const int64_t owner = shared.owner[it.request];
+      const int64_t theirs = owner < 0 ? own : offset[owner * Hkv + it.kv_head];
+      attend_item(s, it, qd, q.stride(0), q.stride(1), kbuf + own, vbuf + own, kbuf + theirs,
+                  vbuf + theirs, shared.keys[it.request], st[it.request],
                   slen[it.request] - qlen[it.request], od, out.stride(0), out.stride(1), amx);
     }
 #if defined(CARPOOL_AMX)
