@@ -238,14 +238,15 @@ class LlamaForCausalLM(nn.Module):
         return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (rows to sample) -> logits [N, vocab_size] in float32.
+        """hidden [N, hidden_size] (rows to sample) -> logits [N, vocab_size] in the model's
+        dtype (the sampler widens them to float32 where it needs more than their argmax).
 
         Each rank computes its vocabulary shard's columns; the gather assembles them.
         """
         logits = self.tp.all_gather(self.lm_head(self.model.norm(hidden)))  # (N, V padded)
         if logits.shape[-1] != self.config.vocab_size:
             logits = logits[:, :self.config.vocab_size]
-        return logits.float()
+        return logits
 
 
 @dataclass(frozen=True)

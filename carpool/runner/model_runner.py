@@ -153,7 +153,7 @@ class ModelRunner:
                     output.prompt_logprobs[req.request_id] = chunk
         if not batch.sampled:
             return output
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) float32
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) model dtype
         if self.tp.rank != 0:  # every rank gathers the logits (a collective); rank 0 samples
             return ModelRunnerOutput()
         bitmask = grammar_bitmask.result() if grammar_bitmask is not None else None
