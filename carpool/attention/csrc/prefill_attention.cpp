@@ -246,7 +246,10 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
       }
       const float chunk_max = _mm512_reduce_max_ps(mx);
       const float new_max = std::max(row_max[r], chunk_max);
-      corr[r] = row_max[r] == kNegInf ? 0.f : std::exp(row_max[r] - new_max);
+      // exp(0) is exactly 1: a row whose max holds (most chunks after the first few) skips
+      // the exp here and the rescale of its accumulator below
+      corr[r] = row_max[r] == kNegInf ? 0.f
+                : new_max == row_max[r] ? 1.f : std::exp(row_max[r] - new_max);
       row_max[r] = new_max;
       __m512 sum = _mm512_setzero_ps();
       const __m512 shift = _mm512_set1_ps(new_max);
@@ -264,6 +267,7 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
 #if defined(CARPOOL_AMX)
     if (amx) {
       for (int64_t r = 0; r < rows; ++r) {  // rescale, then the tiles add P . V
+        if (corr[r] == 1.f) continue;
         const __m512 c = _mm512_set1_ps(corr[r]);
         for (int64_t d = 0; d < D; d += kBlock) {
           _mm512_storeu_ps(obuf.data() + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(obuf.data() + r * D + d), c));
