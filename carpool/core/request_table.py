@@ -132,7 +132,6 @@ class RequestTable:
     def _apply_step(self, scheduler_output: SchedulerOutput,
                     sampled_token_ids: Mapping[str, int]) -> list[Request]:
         produced = []
-        caching = self.block_manager.prefix_cache is not None
         now = self._clock()  # the step's tokens all arrive now
         for scheduled in scheduler_output.scheduled:
             request = self._requests.get(scheduled.request_id)
@@ -142,9 +141,8 @@ class RequestTable:
                 raise ValueError(f"stale SchedulerOutput for {scheduled.request_id!r}: it was "
                                  f"planned at {scheduled.num_computed_tokens} computed tokens, "
                                  f"the request has {request.num_computed_tokens}")
+            # (the blocks this fills were hashed when the step was planned: `Scheduler`)
             request.num_computed_tokens += len(scheduled.token_ids)
-            if caching:
-                self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
             if scheduled.sample:
                 if scheduled.request_id not in sampled_token_ids:
                     raise ValueError(f"no sampled token for {scheduled.request_id!r}")
