@@ -54,7 +54,10 @@ at 600-1024 rows. Like the other small GEMM it builds nothing per row count, so 
 buckets.
 
 float32 calls of at most `SMALL_GEMM_F32_MAX_ROWS` rows take `small_gemm_f32` (plain
-AVX-512, the same layout in float32): the 135M model's 120 layers, weights streamed from
+AVX-512, the same layout in float32), `SMALL_GEMM_F32_AMX_MAX_ROWS` on CPUs with AMX (the
+flag stands for the core generation here: on the Intel Xeon with AMX measured, the 120
+layers took 0.75-0.89x oneDNN's time at 4-64 rows on 2 threads, 0.85-0.93x at 4-32 on 1,
+BENCHMARKS §26). On the AMD EPYC of §22: the 135M model's 120 layers, weights streamed from
 memory, took 0.70-0.90x oneDNN's time at 1 row and 0.56-0.92x at 2 (2 threads or 1), about
 the same at 4 and 8 on 2 threads, but 1.16x at 8 rows on 1 thread: from a few rows the work
 turns compute-bound and oneDNN's kernel is as fast or faster (1.1-1.2x the small GEMM's
@@ -84,6 +87,7 @@ SMALL_GEMM_AMX_MAX_ROWS = 2  # the same where oneDNN has AMX (and is far faster 
 # them (`has_amx`) and in_features is a multiple of 32
 SMALL_GEMM_AMX_TILE_MAX_ROWS = 2 * MAX_ROWS
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
+SMALL_GEMM_F32_AMX_MAX_ROWS = 64  # the same on the AMX-generation Intel cores measured
 
 
 def padded_rows(rows: int) -> int:
@@ -97,10 +101,10 @@ def padded_rows(rows: int) -> int:
 def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None) -> int:
     """The most rows a `dtype` call sends to the compiled small GEMM rather than oneDNN, on
     this CPU (amx: whether oneDNN has AMX tiles; None: ask torch)."""
-    if dtype == torch.float32:
-        return SMALL_GEMM_F32_MAX_ROWS
     if amx is None:
         amx = torch.cpu._is_amx_tile_supported()
+    if dtype == torch.float32:
+        return SMALL_GEMM_F32_AMX_MAX_ROWS if amx else SMALL_GEMM_F32_MAX_ROWS
     return SMALL_GEMM_AMX_MAX_ROWS if amx else SMALL_GEMM_MAX_ROWS
 
 

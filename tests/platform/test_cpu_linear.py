@@ -11,6 +11,7 @@ from torch import nn
 from carpool.attention import cpu_kernels
 from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_AMX_MAX_ROWS,
                                          SMALL_GEMM_AMX_TILE_MAX_ROWS,
+                                         SMALL_GEMM_F32_AMX_MAX_ROWS,
                                          SMALL_GEMM_F32_MAX_ROWS, SMALL_GEMM_MAX_ROWS,
                                          PackedLinear, can_pack, pack_linears, padded_rows,
                                          small_gemm_max_rows)
@@ -115,11 +116,15 @@ def test_small_f32_gemm_matches_linear_and_ignores_its_batch(f32_kernels, bias, 
         torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
         for rows in (1, 5, 13, 40):  # every row, whatever its batch, gives the same bits
             assert torch.equal(small(x[-rows:]), out[-rows:])
-        # PackedLinear sends calls of up to SMALL_GEMM_F32_MAX_ROWS rows to it, more to oneDNN
-        assert torch.equal(packed(x[:SMALL_GEMM_F32_MAX_ROWS]), out[:SMALL_GEMM_F32_MAX_ROWS])
+        # PackedLinear sends calls of up to this CPU's cut to it, more to oneDNN
+        cut = small_gemm_max_rows(torch.float32)
+        x = torch.randn(cut + 1, in_features)
+        out = small(x)
+        assert packed._small_max_rows == cut
+        assert torch.equal(packed(x[:cut]), out[:cut])
         assert packed(x[:3].view(3, 1, in_features)).shape == (3, 1, out_features)
         assert packed(x.t().contiguous().t()[:2]).shape == (2, out_features)  # strided rows
-        more = x[:SMALL_GEMM_F32_MAX_ROWS + 1]
+        more = x[:cut + 1]
         torch.testing.assert_close(packed(more), linear(more), atol=1e-5, rtol=1e-5)
 
 
@@ -138,7 +143,8 @@ def test_small_f32_gemm_checks_its_arguments(f32_kernels):
 def test_bf16_small_gemm_cut_follows_amx():
     assert small_gemm_max_rows(torch.bfloat16, amx=False) == SMALL_GEMM_MAX_ROWS
     assert small_gemm_max_rows(torch.bfloat16, amx=True) == SMALL_GEMM_AMX_MAX_ROWS
-    assert small_gemm_max_rows(torch.float32, amx=True) == SMALL_GEMM_F32_MAX_ROWS
+    assert small_gemm_max_rows(torch.float32, amx=False) == SMALL_GEMM_F32_MAX_ROWS
+    assert small_gemm_max_rows(torch.float32, amx=True) == SMALL_GEMM_F32_AMX_MAX_ROWS
     assert small_gemm_max_rows(torch.bfloat16) == small_gemm_max_rows(
         torch.bfloat16, amx=torch.cpu._is_amx_tile_supported())
 
