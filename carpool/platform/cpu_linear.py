@@ -23,8 +23,9 @@ shape per layer. On the 135M bfloat16 model's layers, 2048 rows in one call took
 0.87-0.92x the time of four 512-row calls and their `torch.cat` (1 and 2 threads); the
 shape's primitive held about 3 MiB per layer shape at 2048 rows (BENCHMARKS §23). On an
 AMX machine one call gains far more (0.64x at 2048 rows, 0.72x at 1295 padded to 1536: its
-tiles reuse each weight block across many more rows), so calls of more than 2 * MAX_ROWS
-rows below `full_rows` also run as one call, zero-padded to a whole number of MAX_ROWS:
+tiles reuse each weight block across many more rows), so there bfloat16 calls of more than
+2 * MAX_ROWS rows below `full_rows` also run as one call, zero-padded to whole MAX_ROWS
+(float32 calls keep the pieces: one padded call took 1.04-1.32x their time, BENCHMARKS §26):
 at most `full_rows / MAX_ROWS - 2` more shapes per layer shape (5 at a 4096-token budget),
 a fixed set whatever the step sizes, so memory still stops growing. Up to 2 * MAX_ROWS
 the pieces stay (padding 513 rows to 1024 would double the work).
@@ -123,6 +124,10 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._full_rows = full_rows if full_rows > MAX_ROWS else 0  # 0: no one-call shape
+        # Mid-size calls as one padded call: where oneDNN's bfloat16 matmul has AMX tiles only
+        # (float32's took 1.04-1.32x the pieces' time there: the padding is all loss).
+        self._one_padded_call = (linear.weight.dtype == torch.bfloat16
+                                 and torch.cpu._is_amx_tile_supported())
         self.weight = linear.weight  # kept: tied embeddings, inspection
         self.bias = linear.bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
@@ -152,7 +157,8 @@ class PackedLinear(nn.Module):
         num_rows = flat.shape[0]
         if num_rows == self._full_rows:
             return self.packed_matmul(flat).view(*x.shape[:-1], self.out_features)
-        if 2 * MAX_ROWS < num_rows < self._full_rows:  # one call, padded to whole MAX_ROWS
+        if self._one_padded_call and 2 * MAX_ROWS < num_rows < self._full_rows:
+            # one call, padded to whole MAX_ROWS
             padding = -num_rows % MAX_ROWS
             out = self.packed_matmul(F.pad(flat, (0, 0, 0, padding)) if padding else flat)
             return out[:num_rows].view(*x.shape[:-1], self.out_features)
