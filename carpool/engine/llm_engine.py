@@ -18,7 +18,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import wait
-from dataclasses import dataclass
 from typing import Any
 
 from carpool.config import EngineConfig, generation_config_folder
@@ -26,6 +25,7 @@ from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from carpool.engine.request_state import RequestState
 from carpool.engine.runner_setup import resolve_for_model, runner_arguments
 from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_engine_tokenizer
@@ -38,28 +38,6 @@ logger = logging.getLogger(__name__)
 
 # What clients call the built-in model (its folder path is no name to type).
 DEFAULT_SERVED_MODEL_NAME = "carpool-default"
-
-
-@dataclass
-class _RequestState:
-    """What the engine keeps per live request beside the scheduler's `Request`."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer | None  # None: text is the front end's job
-    num_sent_tokens: int = 0  # output tokens already returned in a StepOutput
-    # Prompt logprobs gathered chunk by chunk (prompt_logprobs requests), until first sent.
-    prompt_logprobs: PromptLogprobs | None = None
-    matcher: Any = None  # the grammar's llguidance matcher when structured_outputs is set
-
-    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
-        """Join one prefill chunk's share. After a preemption the prompt is computed again,
-        in chunks that may straddle what is held: only positions not held yet are kept."""
-        held = self.prompt_logprobs
-        needed = 1 if held is None else held.end
-        if not chunk.start <= needed < chunk.end:
-            return
-        tail = chunk.starting_at(needed)
-        self.prompt_logprobs = tail if held is None else held.join(tail)
 
 
 class LLMEngine:
@@ -85,7 +63,7 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or (
             DEFAULT_SERVED_MODEL_NAME if config.model is None else str(config.model))
         self._clock = clock
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self._aborted_outputs: list[StepOutput] = []
         self._token_texts = TokenTextCache(tokenizer)
         self._stats = StepStats()
@@ -187,7 +165,7 @@ class LLMEngine:
         self.scheduler.add_request(request)
         detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
                        if self.detokenize else None)
-        self._states[request_id] = _RequestState(request, detokenizer, matcher=matcher)
+        self._states[request_id] = RequestState(request, detokenizer, matcher=matcher)
         return len(prompt_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -263,7 +241,7 @@ class LLMEngine:
                 rows.append((scheduled.request_id, state.matcher))
         return rows
 
-    def _advance(self, state: _RequestState, position_logprobs) -> StepOutput:
+    def _advance(self, state: RequestState, position_logprobs) -> StepOutput:
         """The delta of one request that got a token this step; finishes it on a stop string,
         or with `stop` when its grammar is complete."""
         request = state.request
@@ -300,7 +278,7 @@ class LLMEngine:
         return output
 
     @staticmethod
-    def _prompt_logprobs(state: _RequestState, first: bool) -> PromptLogprobs | None:
+    def _prompt_logprobs(state: RequestState, first: bool) -> PromptLogprobs | None:
         """The prompt logprobs a request's first output carries (when it asked for them)."""
         if not first or state.request.sampling_params.prompt_logprobs is None:
             return None
@@ -330,7 +308,7 @@ class LLMEngine:
         message = f"{type(exc).__name__}: {exc}"
         return [self._final_output(self._states.pop(rid), "error", error=message) for rid in ids]
 
-    def _final_output(self, state: _RequestState, reason: str,
+    def _final_output(self, state: RequestState, reason: str,
                       error: str | None = None) -> StepOutput:
         request = state.request
         return StepOutput(

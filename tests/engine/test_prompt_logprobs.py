@@ -68,7 +68,7 @@ def test_prompt_logprobs_over_max_logprobs_are_refused(llama_checkpoint):
 def test_chunks_recomputed_after_a_preemption_are_joined_once():
     """Held: positions 1..20. A preemption recomputes the prompt in other chunks: the ones
     before 21 add nothing, the one straddling it adds only 21.., the rest follow on."""
-    from carpool.engine.llm_engine import _RequestState
+    from carpool.engine.request_state import RequestState
     from carpool.outputs import PromptLogprobs
 
     def chunk(start: int, end: int) -> PromptLogprobs:
@@ -76,7 +76,7 @@ def test_chunks_recomputed_after_a_preemption_are_joined_once():
         return PromptLogprobs(start, tuple(range(start, end)), tuple(-float(i) for i in
                               range(start, end)), (1,) * n, ((0,),) * n, ((-0.5,),) * n)
 
-    state = _RequestState(request=None, detokenizer=None)
+    state = RequestState(request=None, detokenizer=None)
     for start, end in ((1, 9), (9, 21), (1, 13), (13, 25), (25, 30), (5, 12)):
         state.add_prompt_logprobs(chunk(start, end))
     held = state.prompt_logprobs

@@ -166,11 +166,6 @@ struct Shapes {
   float scale;
 };
 
-struct Packed {
-  std::vector<int64_t> offset;  // per (prompt, kv head): start in the packed buffers
-  std::vector<int64_t> blocks;  // per prompt: 16-key blocks
-};
-
 // kp, vp: this (request, kv head)'s packed keys and values; keys below `shared_keys` (whole
 // key chunks) are read from another request's, k_shared and v_shared (same blocks).
 CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const uint16_t* q,

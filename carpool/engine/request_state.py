@@ -1,0 +1,34 @@
+"""What `LLMEngine` keeps per live request beside the scheduler's `Request`: its
+detokenizer, how many output tokens were already sent, the prompt logprobs gathered
+chunk by chunk, and its grammar matcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from carpool.core.request import Request
+from carpool.engine.detokenizer import IncrementalDetokenizer
+from carpool.outputs import PromptLogprobs
+
+
+@dataclass
+class RequestState:
+    """What the engine keeps per live request beside the scheduler's `Request`."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None  # None: text is the front end's job
+    num_sent_tokens: int = 0  # output tokens already returned in a StepOutput
+    # Prompt logprobs gathered chunk by chunk (prompt_logprobs requests), until first sent.
+    prompt_logprobs: PromptLogprobs | None = None
+    matcher: Any = None  # the grammar's llguidance matcher when structured_outputs is set
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Join one prefill chunk's share. After a preemption the prompt is computed again,
+        in chunks that may straddle what is held: only positions not held yet are kept."""
+        held = self.prompt_logprobs
+        needed = 1 if held is None else held.end
+        if not chunk.start <= needed < chunk.end:
+            return
+        tail = chunk.starting_at(needed)
+        self.prompt_logprobs = tail if held is None else held.join(tail)
