@@ -98,7 +98,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(group) -> None:
     group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
-                       help="Weights and activations dtype (auto: the checkpoint's; half = "
+                       help="Weights and activations dtype (auto: the checkpoint's, but a float32 "
+                            "checkpoint in bfloat16 where the hardware has it, as vLLM; half = "
                             "float16, float = float32).")
     group.add_argument("--tokenizer", default=None,
                        help="Tokenizer folder or hub id (default: the model's).")

@@ -47,7 +47,7 @@ OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's for its offline LLM on CPU
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder or hub id; None: the built-in default model
-    dtype: str = "auto"  # auto takes the checkpoint's (float32 on CPU for float16 checkpoints)
+    dtype: str = "auto"  # the checkpoint's; float32 ones in bfloat16 on native-bf16 hardware
     device: str = "auto"  # auto: cuda if available, else cpu
     seed: int = 0
     served_model_name: str | None = None

@@ -25,14 +25,30 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return resolved
 
 
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 in hardware: a CUDA card that supports it, or a
+    CPU with AVX512-BF16 or AMX tiles (elsewhere bfloat16 on CPU is emulated and slower
+    than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """"auto" takes the checkpoint's dtype, except float16 on CPU, which runs in float32."""
+    """"auto" takes the checkpoint's dtype, as vLLM does, except: a float32 checkpoint runs
+    in bfloat16 where the device computes bfloat16 natively (CUDA without it: float16), and
+    a float16 checkpoint on CPU runs in float32 (half-precision matmuls are slow there).
+    `--dtype float32` keeps a float32 checkpoint exact."""
     if dtype == "auto":
         name = _ALIASES.get(checkpoint_dtype, checkpoint_dtype)
         if name not in _DTYPES:
             logger.warning("checkpoint dtype %r unknown; using float32", checkpoint_dtype)
             name = "float32"
-        if name == "float16" and device.type == "cpu":
+        if name == "float32" and (device.type == "cuda" or native_bfloat16(device)):
+            name = "bfloat16" if native_bfloat16(device) else "float16"
+            logger.info("dtype auto: the float32 checkpoint runs in %s on %s (as vLLM's auto "
+                        "does); --dtype float32 keeps float32", name, device.type)
+        elif name == "float16" and device.type == "cpu":
             logger.warning("float16 checkpoint on CPU: running in float32 "
                            "(half-precision matmuls are slow or missing on CPU)")
             name = "float32"

@@ -12,7 +12,8 @@ def make_runner():
 
     def make(path, **kwargs):
         settings = dict(max_model_len=512, max_num_batched_tokens=256, max_num_seqs=8,
-                        num_kv_blocks=96, block_size=4, device="cpu")
+                        num_kv_blocks=96, block_size=4, device="cpu",
+                        dtype="float32")  # the HF references are float32
         settings.update(kwargs)
         return ModelRunner(path, **settings)
 

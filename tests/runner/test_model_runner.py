@@ -51,10 +51,32 @@ def test_max_model_len_beyond_the_model_is_named(llama_checkpoint, make_runner):
 
 def test_float16_checkpoint_runs_in_float32_on_cpu(make_checkpoint, make_runner, tmp_path):
     path = make_checkpoint("qwen2", dtype="float16")
-    assert make_runner(path).dtype == torch.float32
+    assert make_runner(path, dtype="auto").dtype == torch.float32
     assert make_runner(path, dtype="bfloat16").dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         make_runner(path, dtype="int8")
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, expected", [
+    (False, False, torch.float32), (True, False, torch.bfloat16), (False, True, torch.bfloat16)])
+def test_auto_runs_a_float32_checkpoint_in_bfloat16_where_the_cpu_has_it(
+        llama_checkpoint, make_runner, monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    runner = make_runner(llama_checkpoint, dtype="auto")
+    assert runner.dtype == expected
+    assert runner.kv_caches[0].dtype == expected
+    assert make_runner(llama_checkpoint, dtype="float32").dtype == torch.float32
+
+
+@pytest.mark.parametrize("bf16, expected", [(True, torch.bfloat16), (False, torch.float16)])
+def test_auto_on_cuda_runs_a_float32_checkpoint_in_half_precision(monkeypatch, bf16, expected):
+    from carpool.utils.device import resolve_dtype
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    cuda = torch.device("cuda")
+    assert resolve_dtype("auto", "float32", cuda) == expected
+    assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
+    assert resolve_dtype("float32", "float32", cuda) == torch.float32
 
 
 def test_device_auto_is_cpu_without_cuda(llama_checkpoint, make_runner):

@@ -13,7 +13,8 @@ from carpool.bench.local_server import LocalServer
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny-llama"
 SERVER_FLAGS = ["--num-kv-blocks", "512", "--max-model-len", "256", "--max-num-seqs", "64",
-                "--served-model-name", MODEL_NAME, "--api-key", API_KEY]
+                "--served-model-name", MODEL_NAME, "--api-key", API_KEY,
+                "--dtype", "float32"]  # compared with transformers in float32
 MESSAGES = [{"role": "system", "content": "You write Python."},
             {"role": "user", "content": "Print the first ten squares."}]
 
