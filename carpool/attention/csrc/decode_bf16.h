@@ -14,8 +14,8 @@
 // Per group of up to 16 keys of one block: each row's 16 dot products are folded into one
 // vector of 16 scores by a transpose-add tree; the online softmax takes the group at once
 // (the running max, the sum, and the float32 accumulators rescaled only when the max grows);
-// the value rows are converted to float32 in registers (block_ops.h's load_row) and added
-// with the probabilities.
+// the value rows are widened to float32 in registers (even and odd columns apart, see
+// group_values) and added with the probabilities.
 // Keys outside [key_begin, key_end) are never read (the cache holds anything there).
 
 #pragma once
@@ -108,17 +108,26 @@ inline __m512 group_scores(const uint16_t* q, const uint16_t* keys, int64_t n, f
 }
 
 // acc[r] += sum_t probs[r][t] * values[t] for R rows and the n value rows at values + t * D.
+// Each 32 columns of acc are held as their 16 even columns, then their 16 odd ones: a
+// bfloat16 pair's 32 bits become the even column's float by a shift and the odd one's by a
+// mask (two operations for 32 columns, where widening in column order takes five);
+// unpair_columns puts them back in order at the end.
 template <int NP, int R>
 void group_values(const float* probs, const uint16_t* values, int64_t n, float* acc) {
   constexpr int NV = 2 * NP;
   constexpr int64_t D = 32 * NP;
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
   }
   for (int64_t t = 0; t < n; ++t) {
-    Vec x[NV];
-    load_row(reinterpret_cast<const at::BFloat16*>(values + t * D), x);
+    __m512 x[NV];
+    for (int p = 0; p < NP; ++p) {
+      const __m512i pairs = _mm512_loadu_si512(values + t * D + 32 * p);
+      x[2 * p] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      x[2 * p + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 p = _mm512_set1_ps(probs[r * kDecodeGroup + t]);
       for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(p, x[v], a[r][v]);
@@ -126,6 +135,19 @@ void group_values(const float* probs, const uint16_t* values, int64_t n, float* 
   }
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + r * D + 16 * v, a[r][v]);
+  }
+}
+
+// One row of D = 32 * NP accumulators from group_values' paired order back to column order.
+template <int NP>
+inline void unpair_columns(float* row) {
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                          24, 8);
+  for (int p = 0; p < NP; ++p) {
+    const __m512 even = _mm512_loadu_ps(row + 32 * p), odd = _mm512_loadu_ps(row + 32 * p + 16);
+    _mm512_storeu_ps(row + 32 * p, _mm512_permutex2var_ps(even, first, odd));
+    _mm512_storeu_ps(row + 32 * p + 16, _mm512_permutex2var_ps(even, second, odd));
   }
 }
 
@@ -217,6 +239,7 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
     block = next;
   }
   for (int64_t r = 0; r < G; ++r) {
+    unpair_columns<NP>(acc + r * D);
     store_scaled(acc + r * D, 1.f / buf.row_sum[r],
                  reinterpret_cast<at::BFloat16*>(a.out + r * a.out_head_stride), D);
   }
