@@ -16,6 +16,7 @@ import sys
 from carpool.bench.offline import DEFAULT_COMPARE, VARIANTS
 from carpool.bench.serve_client import BACKENDS
 from carpool.bench.workloads import WORKLOADS, WorkloadConfig
+from carpool.config import DTYPE_ALIASES, DTYPES
 
 # `vllm bench serve`'s defaults, so a run without flags sends the same load.
 SERVE_WORKLOAD = WorkloadConfig(name="random", num_prompts=1000, input_len=1024, output_len=128,
@@ -74,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "skipped): steadier on a machine shared with other jobs; use with "
                          "OMP_NUM_THREADS=1.")
     offline.add_argument("--no-progress", action="store_true")
+    offline.add_argument("--dtype", choices=DTYPES + tuple(DTYPE_ALIASES), default=None,
+                         help="The engine's dtype (default: the engine's, auto).")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--num-kv-blocks",
                  "--max-num-partial-prefills", "--max-long-partial-prefills",
                  "--long-prefill-token-threshold"):
@@ -225,8 +228,9 @@ def _variants(args: argparse.Namespace) -> list[str]:
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:
-    names = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_num_partial_prefills",
-             "max_long_partial_prefills", "long_prefill_token_threshold")
+    names = ("dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+             "max_num_partial_prefills", "max_long_partial_prefills",
+             "long_prefill_token_threshold")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -94,3 +94,14 @@ def test_prefix_caching_on_and_off_on_the_shared_prefix_workload(checkpoint):
     assert prefill(on) < prefill(off)
     for run in (on, off):
         assert [r.num_output_tokens for r in run.results] == [3] * 6
+
+
+def test_dtype_flag_reaches_the_engine(checkpoint, tmp_path):
+    result = tmp_path / "r.json"
+    rc = main(["bench", "offline", "--model", str(checkpoint), "--workload", "random",
+               "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--dtype", "bfloat16",
+               "--no-progress", "--result-file", str(result)])
+    assert rc == 0
+    assert json.loads(result.read_text())["engine"]["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        main(["bench", "offline", "--model", str(checkpoint), "--dtype", "int8"])
