@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp",
-            _CSRC / "small_gemm.cpp", _CSRC / "prefill_attention.cpp", _CSRC / "threads.cpp"]
+            _CSRC / "small_gemm.cpp", _CSRC / "prefill_attention.cpp", _CSRC / "threads.cpp",
+            _CSRC / "greedy.cpp"]
 # Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
 _CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",

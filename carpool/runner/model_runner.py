@@ -102,7 +102,8 @@ class ModelRunner:
             self.device, kernels=kernels, batch_invariant=batch_invariant)
         self.model = load_model(path, config, self.dtype, self.device, tp)
         self.platform.prepare_model(self.model)
-        self.sampler = Sampler(self.device, config.eos_token_ids, seed)
+        self.sampler = Sampler(self.device, config.eos_token_ids, seed,
+                               argmax_rows=None if kernels is None else kernels.argmax_rows)
         self._spec = kv_cache.KVCacheSpec.from_model(config, block_size, self.dtype,
                                                      layout.num_kv_heads)
         # Every rank holds the same block ids: the pool is what the smallest rank can hold.

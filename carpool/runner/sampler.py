@@ -21,6 +21,7 @@ the model, not the sampling settings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +43,12 @@ class SamplerOutput:
 class Sampler:
     """Holds the global generator and each seeded request's generator."""
 
-    def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0) -> None:
+    def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0,
+                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax_rows: the compiled kernels' `argmax_rows` (float32 and bfloat16 CPU rows,
+        `greedy_ids`' answers in one vector pass; BENCHMARKS §27), or None: `greedy_ids`."""
         self.device = device
+        self._argmax_rows = argmax_rows
         self.eos_token_ids = tuple(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
@@ -70,17 +75,24 @@ class Sampler:
         plain_greedy = (all(r.sampling_params.is_greedy for r in requests)
                         and not needs_processing(requests, self.eos_token_ids))
         if plain_greedy and grammar_bitmask is None and not wants_logprobs:
-            return SamplerOutput(token_ids=greedy_ids(logits).tolist(),
+            return SamplerOutput(token_ids=self._greedy_ids(logits).tolist(),
                                  logprobs=[None] * len(requests))  # fast path
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, requests, grammar_bitmask)
-        token_ids = (greedy_ids(logits) if plain_greedy
+        token_ids = (self._greedy_ids(logits) if plain_greedy
                      else self._sample_processed(logits.clone(), requests))
         token_list = token_ids.tolist()
         return SamplerOutput(token_ids=token_list,
                              logprobs=_gather_logprobs(raw_logprobs, token_ids, requests))
+
+    def _greedy_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        if (self._argmax_rows is not None and logits.device.type == "cpu" and logits.dim() == 2
+                and logits.stride(-1) == 1 and logits.shape[-1] > 0
+                and logits.dtype in (torch.float32, torch.bfloat16)):
+            return self._argmax_rows(logits)
+        return greedy_ids(logits)
 
     def _sample_processed(self, logits: torch.Tensor,
                           requests: list[ScheduledRequest]) -> torch.Tensor:
@@ -88,7 +100,7 @@ class Sampler:
         apply_penalties(logits, requests)
         logits = _finite(logits)
         greedy = torch.tensor([r.sampling_params.is_greedy for r in requests], device=self.device)
-        greedy_tokens = greedy_ids(logits)
+        greedy_tokens = self._greedy_ids(logits)
         if bool(greedy.all()):
             return greedy_tokens
         params = [r.sampling_params for r in requests]

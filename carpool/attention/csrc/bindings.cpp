@@ -60,6 +60,10 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::T
                const at::Tensor& v);
 }
 
+namespace carpool_greedy {  // greedy.cpp
+at::Tensor argmax_rows(const at::Tensor& logits);
+}
+
 namespace carpool_threads {  // threads.cpp
 std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);
 }
@@ -73,6 +77,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Pins torch's intra-op thread i to cpus[i] (one CPU per thread); returns the "
         "threads' kernel ids, in the same order.",
         py::arg("cpus"));
+  m.def("argmax_rows", &carpool_greedy::argmax_rows,
+        "Each row's largest value's index, as max(-1).indices (first of equals, first NaN); "
+        "float32 or bfloat16 [N, V] with contiguous rows.",
+        py::arg("logits"), py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &carpool_fused::rotary_,
         "q [T, H, D] and k [T, Hkv, D] rotated in place by cos/sin [T, D] (apply_rope's bits).",
         py::arg("q"), py::arg("k"), py::arg("cos"), py::arg("sin"),
