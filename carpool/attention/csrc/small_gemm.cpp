@@ -155,16 +155,42 @@ void for_each_tile(int64_t m, int64_t blocks, const Tile& tile) {
 #endif
 
 #if defined(CARPOOL_AMX)
-// The same product on AMX tiles, from the same packed weight: a block's 16 pairs of k rows
-// are one B tile (16 x 64 bytes), 16 rows of x one A tile (x's own rows, its row stride).
-//
+// The same product on AMX tiles (below), from the same packed weight: a block's 16 pairs of
+// k rows are one B tile (16 x 64 bytes), 16 rows of x one A tile (x's own rows, its stride).
+
+// The epilogue of one finished pair of row tiles x pair of column blocks: its sums (in a
+// buffer the tiles were stored to) plus the bias, rounded to bfloat16 and stored to y, a few
+// rows at a time. The next tiles' k loop runs it between its tile products (`step`), so the
+// vector work overlaps the tile unit's instead of waiting for it.
+struct PendingRows {
+  const float* c = nullptr;  // c[r * 2 + b][16][16], as amx_tile_2x2 stores it
+  uint16_t* y = nullptr;     // row 0 of the pair's rows, column 0
+  int64_t n = 0, col = 0, next = 0, rows = 0, per_step = 0;
+  __mmask32 mask = 0;        // the pair's columns [col, col + 32) clipped at n
+  __m512 bias0, bias1;
+
+  CARPOOL_AMX_TARGET void run(int64_t count) {
+    const int64_t stop = std::min(rows, next + count);
+    for (; next < stop; ++next) {  // both blocks of a row: one conversion, one store
+      const float* src = c + (next / 16) * 512 + (next % 16) * 16;  // block 1 at + 256
+      const __m512 lo = _mm512_add_ps(_mm512_load_ps(src), bias0);
+      const __m512 hi = _mm512_add_ps(_mm512_load_ps(src + 256), bias1);
+      _mm512_mask_storeu_epi16(y + next * n + col, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  CARPOOL_AMX_TARGET void step() { run(per_step); }
+  CARPOOL_AMX_TARGET void finish() { run(rows); }
+};
+
 // c[r * 2 + b][16][16] = row tile r of x times column block b, r < RT, b < BT (1 or 2
 // each): per k step 2 A and 2 B tiles feed 4 products (tiles 0-3 hold C, 4-5 A, 6-7 B). A
 // first version kept 6 row tiles' C against one B tile (7 tile loads for 6 products) and
 // lost to oneDNN from 96 rows on; this one is ahead of it from 3 to 512 rows (BENCHMARKS).
+// `pending` (the previous tiles' epilogue, whose buffer is not c) advances once a k step.
 template <int RT, int BT>
 CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const uint16_t* w,
-                                      int64_t block_stride, int64_t ksteps, float* c) {
+                                      int64_t block_stride, int64_t ksteps, float* c,
+                                      PendingRows& pending) {
   _tile_zero(0);
   if constexpr (BT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
@@ -178,6 +204,7 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const 
     if constexpr (BT > 1) _tile_dpbf16ps(1, 4, 7);
     if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT > 1 && BT > 1) _tile_dpbf16ps(3, 5, 7);
+    pending.step();
   }
   _tile_stored(0, c, 64);
   if constexpr (BT > 1) _tile_stored(1, c + 256, 64);
@@ -188,6 +215,7 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const 
 // y[m, n] = x[m, K] @ w.T (+ bias) on tiles: threads split the pairs of column blocks, each
 // pair's weight (its B tiles) read from memory once and then from cache for every pair of
 // row tiles; x's rows padded to whole tiles with zeros (x_stride elements a row, K % 32 == 0).
+// Two sum buffers alternate: the tiles of one step fill one while the other's epilogue runs.
 CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
                                  const uint16_t* w, int64_t blocks, const float* bias,
                                  uint16_t* y, int64_t n) {
@@ -195,29 +223,35 @@ CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, int64_t m,
   const int64_t pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) float c[4 * 256];
+    // Zeros: a lone last block leaves its neighbour's sums unwritten (read, then masked off).
+    alignas(64) float c[2][4 * 256] = {};
+    PendingRows pending;
+    int buffer = 0;
     for (int64_t pr = begin; pr < end; ++pr) {
       const int64_t blk0 = 2 * pr, nb = std::min<int64_t>(2, blocks - blk0);
       const uint16_t* wb = w + blk0 * block_stride;
+      const int64_t col = blk0 * kBlock, cols = std::min(nb * kBlock, n - col);
+      const __mmask32 mask = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+      const __m512 bias0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + col);
+      const __m512 bias1 = bias == nullptr || nb < 2 ? _mm512_setzero_ps()
+                                                     : _mm512_loadu_ps(bias + col + kBlock);
       for (int64_t t0 = 0; t0 < row_tiles; t0 += 2) {
         const int64_t nt = std::min<int64_t>(2, row_tiles - t0);
         const uint16_t* xt = x + t0 * 16 * x_stride;
-        if (nt == 2 && nb == 2) amx_tile_2x2<2, 2>(xt, x_stride, wb, block_stride, ksteps, c);
-        else if (nt == 2) amx_tile_2x2<2, 1>(xt, x_stride, wb, block_stride, ksteps, c);
-        else if (nb == 2) amx_tile_2x2<1, 2>(xt, x_stride, wb, block_stride, ksteps, c);
-        else amx_tile_2x2<1, 1>(xt, x_stride, wb, block_stride, ksteps, c);
-        for (int64_t b = 0; b < nb; ++b) {
-          const int64_t col = (blk0 + b) * kBlock, cols = std::min(kBlock, n - col);
-          const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-          const __m512 bv = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + col);
-          for (int64_t r = 0; r < std::min<int64_t>(nt * 16, m - t0 * 16); ++r) {
-            const float* src = c + ((r / 16) * 2 + b) * 256 + (r % 16) * 16;
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(src), bv));
-            _mm256_mask_storeu_epi16(y + (t0 * 16 + r) * n + col, mask, out);
-          }
-        }
+        float* cb = c[buffer];
+        const int64_t bs = block_stride;
+        if (nt == 2 && nb == 2) amx_tile_2x2<2, 2>(xt, x_stride, wb, bs, ksteps, cb, pending);
+        else if (nt == 2) amx_tile_2x2<2, 1>(xt, x_stride, wb, bs, ksteps, cb, pending);
+        else if (nb == 2) amx_tile_2x2<1, 2>(xt, x_stride, wb, bs, ksteps, cb, pending);
+        else amx_tile_2x2<1, 1>(xt, x_stride, wb, bs, ksteps, cb, pending);
+        pending.finish();
+        const int64_t rows = std::min<int64_t>(nt * 16, m - t0 * 16);
+        pending = PendingRows{cb, y + t0 * 16 * n, n, col, 0, rows,
+                              (rows + ksteps - 1) / ksteps, mask, bias0, bias1};
+        buffer ^= 1;
       }
     }
+    pending.finish();
     release_tiles();
   });
 }
