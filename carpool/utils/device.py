@@ -44,8 +44,9 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str, device: torch.device) -> to
         if name not in _DTYPES:
             logger.warning("checkpoint dtype %r unknown; using float32", checkpoint_dtype)
             name = "float32"
-        if name == "float32" and (device.type == "cuda" or native_bfloat16(device)):
-            name = "bfloat16" if native_bfloat16(device) else "float16"
+        native = name == "float32" and native_bfloat16(device)
+        if native or (name == "float32" and device.type == "cuda"):
+            name = "bfloat16" if native else "float16"
             logger.info("dtype auto: the float32 checkpoint runs in %s on %s (as vLLM's auto "
                         "does); --dtype float32 keeps float32", name, device.type)
         elif name == "float16" and device.type == "cpu":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from carpool.bench.offline import run_variant
 from carpool.bench.plots import slot_spans
@@ -96,12 +97,22 @@ def test_prefix_caching_on_and_off_on_the_shared_prefix_workload(checkpoint):
         assert [r.num_output_tokens for r in run.results] == [3] * 6
 
 
-def test_dtype_flag_reaches_the_engine(checkpoint, tmp_path):
+def test_dtype_flag_reaches_the_engine(checkpoint, tmp_path, monkeypatch):
+    from carpool.bench import offline
+    engines = []
+
+    def build_and_keep(model, kwargs):
+        engines.append(build_engine(model, kwargs))
+        return engines[-1]
+
+    build_engine = offline.build_engine
+    monkeypatch.setattr(offline, "build_engine", build_and_keep)
     result = tmp_path / "r.json"
     rc = main(["bench", "offline", "--model", str(checkpoint), "--workload", "random",
                "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--dtype", "bfloat16",
                "--no-progress", "--result-file", str(result)])
     assert rc == 0
     assert json.loads(result.read_text())["engine"]["dtype"] == "bfloat16"
+    assert [engine.runner.dtype for engine in engines] == [torch.bfloat16]
     with pytest.raises(SystemExit):
         main(["bench", "offline", "--model", str(checkpoint), "--dtype", "int8"])
