@@ -11,7 +11,7 @@ from tests.reliability.live import EDGE_FLAGS, live_server
 def reference_llm(llama_checkpoint):
     """The offline LLM on the same checkpoint: what greedy outputs must equal."""
     from carpool import LLM
-    return LLM(str(llama_checkpoint), max_model_len=512, num_kv_blocks=512)
+    return LLM(str(llama_checkpoint), dtype="float32", max_model_len=512, num_kv_blocks=512)
 
 
 @pytest.fixture(scope="session")

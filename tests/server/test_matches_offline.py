@@ -15,7 +15,8 @@ PROMPTS = ["def fibonacci(n):", "import sys\nimport os\n", "class Point:\n    de
 @pytest.fixture(scope="module")
 def llm(server):
     from carpool import LLM
-    return LLM(str(server.checkpoint), num_kv_blocks=128, max_model_len=256)
+    return LLM(str(server.checkpoint), dtype="float32", num_kv_blocks=128,
+               max_model_len=256)  # the server runs float32 too
 
 
 def test_greedy_completions_equal_llm_generate(llm, client, server):

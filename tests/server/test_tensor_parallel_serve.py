@@ -56,7 +56,7 @@ def worker_pids(server_pid: int) -> list[int]:
 def tp1_texts(llama_checkpoint):
     from carpool import LLM, SamplingParams
 
-    llm = LLM(str(llama_checkpoint), num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(llama_checkpoint), dtype="float32", num_kv_blocks=128, max_model_len=256)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12),
                            use_tqdm=False)
     return [o.outputs[0].text for o in outputs]
