@@ -7,7 +7,8 @@
 // tables, then makes one pass for the scores and one for the values with software
 // prefetches two chunks ahead; measured, it stalls on memory at about a third of what these
 // cores stream. Here each cache block is attended whole while the next one is prefetched
-// into L1 (one block ahead: farther ahead, the prefetches queue behind each other), scores
+// into L1, a few lines per key inside the value loop (one block ahead: farther ahead, or all
+// of a block's lines at once, the prefetches wait for fill buffers and stall the loop), scores
 // come from the bfloat16 keys in place through vdpbf16ps (products of bfloat16 pairs are
 // exact in float32; no conversion), and the value sums stay in float32.
 //
@@ -112,8 +113,12 @@ inline __m512 group_scores(const uint16_t* q, const uint16_t* keys, int64_t n, f
 // bfloat16 pair's 32 bits become the even column's float by a shift and the odd one's by a
 // mask (two operations for 32 columns, where widening in column order takes five);
 // unpair_columns puts them back in order at the end.
+// next_keys, next_values: the next block's rows (null: none); key row t's lines and value
+// row t's lines are prefetched into L1 with value row t, so a block's prefetches are spread
+// over the loop instead of waiting in a burst for fill buffers.
 template <int NP, int R>
-void group_values(const float* probs, const uint16_t* values, int64_t n, float* acc) {
+void group_values(const float* probs, const uint16_t* values, int64_t n, float* acc,
+                  const uint16_t* next_keys, const uint16_t* next_values) {
   constexpr int NV = 2 * NP;
   constexpr int64_t D = 32 * NP;
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -122,6 +127,12 @@ void group_values(const float* probs, const uint16_t* values, int64_t n, float* 
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
   }
   for (int64_t t = 0; t < n; ++t) {
+    if (next_keys != nullptr) {
+      for (int p = 0; p < NP; ++p) {  // a 64-byte line holds 32 bfloat16
+        _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D + 32 * p), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D + 32 * p), _MM_HINT_T0);
+      }
+    }
     __m512 x[NV];
     for (int p = 0; p < NP; ++p) {
       const __m512i pairs = _mm512_loadu_si512(values + t * D + 32 * p);
@@ -153,13 +164,16 @@ inline void unpair_columns(float* row) {
 
 template <int NP, int... R>
 void group_values_rows(const float* probs, const uint16_t* values, int64_t n, float* acc,
-                       int64_t rows, std::integer_sequence<int, R...>) {
+                       int64_t rows, std::integer_sequence<int, R...>, const uint16_t* next_keys,
+                       const uint16_t* next_values) {
   constexpr int kPass = rows_per_pass(2 * NP);  // block_ops.h: accumulators in registers
-  using Fn = void (*)(const float*, const uint16_t*, int64_t, float*);
+  using Fn = void (*)(const float*, const uint16_t*, int64_t, float*, const uint16_t*,
+                      const uint16_t*);
   static constexpr Fn fns[] = {&group_values<NP, R + 1>...};
-  for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kPass) {  // the first pass prefetches
     const int64_t m = std::min<int64_t>(kPass, rows - r0);
-    fns[m - 1](probs + r0 * kDecodeGroup, values, n, acc + r0 * 32 * NP);
+    fns[m - 1](probs + r0 * kDecodeGroup, values, n, acc + r0 * 32 * NP,
+               r0 == 0 ? next_keys : nullptr, next_values);
   }
 }
 
@@ -202,11 +216,12 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
   int64_t block = block_id(first_block);
   for (int64_t b = first_block; b < end_block; ++b) {
     int64_t next = -1;  // the next block's id
-    if (b + 1 < end_block) {  // the next block into L1 while this one is attended
+    const uint16_t* next_keys = nullptr;  // its rows, prefetched while this block is attended
+    const uint16_t* next_values = nullptr;
+    if (b + 1 < end_block) {
       next = block_id(b + 1);
-      const int64_t bytes = std::min(BS, a.key_end - (b + 1) * BS) * D * sizeof(uint16_t);
-      prefetch_block_l1(a.key_head + next * BS * D, bytes);
-      prefetch_block_l1(a.value_head + next * BS * D, bytes);
+      next_keys = a.key_head + next * BS * D;
+      next_values = a.value_head + next * BS * D;
     } else if (next_item != nullptr) {
       prefetch_first_block<NP>(*next_item);
     }
@@ -233,8 +248,13 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
         buf.row_sum[r] += _mm512_reduce_add_ps(p);
         _mm512_storeu_ps(buf.probs.data() + r * kDecodeGroup, p);
       }
+      // The next block's rows t0 - lo ... t0 - lo + n - 1 with this group's value rows (rows of
+      // a whole cache block: at most block_size of them, whatever they hold).
+      const int64_t ahead = (t0 - lo) * D;
       group_values_rows<NP>(buf.probs.data(), a.value_head + offset, n, acc, G,
-                            std::make_integer_sequence<int, rows_per_pass(2 * NP)>{});
+                            std::make_integer_sequence<int, rows_per_pass(2 * NP)>{},
+                            next_keys != nullptr ? next_keys + ahead : nullptr,
+                            next_values != nullptr ? next_values + ahead : nullptr);
     }
     block = next;
   }
