@@ -1,0 +1,195 @@
+"""How fast the bfloat16 decode kernel reads the KV cache, against a loop that only reads it.
+
+Both walk the same block tables (the 135M model's attention shape: 3 kv heads of 9 query
+heads, head_dim 64, blocks of 16): each decode's blocks come in runs of `--run` consecutive
+ids, the runs shuffled (the engine's tables on `vs_vllm.py`'s workload average runs of ~4
+blocks). Three cases: a few decodes hot in L2, 200 decodes over one layer's cache (L3), and
+200 decodes over 12 layers' caches (memory). The read-only loop is the rate this access
+pattern allows these cores; the kernel's rate below it is time spent not reading.
+
+`--headers DIR` builds the kernel from another checkout's `carpool/attention/csrc`, for
+before/after comparisons; both are compiled here with `torch.utils.cpp_extension`.
+
+    python3 benchmarks/decode_read_rate.py --threads 2 --run 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
+SCALE = HEAD_DIM ** -0.5
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <atomic>
+#include "decode_bf16.h"
+using namespace carpool_cpu;
+
+// One work item per (request, kv head), claimed as the engine's paged_attention claims them.
+template <typename F>
+void for_items(int64_t items, F&& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    DecodeScratch buf;
+    for (int64_t i = next.fetch_add(1); i < items;) {
+      const int64_t j = next.fetch_add(1);
+      f(i, j, buf);
+      i = j;
+    }
+  });
+}
+
+// cache [2, H, blocks, block, D]; tables [S, width]; lens [S]; q and out [S, H * G, D].
+void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::Tensor lens,
+            torch::Tensor out, int64_t group, double scale) {
+  const int64_t H = cache.size(1), NB = cache.size(2), BS = cache.size(3), D = cache.size(4);
+  const auto* c = reinterpret_cast<const uint16_t*>(cache.const_data_ptr());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.const_data_ptr());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int32_t* t = tables.const_data_ptr<int32_t>();
+  const int32_t* l = lens.const_data_ptr<int32_t>();
+  const int64_t width = tables.size(1), items = lens.size(0) * H;
+  auto args = [&](int64_t i) {
+    const int64_t s = i / H, h = i % H, row = (s * H + h) * group * D;
+    return DecodeArgs{qp + row, D, c + h * NB * BS * D, c + (H + h) * NB * BS * D, t + s * width,
+                      NB, BS, D, group, 0, l[s], static_cast<float>(scale), op + row, D, s};
+  };
+  for_items(items, [&](int64_t i, int64_t j, DecodeScratch& buf) {
+    const DecodeArgs next = j < items ? args(j) : DecodeArgs{};
+    attend_decode_bf16(args(i), j < items ? &next : nullptr, buf);
+  });
+}
+
+// The same items' keys and values, only read (summed, so the loads stay).
+double read_only(torch::Tensor cache, torch::Tensor tables, torch::Tensor lens) {
+  const int64_t H = cache.size(1), NB = cache.size(2), BS = cache.size(3), D = cache.size(4);
+  const auto* c = reinterpret_cast<const uint16_t*>(cache.const_data_ptr());
+  const int32_t* t = tables.const_data_ptr<int32_t>();
+  const int32_t* l = lens.const_data_ptr<int32_t>();
+  const int64_t width = tables.size(1), items = lens.size(0) * H;
+  std::atomic<int64_t> sink{0};
+  for_items(items, [&](int64_t i, int64_t, DecodeScratch&) {
+    const int64_t s = i / H, h = i % H;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b * BS < l[s]; ++b) {
+      const int64_t n = std::min<int64_t>(BS, l[s] - b * BS) * D;
+      const uint16_t* k = c + (h * NB + t[s * width + b]) * BS * D;
+      const uint16_t* v = c + ((H + h) * NB + t[s * width + b]) * BS * D;
+      for (int64_t x = 0; x < n; x += 32) {
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_loadu_si512(k + x)));
+        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_loadu_si512(v + x)));
+      }
+    }
+    sink += static_cast<int64_t>(_mm512_reduce_add_ps(acc) != 0.f);
+  });
+  return static_cast<double>(sink.load());
+}
+"""
+
+
+def build(headers: Path):
+    """The two functions, compiled against `headers`' decode_bf16.h (named by its text)."""
+    text = "".join((headers / name).read_text() for name in ("decode_bf16.h", "block_ops.h"))
+    name = "decode_read_rate_" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+             "-mavx512bf16", "-DCARPOOL_AVX512_BF16", "-DCPU_CAPABILITY=AVX512",
+             "-DCPU_CAPABILITY_AVX512"]
+    return load_inline(name, cpp_sources=_SOURCE, functions=["decode", "read_only"],
+                       extra_include_paths=[str(headers)], extra_cflags=flags,
+                       extra_ldflags=["-fopenmp"])
+
+
+def make_case(num_decodes: int, context: int | None, num_layers: int, run: int, seed: int = 0):
+    """q, the layers' caches, block tables, lengths, out, and the KV bytes one layer reads."""
+    gen = torch.Generator().manual_seed(seed)
+    if context:
+        lens = torch.full((num_decodes,), context, dtype=torch.int32)
+    else:
+        lens = torch.randint(16, 513, (num_decodes,), generator=gen, dtype=torch.int32)
+    blocks_each = (lens + BLOCK - 1) // BLOCK
+    num_runs = -(-int(blocks_each.sum()) // run)
+    ids = (torch.randperm(num_runs, generator=gen)[:, None] * run + torch.arange(run)).flatten()
+    tables = torch.zeros(num_decodes, int(blocks_each.max()), dtype=torch.int32)
+    taken = 0
+    for s, n in enumerate(blocks_each.tolist()):
+        tables[s, :n] = ids[taken:taken + n].to(torch.int32)
+        taken += n
+    shape = (2, HEADS, num_runs * run, BLOCK, HEAD_DIM)
+    caches = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(num_layers)]
+    q = torch.randn(num_decodes, HEADS * GROUP, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    kv_bytes = int(lens.sum()) * HEADS * HEAD_DIM * 2 * 2
+    return q, caches, tables, lens, torch.empty_like(q), kv_bytes
+
+
+def reference(q, cache, tables, lens) -> torch.Tensor:
+    """Softmax attention of each decode over its keys, in float32 (the check)."""
+    rows = []
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        blocks = tables[s, :(n + BLOCK - 1) // BLOCK].long()
+        k = cache[0][:, blocks].reshape(HEADS, -1, HEAD_DIM)[:, :n].float()
+        v = cache[1][:, blocks].reshape(HEADS, -1, HEAD_DIM)[:, :n].float()
+        qs = q[s].float().view(HEADS, GROUP, HEAD_DIM)
+        rows.append((torch.softmax(qs @ k.transpose(1, 2) * SCALE, -1) @ v).flatten(0, 1))
+    return torch.stack(rows)
+
+
+def seconds_per_layer(fn, caches, repeats: int, samples: int) -> float:
+    """Median over samples of the time per layer of `repeats` passes over every cache."""
+    times = []
+    for _ in range(samples):
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            for cache in caches:
+                fn(cache)
+        times.append((time.perf_counter() - begin) / repeats / len(caches))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--run", type=int, default=4, help="consecutive block ids per run")
+    parser.add_argument("--headers", type=Path,
+                        default=Path(__file__).resolve().parent.parent / "carpool" / "attention"
+                        / "csrc", help="the csrc folder whose decode_bf16.h is timed")
+    parser.add_argument("--samples", type=int, default=5)
+    args = parser.parse_args()
+    if not torch.cpu._is_avx512_bf16_supported():
+        raise SystemExit("the bfloat16 decode kernel needs AVX512-BF16")
+    torch.set_num_threads(args.threads)
+    module = build(args.headers)
+    q, caches, tables, lens, out, _ = make_case(6, 100, 1, args.run)
+    module.decode(q, caches[0], tables, lens, out, GROUP, SCALE)
+    error = (out.float() - reference(q, caches[0], tables, lens)).abs().max().item()
+    print(f"{args.headers}: {args.threads} threads, runs of {args.run} blocks; "
+          f"max abs diff to float32 {error:.1e}")
+    print(f"{'case':34} {'kernel ms':>9} {'GB/s':>6} {'read-only ms':>12} {'GB/s':>6}")
+    for label, num, context, layers, repeats in [
+            ("8 decodes at 128 (L2)", 8, 128, 1, 2000),
+            ("200 decodes, 1 layer (L3)", 200, None, 1, 30),
+            ("200 decodes, 12 layers (memory)", 200, None, 12, 6)]:
+        time_case(module, label, make_case(num, context, layers, args.run), repeats, args.samples)
+
+
+def time_case(module, label: str, case: tuple, repeats: int, samples: int) -> None:
+    """One table row: the kernel's and the read-only loop's time per layer and GB/s."""
+    q, caches, tables, lens, out, kv_bytes = case
+    kernel = seconds_per_layer(lambda c: module.decode(q, c, tables, lens, out, GROUP, SCALE),
+                               caches, repeats, samples)
+    read = seconds_per_layer(lambda c: module.read_only(c, tables, lens), caches, repeats,
+                             samples)
+    print(f"{label:34} {kernel * 1e3:9.3f} {kv_bytes / kernel / 1e9:6.1f} "
+          f"{read * 1e3:12.3f} {kv_bytes / read / 1e9:6.1f}")
+
+if __name__ == "__main__":
+    main()
