@@ -5,7 +5,8 @@ heads, head_dim 64, blocks of 16): each decode's blocks come in runs of `--run` 
 ids, the runs shuffled (the engine's tables on `vs_vllm.py`'s workload average runs of ~4
 blocks). Three cases: a few decodes hot in L2, 200 decodes over one layer's cache (L3), and
 200 decodes over 12 layers' caches (memory). The read-only loop is the rate this access
-pattern allows these cores; the kernel's rate below it is time spent not reading.
+pattern allows these cores; the kernel's rate below it is time spent not reading. The
+caches sit on transparent huge pages as the engine's do (`--no-huge-pages`: 4 KiB pages).
 
 `--headers DIR` builds the kernel from another checkout's `carpool/attention/csrc`, for
 before/after comparisons; both are compiled here with `torch.utils.cpp_extension`.
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from carpool.platform.cpu_huge_pages import zeros_on_huge_pages
 
 HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
 SCALE = HEAD_DIM ** -0.5
@@ -108,7 +111,8 @@ def build(headers: Path):
                        extra_ldflags=["-fopenmp"])
 
 
-def make_case(num_decodes: int, context: int | None, num_layers: int, run: int, seed: int = 0):
+def make_case(num_decodes: int, context: int | None, num_layers: int, run: int,
+              huge_pages: bool, seed: int = 0):
     """q, the layers' caches, block tables, lengths, out, and the KV bytes one layer reads."""
     gen = torch.Generator().manual_seed(seed)
     if context:
@@ -124,7 +128,11 @@ def make_case(num_decodes: int, context: int | None, num_layers: int, run: int, 
         tables[s, :n] = ids[taken:taken + n].to(torch.int32)
         taken += n
     shape = (2, HEADS, num_runs * run, BLOCK, HEAD_DIM)
-    caches = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(num_layers)]
+    caches = []
+    for _ in range(num_layers):  # on huge pages, as the engine's cache (cpu_kv_huge_pages)
+        cache = zeros_on_huge_pages(shape, torch.bfloat16) if huge_pages else torch.empty(
+            shape, dtype=torch.bfloat16)
+        caches.append(cache.copy_(torch.randn(shape, generator=gen)))
     q = torch.randn(num_decodes, HEADS * GROUP, HEAD_DIM, generator=gen).to(torch.bfloat16)
     kv_bytes = int(lens.sum()) * HEADS * HEAD_DIM * 2 * 2
     return q, caches, tables, lens, torch.empty_like(q), kv_bytes
@@ -163,22 +171,26 @@ def main() -> None:
                         default=Path(__file__).resolve().parent.parent / "carpool" / "attention"
                         / "csrc", help="the csrc folder whose decode_bf16.h is timed")
     parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                        help="the caches on transparent huge pages, as the engine's")
     args = parser.parse_args()
     if not torch.cpu._is_avx512_bf16_supported():
         raise SystemExit("the bfloat16 decode kernel needs AVX512-BF16")
     torch.set_num_threads(args.threads)
     module = build(args.headers)
-    q, caches, tables, lens, out, _ = make_case(6, 100, 1, args.run)
+    q, caches, tables, lens, out, _ = make_case(6, 100, 1, args.run, args.huge_pages)
     module.decode(q, caches[0], tables, lens, out, GROUP, SCALE)
     error = (out.float() - reference(q, caches[0], tables, lens)).abs().max().item()
-    print(f"{args.headers}: {args.threads} threads, runs of {args.run} blocks; "
+    print(f"{args.headers}: {args.threads} threads, runs of {args.run} blocks, huge pages "
+          f"{'on' if args.huge_pages else 'off'}; "
           f"max abs diff to float32 {error:.1e}")
     print(f"{'case':34} {'kernel ms':>9} {'GB/s':>6} {'read-only ms':>12} {'GB/s':>6}")
     for label, num, context, layers, repeats in [
             ("8 decodes at 128 (L2)", 8, 128, 1, 2000),
             ("200 decodes, 1 layer (L3)", 200, None, 1, 30),
             ("200 decodes, 12 layers (memory)", 200, None, 12, 6)]:
-        time_case(module, label, make_case(num, context, layers, args.run), repeats, args.samples)
+        case = make_case(num, context, layers, args.run, args.huge_pages)
+        time_case(module, label, case, repeats, args.samples)
 
 
 def time_case(module, label: str, case: tuple, repeats: int, samples: int) -> None:
