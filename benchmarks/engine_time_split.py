@@ -7,7 +7,7 @@ sequences, 4096 tokens a step, chunked prefill, no prefix caching, 4 GiB of KV c
 after a 4-request warm-up, and prints the output tok/s. With `--kernel-times` every
 function of the compiled kernels module and every oneDNN call of `PackedLinear` is wrapped
 in a timer (a few microseconds a call) and the table gives each one's seconds over the
-timed run.
+timed run; with `--block-runs` it also says how contiguous the decode rows' KV blocks were.
 
 Three knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
 sets the bfloat16 small GEMM's cut (256: the cut of CPUs without AMX, `cpu_linear`), and
@@ -35,6 +35,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vs_vllm import build_requests  # noqa: E402
 from vs_vllm_common import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS  # noqa: E402
@@ -42,6 +43,7 @@ from vs_vllm_common import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS  # noqa: E402
 from carpool.attention import cpu_kernels  # noqa: E402
 from carpool.llm import LLM  # noqa: E402
 from carpool.platform import cpu_linear  # noqa: E402
+from carpool.runner import model_runner  # noqa: E402
 from carpool.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -80,6 +82,34 @@ class KernelTimer:
         self.calls.clear()
 
 
+class BlockRuns:
+    """Over every step's decode rows: the KV blocks their tables reach and the runs of
+    consecutive block ids those form, i.e. how contiguous the blocks a decode reads are (the
+    decode kernel's memory rate depends on it: `decode_read_rate.py --run`)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.blocks = self.runs = 0
+
+    def install(self) -> None:
+        build = model_runner.build_input_batch
+
+        def counted(*args, **kwargs):
+            batch = build(*args, **kwargs)
+            self.count(batch.layout)
+            return batch
+        model_runner.build_input_batch = counted
+
+    def count(self, layout) -> None:
+        rows = np.flatnonzero(layout.query_lens == 1)
+        for row, num_blocks in zip(rows, layout.num_blocks(rows)):
+            table = layout.block_table[row, :num_blocks].astype(np.int64)
+            self.blocks += len(table)
+            self.runs += 1 + int((np.diff(table) != 1).sum())
+
+
 def run(engine, requests: list[tuple[list[int], int]], tag: str) -> float:
     """Add every request at once, step until all finish; the seconds that took."""
     for i, (ids, num_tokens) in enumerate(requests):
@@ -102,6 +132,8 @@ def main() -> None:
     parser.add_argument("--bf16-small-max-rows", type=int, default=None,
                         help="the bfloat16 small GEMM's cut (default: this CPU's)")
     parser.add_argument("--kernel-times", action="store_true")
+    parser.add_argument("--block-runs", action="store_true",
+                        help="count how contiguous the decode rows' KV blocks are")
     parser.add_argument("--kv-huge-pages", action=argparse.BooleanOptionalAction, default=True,
                         help="the KV cache on transparent huge pages (cpu_kv_huge_pages)")
     args = parser.parse_args()
@@ -112,6 +144,9 @@ def main() -> None:
     timer = KernelTimer()
     if args.kernel_times:
         timer.install()
+    block_runs = BlockRuns()
+    if args.block_runs:
+        block_runs.install()
     llm = LLM(model=args.model, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
               enable_prefix_caching=False, kv_cache_memory=4 * 2**30, device="cpu", seed=0,
@@ -121,6 +156,7 @@ def main() -> None:
     requests = build_requests(args.requests, vocab_size, args.seed)
     run(engine, requests[:4], "warmup")
     timer.reset()
+    block_runs.reset()
     seconds = run(engine, requests, "timed")
     num_out = sum(n for _, n in requests)
     kernels = cpu_kernels.load()
@@ -133,6 +169,9 @@ def main() -> None:
           f"{args.block_size}, bf16 small GEMM {cut}, KV huge pages "
           f"{'on' if args.kv_huge_pages else 'off'}: {seconds:.2f} s, "
           f"{num_out / seconds:.1f} out tok/s")
+    if args.block_runs:
+        print(f"  decode rows read {block_runs.blocks} KV blocks in {block_runs.runs} runs of "
+              f"consecutive ids: {block_runs.blocks / max(1, block_runs.runs):.2f} blocks a run")
     if args.kernel_times:
         for name, spent in timer.seconds.most_common():
             print(f"  {name:24} {spent:7.2f} s  {spent / seconds:6.1%}  "

@@ -113,7 +113,7 @@ inline __m512 group_scores(const uint16_t* q, const uint16_t* keys, int64_t n, f
 // bfloat16 pair's 32 bits become the even column's float by a shift and the odd one's by a
 // mask (two operations for 32 columns, where widening in column order takes five);
 // unpair_columns puts them back in order at the end.
-// next_keys, next_values: the next block's rows (null: none); key row t's lines and value
+// next_keys, next_values: the next block's rows (both null: none); key row t's lines and value
 // row t's lines are prefetched into L1 with value row t, so a block's prefetches are spread
 // over the loop instead of waiting in a burst for fill buffers.
 template <int NP, int R>
@@ -172,8 +172,9 @@ void group_values_rows(const float* probs, const uint16_t* values, int64_t n, fl
   static constexpr Fn fns[] = {&group_values<NP, R + 1>...};
   for (int64_t r0 = 0; r0 < rows; r0 += kPass) {  // the first pass prefetches
     const int64_t m = std::min<int64_t>(kPass, rows - r0);
+    const bool first = r0 == 0;
     fns[m - 1](probs + r0 * kDecodeGroup, values, n, acc + r0 * 32 * NP,
-               r0 == 0 ? next_keys : nullptr, next_values);
+               first ? next_keys : nullptr, first ? next_values : nullptr);
   }
 }
 

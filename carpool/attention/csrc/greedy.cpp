@@ -122,17 +122,13 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   int64_t* dst = out.data_ptr<int64_t>();
   // A few rows per task: a row of a large vocabulary is tens of microseconds.
   const int64_t grain = std::max<int64_t>(1, 32768 / n);
-  if (logits.scalar_type() == at::kFloat) {
-    const float* src = logits.const_data_ptr<float>();
+  auto run = [&](const auto* src) {
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * stride, n);
     });
-  } else {
-    const c10::BFloat16* src = logits.const_data_ptr<c10::BFloat16>();
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * stride, n);
-    });
-  }
+  };
+  if (logits.scalar_type() == at::kFloat) run(logits.const_data_ptr<float>());
+  else run(logits.const_data_ptr<c10::BFloat16>());
   return out;
 }
 
