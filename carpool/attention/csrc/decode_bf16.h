@@ -8,7 +8,8 @@
 // prefetches two chunks ahead; measured, it stalls on memory at about a third of what these
 // cores stream. Here each cache block is attended whole while the next one is prefetched
 // into L1, a few lines per key inside the value loop (one block ahead: farther ahead, or all
-// of a block's lines at once, the prefetches wait for fill buffers and stall the loop), scores
+// of a block's lines at once, the prefetches wait for fill buffers and stall the loop; on AMD
+// the block after next goes into L2 as well, see prefetch_block_after_next), scores
 // come from the bfloat16 keys in place through vdpbf16ps (products of bfloat16 pairs are
 // exact in float32; no conversion), and the value sums stay in float32.
 //
@@ -183,6 +184,25 @@ inline void prefetch_block_l1(const uint16_t* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 
+// Whether attend_decode also prefetches the block after next into L2. On AMD's Zen 4 the
+// one-block-ahead L1 prefetches alone leave the reads and the arithmetic nearly serial
+// (decode_read_rate.py from memory: 15-16 GB/s, 19-22 with this, against 25 read-only); on
+// Intel's Sapphire Rapids L2 prefetches ahead of the L1 ones cost 5-10% (BENCHMARKS §28).
+inline bool prefetch_block_after_next() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
+// `bytes` of keys and of values into L2, a line of each in turn.
+inline void prefetch_block_l2(const uint16_t* keys, const uint16_t* values, int64_t bytes) {
+  const char* k = reinterpret_cast<const char*>(keys);
+  const char* v = reinterpret_cast<const char*>(values);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    _mm_prefetch(k + i, _MM_HINT_T1);
+    _mm_prefetch(v + i, _MM_HINT_T1);
+  }
+}
+
 // The first block of `a` (keys and values) into L1: the thread's next item, while the last
 // block of its current one is attended.
 template <int NP>
@@ -214,6 +234,7 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
     return block;
   };
   const int64_t first_block = a.key_begin / BS, end_block = (a.key_end + BS - 1) / BS;
+  const bool l2_ahead = prefetch_block_after_next();
   int64_t block = block_id(first_block);
   for (int64_t b = first_block; b < end_block; ++b) {
     int64_t next = -1;  // the next block's id
@@ -225,6 +246,13 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
       next_values = a.value_head + next * BS * D;
     } else if (next_item != nullptr) {
       prefetch_first_block<NP>(*next_item);
+    }
+    if (l2_ahead && b + 2 < end_block) {  // an id outside the cache raises when reached
+      const int64_t far = a.table[b + 2];
+      if (far >= 0 && far < a.num_cache_blocks) {
+        prefetch_block_l2(a.key_head + far * BS * D, a.value_head + far * BS * D,
+                          BS * D * sizeof(uint16_t));
+      }
     }
     const int64_t lo = std::max(a.key_begin, b * BS), hi = std::min(a.key_end, (b + 1) * BS);
     for (int64_t t0 = lo; t0 < hi; t0 += kDecodeGroup) {
