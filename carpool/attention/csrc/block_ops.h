@@ -80,18 +80,19 @@ constexpr int kVecRegisters = 16;
 
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
-// One row of NV float vectors from float32 or (NV even) bfloat16/float16 values.
+// One row of NV float vectors from float32 or bfloat16/float16 values (those by pairs of
+// vectors, an odd last vector on its own: exact conversions either way).
 template <typename kv_t, int NV>
 inline void load_row(const kv_t* row, Vec (&x)[NV]) {
   if constexpr (std::is_same_v<kv_t, float>) {
     for (int v = 0; v < NV; ++v) x[v] = Vec::loadu(row + v * Vec::size());
   } else {
-    static_assert(NV % 2 == 0, "reduced-precision rows are read as whole pairs of vectors");
-    for (int v = 0; v < NV; v += 2) {
+    for (int v = 0; v + 1 < NV; v += 2) {
       auto [lo, hi] = at::vec::convert_to_float<kv_t>(at::vec::Vectorized<kv_t>::loadu(row + v * Vec::size()));
       x[v] = lo;
       x[v + 1] = hi;
     }
+    if constexpr (NV % 2 == 1) at::vec::load_to_float<kv_t>(row + (NV - 1) * Vec::size(), x[NV - 1]);
   }
 }
 
@@ -224,8 +225,7 @@ constexpr int kMaxTransposedRows = 6;  // query rows per pass there (R * KV accu
 constexpr int kMaxRowScoreRows = 3;    // query rows per pass of the scores by row
 
 // The instantiations reading kv_t rows, looked up at run time: values[NV - 1][R - 1] and
-// by_row[NV - 1][R - 1] (for bfloat16/float16, even NV only), transposed[KV - 1][R - 1]
-// (float).
+// by_row[NV - 1][R - 1], transposed[KV - 1][R - 1] (float).
 template <typename kv_t>
 struct BlockOps {
   ValuesFn<kv_t> values[kMaxVecs][kMaxRows];
@@ -246,11 +246,11 @@ constexpr int64_t rows_per_pass(int64_t num_vecs) {
 
 template <typename kv_t, int NV, int R>
 void fill_row(BlockOps<kv_t>& ops) {
-  // Only the passes attend_item makes; reduced-precision rows in whole pairs of vectors.
-  if constexpr (R <= rows_per_pass(NV) && (std::is_same_v<kv_t, float> || NV % 2 == 0)) {
+  // Only the passes attend_item makes.
+  if constexpr (R <= rows_per_pass(NV)) {
     ops.values[NV - 1][R - 1] = &chunk_values<kv_t, NV, R>;
   }
-  if constexpr (R <= kMaxRowScoreRows && (std::is_same_v<kv_t, float> || NV % 2 == 0)) {
+  if constexpr (R <= kMaxRowScoreRows) {
     ops.by_row[NV - 1][R - 1] = &chunk_scores_by_row<kv_t, NV, R>;
   }
 }

@@ -226,14 +226,12 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
 #else
   const bool paired = false;
 #endif
-  // Cache rows used as they are: float32 rows that need no padding; bfloat16/float16 value
-  // rows filling whole vector pairs, when one register pass covers all rows (else each pass
-  // would convert them again).
-  // bfloat16/float16 keys only when one pass of the scores by row covers all rows.
+  // Cache rows used as they are when they need no padding: float32 rows always; bfloat16/
+  // float16 value rows when one register pass covers all rows (else each pass would convert
+  // them again), and keys when one pass of the scores by row does.
   const bool keys_in_place =
-      Dp == D && (is_float || (s.num_vecs % 2 == 0 && !transposed && rows <= kMaxRowScoreRows));
-  const bool values_in_place =
-      Dp == D && (is_float || (s.num_vecs % 2 == 0 && rows <= value_rows_per_pass));
+      Dp == D && (is_float || (!transposed && rows <= kMaxRowScoreRows));
+  const bool values_in_place = Dp == D && (is_float || rows <= value_rows_per_pass);
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = first_pos + r / G, head = item.kv_head * G + r % G;
