@@ -1,0 +1,132 @@
+"""One core's bfloat16 peak: the ceiling the linears and the small GEMM are measured against.
+
+`--unit amx` (default where the CPU has AMX): four sum tiles take `tdpbf16ps` products of two
+A and two B tiles, reloaded from one L1-resident address every step (the small GEMM's 2 x 2
+blocking with its operands hot), so neither memory nor cache limits the loop; needs a Linux
+that grants the tile state. `--unit avx512`: `vdpbf16ps` on 512-bit registers into twelve
+independent sums (enough to cover its latency), and for comparison float32 FMAs the same
+way. Prints GFLOP/s per core and, at `--ghz`, cycles per instruction.
+
+    python3 benchmarks/bf16_peak.py [--unit amx|avx512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+_CSRC = Path(__file__).resolve().parent.parent / "carpool" / "attention" / "csrc"
+_AMX_SOURCE = r"""
+#include <torch/extension.h>
+#include "amx_tiles.h"
+
+// -1 where the tile state is not granted; else the first sum (keeps the products live).
+CARPOOL_AMX_TARGET double products(int64_t steps) {
+  if (!amx_usable()) return -1;
+  configure_tiles();
+  alignas(64) static uint16_t a[2][16 * 32] = {}, b[2][16 * 32] = {};
+  alignas(64) static float c[16 * 16];
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t i = 0; i < steps; ++i) {
+    _tile_loadd(4, a[0], 64); _tile_loadd(5, a[1], 64);
+    _tile_loadd(6, b[0], 64); _tile_loadd(7, b[1], 64);
+    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  release_tiles();
+  return c[0];
+}
+"""
+_AVX512_SOURCE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+
+constexpr int kSums = 12;
+
+// `steps` rounds of kSums independent vdpbf16ps; returns a sum (keeps them live).
+double products(int64_t steps) {
+  __m512 acc[kSums];
+  for (int i = 0; i < kSums; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = a;  // pairs of 1.0
+  for (int64_t s = 0; s < steps; ++s) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kSums; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  __m512 total = acc[0];
+  for (int i = 1; i < kSums; ++i) total = _mm512_add_ps(total, acc[i]);
+  return _mm512_reduce_add_ps(total);
+}
+
+// The same with float32 FMAs.
+double fmas(int64_t steps) {
+  __m512 acc[kSums];
+  for (int i = 0; i < kSums; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512 a = _mm512_set1_ps(1e-9f), b = _mm512_set1_ps(1.f);
+  for (int64_t s = 0; s < steps; ++s) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kSums; ++i) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
+  }
+  __m512 total = acc[0];
+  for (int i = 1; i < kSums; ++i) total = _mm512_add_ps(total, acc[i]);
+  return _mm512_reduce_add_ps(total);
+}
+"""
+TILE_FLOP = 2 * 16 * 16 * 32  # a 16 x 32 by 32 x 16 bfloat16 tile product
+DPBF16_FLOP = 2 * 32  # 16 lanes, each two bfloat16 products and their sum into float32
+FMA_FLOP = 2 * 16
+
+
+def _amx(args) -> None:
+    if not torch.cpu._is_amx_tile_supported():
+        raise SystemExit("this CPU has no AMX tiles (try --unit avx512)")
+    module = load_inline("bf16_peak_amx", cpp_sources=_AMX_SOURCE, functions=["products"],
+                         extra_include_paths=[str(_CSRC)],
+                         extra_cflags=["-O2", "-mamx-tile", "-mamx-bf16", "-mavx512f",
+                                       "-DCARPOOL_AMX"])
+    for _ in range(args.repeats):
+        begin = time.perf_counter()
+        if module.products(args.steps) == -1:
+            raise SystemExit("Linux did not grant the AMX tile state")
+        seconds = time.perf_counter() - begin
+        count = 4 * args.steps
+        print(f"tdpbf16ps: {count * TILE_FLOP / seconds / 1e9:,.0f} GFLOP/s per core, "
+              f"{seconds / count * args.ghz * 1e9:.1f} cycles a tile product at {args.ghz} GHz")
+
+
+def _avx512(args) -> None:
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        raise SystemExit("this CPU has no AVX512-BF16")
+    module = load_inline("bf16_peak_avx512", cpp_sources=_AVX512_SOURCE,
+                         functions=["products", "fmas"],
+                         extra_cflags=["-O3", "-mavx512f", "-mavx512bf16"])
+    steps = args.steps * 10
+    for _ in range(args.repeats):
+        for name, fn, flop in (("vdpbf16ps", module.products, DPBF16_FLOP),
+                               ("vfmadd (float32)", module.fmas, FMA_FLOP)):
+            begin = time.perf_counter()
+            fn(steps)
+            seconds = time.perf_counter() - begin
+            count = 12 * steps
+            print(f"{name}: {count * flop / seconds / 1e9:,.0f} GFLOP/s per core, "
+                  f"{seconds / count * args.ghz * 1e9:.2f} cycles an instruction at "
+                  f"{args.ghz} GHz")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--unit", choices=("amx", "avx512"),
+                        default="amx" if torch.cpu._is_amx_tile_supported() else "avx512")
+    parser.add_argument("--steps", type=int, default=2_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ghz", type=float, default=3.4, help="clock for the cycles column")
+    args = parser.parse_args()
+    (_amx if args.unit == "amx" else _avx512)(args)
+
+
+if __name__ == "__main__":
+    main()
