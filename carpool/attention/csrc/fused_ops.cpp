@@ -136,6 +136,28 @@ inline void store_rounded(const Vec& x, scalar_t* dst) {
   }
 }
 
+// The first n < Vec::size() values of src -> float (the other lanes 0).
+template <typename scalar_t>
+inline Vec load_float(const scalar_t* src, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vec::loadu(src, n);
+  } else {
+    return std::get<0>(at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(src, n)));
+  }
+}
+
+// The first n < Vec::size() lanes of x -> dst, rounded as store_rounded rounds.
+template <typename scalar_t>
+inline void store_rounded(const Vec& x, scalar_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    x.store(dst, n);
+  } else {
+    scalar_t lanes[Vec::size()];
+    store_rounded(x, lanes);
+    std::memcpy(dst, lanes, n * sizeof(scalar_t));
+  }
+}
+
 // One row of head_dim values: x[i] = x[i]*cos[i] - x[i+h]*sin[i]; x[i+h] = x[i+h]*cos[i+h] + x[i]*sin[i+h].
 // Eager order: x * cos (rounded), rotate_half(x) * sin (rounded), their sum (rounded).
 template <typename scalar_t>
@@ -150,16 +172,15 @@ inline void rotate_row(scalar_t* x, const scalar_t* cos, const scalar_t* sin, in
                       round_to<scalar_t>(a * load_float(sin + i + half)),
                   x + i + half);
   }
-  for (; i < half; ++i) {
-    const float a = static_cast<float>(x[i]);
-    const float b = static_cast<float>(x[i + half]);
-    const float first = round_to<scalar_t>(round_to<scalar_t>(a * static_cast<float>(cos[i])) +
-                                           round_to<scalar_t>(-b * static_cast<float>(sin[i])));
-    const float second =
-        round_to<scalar_t>(round_to<scalar_t>(b * static_cast<float>(cos[i + half])) +
-                           round_to<scalar_t>(a * static_cast<float>(sin[i + half])));
-    x[i] = static_cast<scalar_t>(first);
-    x[i + half] = static_cast<scalar_t>(second);
+  if (i < half) {  // the same on a part of a vector (head_dim 16: the whole row)
+    const int64_t n = half - i;
+    const Vec a = load_float(x + i, n), b = load_float(x + i + half, n);
+    store_rounded(round_to<scalar_t>(a * load_float(cos + i, n)) +
+                      round_to<scalar_t>(b.neg() * load_float(sin + i, n)),
+                  x + i, n);
+    store_rounded(round_to<scalar_t>(b * load_float(cos + i + half, n)) +
+                      round_to<scalar_t>(a * load_float(sin + i + half, n)),
+                  x + i + half, n);
   }
 }
 
