@@ -42,38 +42,34 @@ CARPOOL_AMX_TARGET double products(int64_t steps) {
   return c[0];
 }
 """
+NUM_SUMS = 12  # independent sums: enough to cover either instruction's latency
 _AVX512_SOURCE = r"""
 #include <torch/extension.h>
 #include <immintrin.h>
 
-constexpr int kSums = 12;
-
-// `steps` rounds of kSums independent vdpbf16ps; returns a sum (keeps them live).
-double products(int64_t steps) {
-  __m512 acc[kSums];
-  for (int i = 0; i < kSums; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = a;  // pairs of 1.0
+// `steps` rounds of NUM_SUMS independent sums, each updated by `step`; returns their total
+// (keeps them live).
+template <typename Step>
+double independent_sums(int64_t steps, Step step) {
+  __m512 acc[NUM_SUMS];
+  for (int i = 0; i < NUM_SUMS; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kSums; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+#pragma GCC unroll 16
+    for (int i = 0; i < NUM_SUMS; ++i) acc[i] = step(acc[i]);
   }
   __m512 total = acc[0];
-  for (int i = 1; i < kSums; ++i) total = _mm512_add_ps(total, acc[i]);
+  for (int i = 1; i < NUM_SUMS; ++i) total = _mm512_add_ps(total, acc[i]);
   return _mm512_reduce_add_ps(total);
 }
 
-// The same with float32 FMAs.
+double products(int64_t steps) {
+  const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);  // pairs of 1.0
+  return independent_sums(steps, [&](__m512 sum) { return _mm512_dpbf16_ps(sum, ones, ones); });
+}
+
 double fmas(int64_t steps) {
-  __m512 acc[kSums];
-  for (int i = 0; i < kSums; ++i) acc[i] = _mm512_setzero_ps();
   const __m512 a = _mm512_set1_ps(1e-9f), b = _mm512_set1_ps(1.f);
-  for (int64_t s = 0; s < steps; ++s) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kSums; ++i) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
-  }
-  __m512 total = acc[0];
-  for (int i = 1; i < kSums; ++i) total = _mm512_add_ps(total, acc[i]);
-  return _mm512_reduce_add_ps(total);
+  return independent_sums(steps, [&](__m512 sum) { return _mm512_fmadd_ps(a, b, sum); });
 }
 """
 TILE_FLOP = 2 * 16 * 16 * 32  # a 16 x 32 by 32 x 16 bfloat16 tile product
@@ -103,7 +99,8 @@ def _avx512(args) -> None:
         raise SystemExit("this CPU has no AVX512-BF16")
     module = load_inline("bf16_peak_avx512", cpp_sources=_AVX512_SOURCE,
                          functions=["products", "fmas"],
-                         extra_cflags=["-O3", "-mavx512f", "-mavx512bf16"])
+                         extra_cflags=["-O3", "-mavx512f", "-mavx512bf16",
+                                       f"-DNUM_SUMS={NUM_SUMS}"])
     steps = args.steps * 10
     for _ in range(args.repeats):
         for name, fn, flop in (("vdpbf16ps", module.products, DPBF16_FLOP),
@@ -111,7 +108,7 @@ def _avx512(args) -> None:
             begin = time.perf_counter()
             fn(steps)
             seconds = time.perf_counter() - begin
-            count = 12 * steps
+            count = NUM_SUMS * steps
             print(f"{name}: {count * flop / seconds / 1e9:,.0f} GFLOP/s per core, "
                   f"{seconds / count * args.ghz * 1e9:.2f} cycles an instruction at "
                   f"{args.ghz} GHz")
