@@ -1,13 +1,14 @@
 """The cpu attention backend with its C++ kernel vs its PyTorch paths, alternated in one run.
 
-Every side attends the same step (built through `build_input_batch` from a `SchedulerOutput`,
-metadata by the backend) over the 135M model's attention shape (9 query heads, 3 KV heads,
-head_dim 64, block size 16), with the same thread count. One timed sample is `--layers`
-consecutive layer calls, each on its own KV cache (so the caches do not all sit in the L3
-cache, as in a real step); samples of the sides alternate, and the table gives the medians
-and the ratios of per-sample times. Per-step work (the batch metadata and int32 tables) is
-built once, outside the timing, and so is the step's KV write (the caches hold this step's
-k and v before any side attends, so fresh prompts read the same keys on every side).
+Every side attends the same step (built through `build_input_batch` from a
+`SchedulerOutput`, metadata by the backend) over the 135M model's attention shape (9 query
+heads, 3 KV heads, head_dim 64, block size 16; `--attention-shape` for another), with the
+same thread count. One timed sample is `--layers` consecutive layer calls, each on its own
+KV cache (so the caches do not all sit in the L3 cache, as in a real step); samples of the
+sides alternate, and the table gives the medians and the ratios of per-sample times.
+Per-step work (the batch metadata and int32 tables) is built once, outside the timing, and
+so is the step's KV write (the caches hold this step's k and v before any side attends, so
+fresh prompts read the same keys on every side).
 
 The kernel sides take every row, fresh prompts of any length included (the PyTorch side
 runs the query-block matmuls for those). `--against DIR` adds a third side: the kernel
@@ -17,6 +18,8 @@ unpacked), called through this checkout's backend.
     PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py
     PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py --repeats 31 --threads 2 \
         --against /tmp/attn-base
+    PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py --attention-shape 4 2 16 \
+        --cases decodes --dtypes bfloat16 --against /tmp/attn-base
 """
 
 from __future__ import annotations
@@ -100,22 +103,25 @@ class _WithoutAmx:
 
 def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes: int,
                chunks: list[tuple[int, int]], num_layers: int, repeats: int,
-               context: int | None = None, clock=time.perf_counter, shared: int = 0) -> dict:
+               context: int | None = None, clock=time.perf_counter, shared: int = 0,
+               attention_shape: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)) -> dict:
     """Median ms per layer call of each side ("torch" and one per kernels module), the
-    medians of the per-sample ratios torch / side, and each side's max abs diff to torch."""
+    medians of the per-sample ratios torch / side, and each side's max abs diff to torch;
+    `attention_shape` is (query heads, kv heads, head_dim)."""
+    num_heads, num_kv_heads, head_dim = attention_shape
     step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes + len(chunks),
                                  context=context, shared=shared)
     batch = build_input_batch(step, block_size=BLOCK_SIZE, scratch_block=num_blocks - 1,
                               device=torch.device("cpu"))
     num_tokens = batch.layout.num_tokens
-    caches = [torch.randn(2, NUM_KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM).to(dtype)
+    caches = [torch.randn(2, num_kv_heads, num_blocks, BLOCK_SIZE, head_dim).to(dtype)
               for _ in range(num_layers)]
-    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(dtype)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
-    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(dtype)
-    scale = HEAD_DIM ** -0.5
+    q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    scale = head_dim ** -0.5
     # dtype: bfloat16 backends send prompt chunks to prefill_attention_bf16, as in the engine
-    shape = AttentionShape(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    shape = AttentionShape(num_heads, num_kv_heads, head_dim, dtype=dtype)
     cpu = torch.device("cpu")
     backends = {"torch": create_backend("cpu", shape, cpu)}
     for side, module in kernel_modules.items():
@@ -179,6 +185,9 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the process's CPU time (all threads; steadier on a shared "
                              "machine, with OMP_WAIT_POLICY=PASSIVE so idle threads sleep)")
+    parser.add_argument("--attention-shape", type=int, nargs=3,
+                        default=[NUM_HEADS, NUM_KV_HEADS, HEAD_DIM],
+                        metavar=("HEADS", "KV_HEADS", "HEAD_DIM"))
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
     started = time.perf_counter()
@@ -203,7 +212,8 @@ def main() -> None:
     for dtype in (getattr(torch, d) for d in ns.dtypes.split(",")):
         for name, num_decodes, chunks, context, *shared in cases:
             row = bench_case(modules, name, dtype, num_decodes, chunks, ns.layers, ns.repeats,
-                             context, clock, *shared)
+                             context, clock, shared=shared[0] if shared else 0,
+                             attention_shape=tuple(ns.attention_shape))
             line = f"{row['name']:34} {row['dtype']:9}"
             line += "".join(f" {row['ms'][s]:10.3f}" for s in sides)
             line += "".join(f" {row['speedup'][s]:12.2f}x" for s in modules)

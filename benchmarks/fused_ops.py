@@ -10,6 +10,7 @@ rows (a saved list of [N, 3072] tensors) instead of random ones for silu_and_mul
 
     OMP_NUM_THREADS=1 python3 benchmarks/fused_ops.py --rows 2048 64
     OMP_NUM_THREADS=1 python3 benchmarks/fused_ops.py --against /tmp/old --dtype float16
+    OMP_NUM_THREADS=1 python3 benchmarks/fused_ops.py --against /tmp/old --attention-shape 4 2 16
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ def other_kernels(checkout: str):
     return module.load()
 
 
-def make_calls(rows: int, dtype: torch.dtype, activations: list[torch.Tensor] | None):
-    """name -> (call(kernels) -> output tensors): inputs made once, shared by every build."""
+def make_calls(rows: int, dtype: torch.dtype, activations: list[torch.Tensor] | None,
+               attention_shape: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM)):
+    """name -> (call(kernels) -> output tensors): inputs made once, shared by every build;
+    rotary_ on `attention_shape` (query heads, kv heads, head_dim)."""
+    heads, kv_heads, head_dim = attention_shape
     gen = torch.Generator().manual_seed(rows)
     if activations:
         gate_up = torch.cat(activations)[:rows].to(dtype).contiguous()
@@ -48,15 +52,15 @@ def make_calls(rows: int, dtype: torch.dtype, activations: list[torch.Tensor] | 
     x = torch.randn(rows, HIDDEN + 2, generator=gen).to(dtype)[:, :HIDDEN]
     residual = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
     weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(dtype)
-    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
-    angles = torch.arange(rows)[:, None] * 0.1 ** torch.linspace(0, 4, HEAD_DIM // 2)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    angles = torch.arange(rows)[:, None] * 0.1 ** torch.linspace(0, 4, head_dim // 2)
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1).to(dtype)
 
     def rotary(kernels):  # in place on a fresh copy each time, so every build sees one input
-        q, k, _ = qkv.clone().split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
-                                     KV_HEADS * HEAD_DIM], dim=-1)
-        q, k = q.view(rows, HEADS, HEAD_DIM), k.view(rows, KV_HEADS, HEAD_DIM)
+        q, k, _ = qkv.clone().split([heads * head_dim, kv_heads * head_dim,
+                                     kv_heads * head_dim], dim=-1)
+        q, k = q.view(rows, heads, head_dim), k.view(rows, kv_heads, head_dim)
         kernels.rotary_(q, k, cos, sin)
         return q, k
 
@@ -84,6 +88,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--against", help="another checkout whose kernels to time alongside")
     parser.add_argument("--activations", help="a torch.save'd list of bf16 gate_up tensors")
+    parser.add_argument("--attention-shape", type=int, nargs=3, default=[HEADS, KV_HEADS, HEAD_DIM],
+                        metavar=("HEADS", "KV_HEADS", "HEAD_DIM"), help="rotary_'s q and k")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -98,7 +104,8 @@ def main() -> None:
     print(header + ("   this/against  same bits" if args.against else ""))
     with torch.inference_mode():
         for rows in args.rows:
-            for name, call in make_calls(rows, dtype, activations).items():
+            for name, call in make_calls(rows, dtype, activations,
+                                               tuple(args.attention_shape)).items():
                 if name == "rms_norm (no residual)" and dtype == torch.float32:
                     continue  # float32 keeps the eager ops
                 calls = max(3, int(2e5 // rows))

@@ -197,7 +197,7 @@ def _run_offline(args: argparse.Namespace) -> int:
             rounds[-1][variant] = summarize(run_.results, run_.duration_s)
             print(format_summary(rounds[-1][variant],
                                  f"Offline {variant}, {args.clock} clock, round "
-                                 f"{round_index + 1}/{args.repeat}"),
+                                 f"{round_index + 1}/{args.repeat}", len(run_.steps)),
                   flush=True)
     baseline = "static" if "static" in variants else variants[0]
     if len(variants) > 1 or args.repeat > 1:

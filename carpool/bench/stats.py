@@ -170,8 +170,10 @@ _SECTIONS = (("ttft", "TTFT", "Time to First Token"),
              ("e2el", "E2EL", "End-to-end Latency"))
 
 
-def format_summary(summary: BenchmarkSummary, title: str = "Serving Benchmark Result") -> str:
-    """The summary as the aligned text block `vllm bench serve` users know."""
+def format_summary(summary: BenchmarkSummary, title: str = "Serving Benchmark Result",
+                   num_steps: int | None = None) -> str:
+    """The summary as the aligned text block `vllm bench serve` users know; offline runs
+    add the number of model steps they took (`num_steps`)."""
     lines = [f" {title} ".center(_WIDTH, "=")]
 
     def row(label: str, value) -> None:
@@ -190,6 +192,8 @@ def format_summary(summary: BenchmarkSummary, title: str = "Serving Benchmark Re
     row("Output token throughput (tok/s):", summary.output_throughput)
     row("Total token throughput (tok/s):", summary.total_token_throughput)
     row("Peak concurrent requests:", summary.peak_concurrency)
+    if num_steps is not None:
+        row("Model steps:", num_steps)
     for key, short, long in _SECTIONS:
         dist: Distribution = getattr(summary, key)
         lines.append(f" {long} ".center(_WIDTH, "-"))

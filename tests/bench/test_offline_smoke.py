@@ -39,6 +39,8 @@ def test_compare_runs_every_variant_on_the_same_requests(checkpoint, tmp_path, c
     assert plot.read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
     assert "Ratios vs static" in out and "Offline static, wall clock, round 1/1" in out
+    steps = [int(line.split()[-1]) for line in out.splitlines() if line.startswith("Model steps:")]
+    assert len(steps) == 3 and steps[1] < steps[0]  # static, continuous, chunked
 
 
 def test_static_slots_wait_for_the_whole_batch(checkpoint):
