@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "requests (static, continuous, chunked, chunked-partial, "
                               "chunked-no-prefix-cache; default: the first three).")
     offline.add_argument("--repeat", type=int, default=1,
-                         help="Rounds, for min/median/max of each ratio.")
+                         help="Rounds, for min/median/max of each ratio; every other round runs "
+                              "the variants in reverse order.")
     offline.add_argument("--plot",
                          help="PNG: slot timeline and tokens per step, one column per variant.")
     offline.add_argument("--result-file", help="Write the figures as JSON here.")
@@ -186,26 +187,27 @@ def _run_offline(args: argparse.Namespace) -> int:
     max_model_len = args.max_model_len or max(len(r.prompt_token_ids) + r.max_tokens
                                               for r in requests)
     common = _engine_settings(args)
-    rounds, last_runs = [], []
+    rounds, runs = [], {}
     for round_index in range(args.repeat):
-        rounds.append({})
-        last_runs = []
-        for variant in variants:
-            run_ = run_variant(args.model, requests, variant, common, max_model_len, args.clock,
-                               show_progress=not args.no_progress)
-            last_runs.append(run_)
-            rounds[-1][variant] = summarize(run_.results, run_.duration_s)
-            print(format_summary(rounds[-1][variant],
+        summaries = {}
+        # Every other round runs the variants in reverse order, so a machine that speeds up
+        # or slows down over the run favours none of them.
+        for variant in variants if round_index % 2 == 0 else variants[::-1]:
+            runs[variant] = run_variant(args.model, requests, variant, common, max_model_len,
+                                        args.clock, show_progress=not args.no_progress)
+            summaries[variant] = summarize(runs[variant].results, runs[variant].duration_s)
+            print(format_summary(summaries[variant],
                                  f"Offline {variant}, {args.clock} clock, round "
-                                 f"{round_index + 1}/{args.repeat}", len(run_.steps)),
+                                 f"{round_index + 1}/{args.repeat}", len(runs[variant].steps)),
                   flush=True)
+        rounds.append({variant: summaries[variant] for variant in variants})
     baseline = "static" if "static" in variants else variants[0]
     if len(variants) > 1 or args.repeat > 1:
         print(format_comparison(rounds, baseline))
     if args.plot:
         from carpool.bench.plots import save_comparison_plot
 
-        save_comparison_plot(args.plot, last_runs)
+        save_comparison_plot(args.plot, [runs[v] for v in variants])
         print(f"plot written to {args.plot}")
     if args.result_file:
         _write_json(args.result_file, {"workload": vars(_workload_config(args)), "engine": common,
