@@ -5,14 +5,17 @@ gate_up, down), `--copies` times over so that their weights stream from memory a
 30-layer model's do (1 copy: they stay in cache, as a tiny model's do), and times one pass
 over all of them at each row count, through oneDNN (`PackedLinear._matmul`, bucketed rows)
 and through `small_gemm_f32` (`--dtype bfloat16`: `small_gemm_bf16`), alternated in one
-process. Prints both times, their ratio
-and the largest difference between the two results.
+process. Prints both times, their ratio, the small GEMM's GFLOP/s (against this CPU's
+peak, `bf16_peak.py`) and the largest difference between the two results. `--against DIR`
+also times the small GEMM of another checkout (e.g. `git archive <commit> | tar -x -C DIR`),
+alternated pass by pass with this one's, and checks that the two give the same bits.
 
     python3 benchmarks/small_gemm.py --threads 2 --copies 30 --rows 1 2 4 8 12 16
     python3 benchmarks/small_gemm.py --threads 1 --copies 30 --rows 1 4 8 16 32 48
     python3 benchmarks/small_gemm.py --shapes tiny --copies 1
     python3 benchmarks/small_gemm.py --dtype bfloat16 --rows 1 4 16 64 128 256
     python3 benchmarks/small_gemm.py --dtype bfloat16 --amx --rows 3 16 64 128 256 512
+    python3 benchmarks/small_gemm.py --dtype bfloat16 --rows 8 100 200 --against /tmp/base
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from torch import nn  # noqa: E402
 
 from carpool.attention import cpu_kernels  # noqa: E402
 from carpool.platform.cpu_linear import PackedLinear  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_attention_kernel import load_other_kernels  # noqa: E402
 
 SHAPES = {
     "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],
@@ -62,6 +68,24 @@ def seconds(layers, inputs, small: bool, kernels, repeats: int, amx: bool = Fals
     return (time.perf_counter() - start) / repeats
 
 
+def alternated_seconds(layers, inputs, builds: dict, repeats: int, amx: bool) -> dict[str, float]:
+    """Best pass time of each build's small GEMM, the builds alternated pass by pass."""
+    best = {name: float("inf") for name in builds}
+    for kernels in builds.values():
+        one_pass(layers, inputs, True, kernels, amx)
+    for _ in range(repeats):
+        for name, kernels in builds.items():
+            start = time.perf_counter()
+            one_pass(layers, inputs, True, kernels, amx)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def outputs(layers, inputs, kernels, amx: bool) -> list[torch.Tensor]:
+    return [small_gemm(kernels, x, amx)(x, layer._small_packed, layer.out_features, None)
+            for layer, x in zip(layers, inputs)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=sorted(SHAPES), default="135M")
@@ -72,6 +96,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--amx", action="store_true",
                         help="bfloat16: the small GEMM on AMX tiles (small_gemm_bf16(amx=True))")
+    parser.add_argument("--against", metavar="DIR",
+                        help="another checkout whose small GEMM to time alongside this one's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -88,7 +114,21 @@ def main() -> None:
               for k, n in shapes]
     print(f"{len(layers)} {args.dtype} layers, {args.threads} threads, "
           f"AMX {torch.cpu._is_amx_tile_supported()}")
+    flops_per_row = 2 * sum(k * n for k, n in shapes)
     with torch.inference_mode():
+        if args.against:
+            builds = {"this": kernels, "against": load_other_kernels(args.against, None)}
+            for rows in args.rows:
+                inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
+                best = alternated_seconds(layers, inputs, builds, args.repeats, args.amx)
+                same = all(torch.equal(a, b) for a, b in zip(
+                    *(outputs(layers, inputs, k, args.amx) for k in builds.values())))
+                print(f"rows {rows:4d}  " + "  ".join(
+                    f"{name} {t * 1e6:9.1f} us {rows * flops_per_row / t / 1e9:5.0f} GFLOP/s"
+                    for name, t in best.items())
+                    + f"  this/against {best['this'] / best['against']:.3f}  same bits {same}",
+                    flush=True)
+            return
         for rows in args.rows:
             inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
             onednn = seconds(layers, inputs, False, kernels, args.repeats)
@@ -98,7 +138,9 @@ def main() -> None:
                         - layer._matmul(x)).abs().max().item()
                        for layer, x in zip(layers, inputs))
             print(f"rows {rows:4d}  oneDNN {onednn * 1e6:9.1f} us  small {small * 1e6:9.1f} us  "
-                  f"small/oneDNN {small / onednn:.2f}  max diff {diff:.1e}", flush=True)
+                  f"small/oneDNN {small / onednn:.2f}  small "
+                  f"{rows * flops_per_row / small / 1e9:5.0f} GFLOP/s  max diff {diff:.1e}",
+                  flush=True)
 
 
 if __name__ == "__main__":

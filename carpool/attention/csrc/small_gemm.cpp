@@ -6,8 +6,8 @@
 // layers). Here the weight is repacked once (`pack_bf16_weight`) into blocks of 16 output
 // columns whose rows hold (k, k + 1) pairs: [ceil(N / 16)][K / 2][16][2]. One AVX512-BF16
 // `vdpbf16ps` then multiplies a 16-column register of weight pairs by a broadcast pair of
-// one input row and accumulates in float32; a tile of up to kMaxRows rows x kBlocks blocks
-// keeps its accumulators in registers while the weight streams past once. The result is
+// one input row and accumulates in float32; a tile of rows x blocks (12 x 2 up to 12 rows,
+// else 6 x 4) keeps its accumulators in registers while the weight streams past. The result is
 // rounded to bfloat16 once (after the bias), as oneDNN does.
 //
 // A row's sums run over k in the same order whatever the number of rows or the tile it
@@ -45,22 +45,60 @@ namespace carpool_gemm {
 namespace {
 
 constexpr int64_t kBlock = 16;  // output columns per register
-constexpr int kBlocks = 2;      // blocks per tile
-constexpr int kMaxRows = 12;    // rows per tile: 24 accumulators + 2 weight registers
+// Tile shapes, rows x blocks of 16 columns: 24 accumulators either way. The wide one takes 6
+// broadcasts of x and 4 weight loads a k step, and ran in 0.91-0.95x the narrow one's time on
+// Zen 4 (where the broadcasts compete with `vdpbf16ps` for its units) from 13 rows on. Up to
+// 12 rows the narrow one is a single pass over the weight with half the loads a step: the
+// wide one's two passes took 1.15x its time at 7 rows with the weight in L3 (BENCHMARKS §30).
+struct NarrowTile { static constexpr int kRows = 12, kBlocks = 2; };
+struct WideTile { static constexpr int kRows = 6, kBlocks = 4; };
+constexpr int64_t kChunk = 8;   // k steps between a tile's prefetches of the next weight
+// Below this many rows the product is a plain stream over the weight, which the hardware
+// prefetcher keeps up with; prefetching ahead as well slowed 1 row by 3-7% (§30).
+constexpr int64_t kMinPrefetchRows = 3;
 
 #if defined(CPU_CAPABILITY_AVX512)
+// The cache lines of the next column group's weight that one tile prefetches into L2 as it
+// runs: a thread's groups then find their weight in L2 instead of waiting on memory in
+// their first row tile (the weight streams from memory once a step; see for_each_tile).
+struct NextWeight {
+  const char* lines = nullptr;
+  int64_t count = 0;
+
+  // Issues the next `per_chunk` lines (fewer at the end): before each of a tile's chunks,
+  // per_chunk = ceil(count / chunks), so they spread over the tile.
+  inline void issue(int64_t per_chunk) {
+    const int64_t n = std::min(count, per_chunk);
+    for (int64_t i = 0; i < n; ++i) _mm_prefetch(lines + i * 64, _MM_HINT_T1);
+    lines += n * 64;
+    count -= n;
+  }
+};
+
 // Rows [0, R) of x times blocks [0, B) starting at `w` (block stride `block_stride`), into
 // y columns [col0, col0 + B * 16) clipped at n.
+// Never inlined: inlined into the dispatch, one shape (7 x 2) once lost its registers and
+// ran at half speed; a call per tile costs nothing next to its k loop.
 template <int R, int B>
-CARPOOL_BF16_TARGET void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w,
+CARPOOL_BF16_TARGET __attribute__((noinline)) void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w,
                               int64_t pairs, int64_t block_stride, const float* bias,
-                              uint16_t* y, int64_t y_stride, int64_t col0, int64_t n) {
+                              uint16_t* y, int64_t y_stride, int64_t col0, int64_t n,
+                              NextWeight next) {
   __m512 acc[R][B];
   for (int b = 0; b < B; ++b) {
     const __m512 init = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kBlock);
     for (int r = 0; r < R; ++r) acc[r][b] = init;
   }
-  bf16_dot_tile<R, B>(x, x_stride, w, block_stride, pairs, acc);
+  // In chunks when there is something to prefetch between them (the same k order as one pass)
+  const int64_t chunks = next.count == 0 ? 1 : (pairs + kChunk - 1) / kChunk;
+  const int64_t chunk = next.count == 0 ? pairs : kChunk;
+  const int64_t per_chunk = (next.count + chunks - 1) / chunks;
+  for (int64_t c = 0; c < chunks; ++c) {
+    next.issue(per_chunk);
+    const int64_t p0 = c * chunk;
+    bf16_dot_tile<R, B>(x + 2 * p0, x_stride, w + p0 * 2 * kBlock, block_stride,
+                        std::min(chunk, pairs - p0), acc);
+  }
   for (int r = 0; r < R; ++r) {
     for (int b = 0; b < B; ++b) {
       const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[r][b]);
@@ -77,37 +115,28 @@ CARPOOL_BF16_TARGET void tile(const uint16_t* x, int64_t x_stride, const uint16_
   }
 }
 
-template <int B>
-void rows_tile(int64_t rows, const uint16_t* x, int64_t x_stride, const uint16_t* w,
-               int64_t pairs, int64_t block_stride, const float* bias, uint16_t* y,
-               int64_t y_stride, int64_t col0, int64_t n) {
-  switch (rows) {
-#define CARPOOL_ROWS(R) \
-  case R: tile<R, B>(x, x_stride, w, pairs, block_stride, bias, y, y_stride, col0, n); break;
-    CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5)
-    CARPOOL_ROWS(6) CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10)
-    CARPOOL_ROWS(11) CARPOOL_ROWS(12)
-#undef CARPOOL_ROWS
-    default: TORCH_CHECK(false, "small_gemm_bf16: bad tile height ", rows);
-  }
-}
-
 // The float32 tile: rows [0, R) of x times blocks [0, B) of a [blocks][K][16] weight.
 template <int R, int B>
-void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t k,
+__attribute__((noinline)) void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t k,
               int64_t block_stride, const float* bias, float* y, int64_t y_stride,
-              int64_t col0, int64_t n) {
+              int64_t col0, int64_t n, NextWeight next) {
   __m512 acc[R][B];
   for (int b = 0; b < B; ++b) {
     const __m512 init = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kBlock);
     for (int r = 0; r < R; ++r) acc[r][b] = init;
   }
-  for (int64_t p = 0; p < k; ++p) {
-    __m512 wv[B];
-    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_ps(w + b * block_stride + p * kBlock);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * x_stride + p]);
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
+  const int64_t chunks = next.count == 0 ? 1 : (k + kChunk - 1) / kChunk;
+  const int64_t chunk = next.count == 0 ? k : kChunk;
+  const int64_t per_chunk = (next.count + chunks - 1) / chunks;
+  for (int64_t c = 0; c < chunks; ++c) {
+    next.issue(per_chunk);
+    for (int64_t p = c * chunk, stop = std::min(k, p + chunk); p < stop; ++p) {
+      __m512 wv[B];
+      for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_ps(w + b * block_stride + p * kBlock);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * x_stride + p]);
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -123,34 +152,59 @@ void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t k,
   }
 }
 
-template <int B>
-void rows_tile_f32(int64_t rows, const float* x, int64_t x_stride, const float* w, int64_t k,
-                   int64_t block_stride, const float* bias, float* y, int64_t y_stride,
-                   int64_t col0, int64_t n) {
-  switch (rows) {
-#define CARPOOL_ROWS(R) \
-  case R: tile_f32<R, B>(x, x_stride, w, k, block_stride, bias, y, y_stride, col0, n); break;
-    CARPOOL_ROWS(1) CARPOOL_ROWS(2) CARPOOL_ROWS(3) CARPOOL_ROWS(4) CARPOOL_ROWS(5)
-    CARPOOL_ROWS(6) CARPOOL_ROWS(7) CARPOOL_ROWS(8) CARPOOL_ROWS(9) CARPOOL_ROWS(10)
-    CARPOOL_ROWS(11) CARPOOL_ROWS(12)
-#undef CARPOOL_ROWS
-    default: TORCH_CHECK(false, "small_gemm_f32: bad tile height ", rows);
+// Calls f.template operator()<R, B>() with R == rows (1 <= rows <= MaxR) and B == nb
+// (1 <= nb <= MaxB): the tile function instantiated for this tile's height and width.
+template <int MaxR, int MaxB, typename F>
+void dispatch_tile(int64_t rows, int64_t nb, const F& f) {
+  if constexpr (MaxB > 1) {
+    if (nb < MaxB) return dispatch_tile<MaxR, MaxB - 1>(rows, nb, f);
   }
+  if constexpr (MaxR > 1) {
+    if (rows < MaxR) return dispatch_tile<MaxR - 1, MaxB>(rows, nb, f);
+  }
+  f.template operator()<MaxR, MaxB>();
 }
 
-// Calls tile(blk, r0, rows, full) over an m-row output of `blocks` column blocks: groups of
-// kBlocks blocks split over the threads (columns only, so a row's sums never depend on its
-// batch), rows in tiles of at most kMaxRows; `full` is false for a last, shorter group.
-template <typename Tile>
-void for_each_tile(int64_t m, int64_t blocks, const Tile& tile) {
-  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
-        tile(g * kBlocks, r0, std::min<int64_t>(kMaxRows, m - r0), (g + 1) * kBlocks <= blocks);
+// Calls tile.template operator()<R, B>(blk, r0, next) over an m-row output of `blocks`
+// column blocks of `block_bytes` each (packed contiguously from `w`) for every tile of R rows
+// from r0 and B blocks from blk: the threads split the blocks evenly (columns only, so a
+// row's sums never depend on its batch), each runs its share in groups of up to
+// Shape::kBlocks blocks, rows in tiles of at most Shape::kRows rows, as even as they can be
+// (7 rows as 4 + 3 rather than 6 + 1). A group's row tiles share the prefetching of the
+// thread's next group's weight (`next`): the first row tile would otherwise stall on memory
+// for the whole group's weight, ~15% of a 100-row GEMM over the 135M model's layers (§30).
+template <typename Shape, typename Tile>
+void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes,
+                   const Tile& tile) {
+  constexpr int64_t kRows = Shape::kRows, kBlocks = Shape::kBlocks;
+  const int64_t row_tiles = (m + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; blk += kBlocks) {
+      const int64_t nb = std::min(kBlocks, end - blk);
+      const int64_t next_blocks = m >= kMinPrefetchRows ? std::min(kBlocks, end - blk - nb) : 0;
+      const char* next = static_cast<const char*>(w) + (blk + nb) * block_bytes;
+      const int64_t lines = next_blocks * block_bytes / 64;
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        const int64_t first = lines * t / row_tiles, count = lines * (t + 1) / row_tiles - first;
+        const int64_t r0 = m * t / row_tiles;
+        dispatch_tile<Shape::kRows, Shape::kBlocks>(
+            m * (t + 1) / row_tiles - r0, nb, [&]<int R, int B>() {
+              tile.template operator()<R, B>(blk, r0, NextWeight{next + first * 64, count});
+            });
       }
     }
   });
+}
+
+// for_each_tile with the tile shape for m rows.
+template <typename Tile>
+void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes,
+                   const Tile& tile) {
+  if (m <= NarrowTile::kRows) {
+    for_each_tile<NarrowTile>(m, blocks, w, block_bytes, tile);
+  } else {
+    for_each_tile<WideTile>(m, blocks, w, block_bytes, tile);
+  }
 }
 #endif
 
@@ -336,10 +390,11 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
   const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   uint16_t* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t x_stride = x.stride(0), block_stride = pairs * 2 * kBlock;
-  for_each_tile(m, blocks, [&](int64_t blk, int64_t r0, int64_t rows, bool full) {
-    (full ? rows_tile<kBlocks> : rows_tile<1>)(
-        rows, xd + r0 * x_stride, x_stride, wd + blk * block_stride, pairs, block_stride,
-        bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock, n);
+  for_each_tile(m, blocks, wd, block_stride * 2,
+                [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
+    tile<R, B>(xd + r0 * x_stride, x_stride, wd + blk * block_stride, pairs, block_stride,
+               bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock, n,
+               next);
   });
 #endif
   return y;
@@ -393,10 +448,11 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
   const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   float* yd = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), block_stride = k * kBlock;
-  for_each_tile(m, blocks, [&](int64_t blk, int64_t r0, int64_t rows, bool full) {
-    (full ? rows_tile_f32<kBlocks> : rows_tile_f32<1>)(
-        rows, xd + r0 * x_stride, x_stride, wd + blk * block_stride, k, block_stride,
-        bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock, n);
+  for_each_tile(m, blocks, wd, block_stride * 4,
+                [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
+    tile_f32<R, B>(xd + r0 * x_stride, x_stride, wd + blk * block_stride, k, block_stride,
+                   bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock,
+                   n, next);
   });
 #endif
   return y;
