@@ -129,8 +129,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="auto",
+                        help="the engine's dtype (vs_vllm.py passes its --dtypes: float32 for "
+                             "the tiny float32 rows, where auto gives bfloat16)")
     parser.add_argument("--bf16-small-max-rows", type=int, default=None,
                         help="the bfloat16 small GEMM's cut (default: this CPU's)")
+    parser.add_argument("--f32-small-max-rows", type=int, default=None,
+                        help="the float32 small GEMM's cut (default: this CPU's)")
     parser.add_argument("--kernel-times", action="store_true")
     parser.add_argument("--block-runs", action="store_true",
                         help="count how contiguous the decode rows' KV blocks are")
@@ -141,6 +146,9 @@ def main() -> None:
     if args.bf16_small_max_rows is not None:
         cpu_linear.SMALL_GEMM_MAX_ROWS = cpu_linear.SMALL_GEMM_AMX_MAX_ROWS = \
             args.bf16_small_max_rows
+    if args.f32_small_max_rows is not None:
+        cpu_linear.SMALL_GEMM_F32_MAX_ROWS = cpu_linear.SMALL_GEMM_F32_AMX_MAX_ROWS = \
+            args.f32_small_max_rows
     timer = KernelTimer()
     if args.kernel_times:
         timer.install()
@@ -150,7 +158,8 @@ def main() -> None:
     llm = LLM(model=args.model, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
               enable_prefix_caching=False, kv_cache_memory=4 * 2**30, device="cpu", seed=0,
-              block_size=args.block_size, cpu_kv_huge_pages=args.kv_huge_pages)
+              block_size=args.block_size, cpu_kv_huge_pages=args.kv_huge_pages,
+              dtype=args.dtype)
     engine = llm.engine
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     requests = build_requests(args.requests, vocab_size, args.seed)
@@ -165,7 +174,8 @@ def main() -> None:
               f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)}"
     else:
         cut = f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)} rows"
-    print(f"{args.model}: {args.requests} requests, {args.threads} threads, block size "
+    print(f"{args.model}: {args.requests} requests, {args.threads} threads, dtype {args.dtype}, "
+          f"block size "
           f"{args.block_size}, bf16 small GEMM {cut}, KV huge pages "
           f"{'on' if args.kv_huge_pages else 'off'}: {seconds:.2f} s, "
           f"{num_out / seconds:.1f} out tok/s")

@@ -95,13 +95,30 @@ def _build(build_dir: str | None) -> ModuleType | None:
 
 def _cpu_flags() -> set[str]:
     """This CPU's feature flags, from /proc/cpuinfo (empty where there is none)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def is_zen4() -> bool:
+    """Whether this CPU is an AMD Zen 4 core: family 25 (0x19) with AVX-512, which no other
+    Zen generation of that family has. Its AVX-512 runs on 256-bit units, so which GEMM wins
+    at a row count differs from Intel's cores and Zen 5's (`cpu_linear.small_gemm_max_rows`)."""
+    info = _cpuinfo()
+    return (info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+            and "avx512f" in _cpu_flags())
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.partition(":")[2].split())
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return set()
+    return fields
 
 
 def _extension_name(capability: str, flags: list[str]) -> str:

@@ -64,6 +64,9 @@ the same at 4 and 8 on 2 threads, but 1.16x at 8 rows on 1 thread: from a few ro
 turns compute-bound and oneDNN's kernel is as fast or faster (1.1-1.2x the small GEMM's
 time at 16-48 rows on 1 thread), so it keeps those. A lone float32 decode step on that
 model: 0.72-0.84x of its CPU time before on 2 threads, 0.84-0.92x on 1 (BENCHMARKS §22).
+AMD Zen 4 (AVX-512 on 256-bit units) is the other way round: the small GEMM took 0.71-0.96x
+oneDNN's time at 4-128 rows on the 135M shapes (2 threads; 0.59x at 8 rows and 1.00x at 128
+on 1), 1.01-1.04x at 200-256, so there it takes up to `SMALL_GEMM_F32_ZEN4_MAX_ROWS` (§30).
 
 Batch-invariant mode calls `packed_matmul` on fixed row counts instead
 (`cpu_invariant_linear`).
@@ -78,6 +81,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from carpool.attention import cpu_kernels
+
 MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows with rows
 # Powers of two up to 8 (single decodes stay cheap), multiples of 8 up to 128 (decode
 # batches), then multiples of 16: at most 7 or 15 padding rows.
@@ -89,6 +94,7 @@ SMALL_GEMM_AMX_MAX_ROWS = 2  # the same where oneDNN has AMX (and is far faster 
 SMALL_GEMM_AMX_TILE_MAX_ROWS = 2 * MAX_ROWS
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
 SMALL_GEMM_F32_AMX_MAX_ROWS = 64  # the same on the AMX-generation Intel cores measured
+SMALL_GEMM_F32_ZEN4_MAX_ROWS = 128  # the same on AMD Zen 4 (`cpu_kernels.is_zen4`)
 
 
 def padded_rows(rows: int) -> int:
@@ -99,13 +105,19 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None) -> int:
+def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None,
+                        zen4: bool | None = None) -> int:
     """The most rows a `dtype` call sends to the compiled small GEMM rather than oneDNN, on
-    this CPU (amx: whether oneDNN has AMX tiles; None: ask torch)."""
+    this CPU (amx: whether oneDNN has AMX tiles; None: ask torch; zen4: whether the core is
+    AMD Zen 4; None: ask /proc/cpuinfo)."""
     if amx is None:
         amx = torch.cpu._is_amx_tile_supported()
     if dtype == torch.float32:
-        return SMALL_GEMM_F32_AMX_MAX_ROWS if amx else SMALL_GEMM_F32_MAX_ROWS
+        if amx:
+            return SMALL_GEMM_F32_AMX_MAX_ROWS
+        if zen4 is None:
+            zen4 = cpu_kernels.is_zen4()
+        return SMALL_GEMM_F32_ZEN4_MAX_ROWS if zen4 else SMALL_GEMM_F32_MAX_ROWS
     return SMALL_GEMM_AMX_MAX_ROWS if amx else SMALL_GEMM_MAX_ROWS
 
 

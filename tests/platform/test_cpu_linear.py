@@ -9,12 +9,21 @@ import torch
 from torch import nn
 
 from carpool.attention import cpu_kernels
-from carpool.platform.cpu_linear import (MAX_ROWS, ROW_BUCKETS, SMALL_GEMM_AMX_MAX_ROWS,
-                                         SMALL_GEMM_AMX_TILE_MAX_ROWS,
-                                         SMALL_GEMM_F32_AMX_MAX_ROWS,
-                                         SMALL_GEMM_F32_MAX_ROWS, SMALL_GEMM_MAX_ROWS,
-                                         PackedLinear, can_pack, pack_linears, padded_rows,
-                                         small_gemm_max_rows)
+from carpool.platform.cpu_linear import (
+    MAX_ROWS,
+    ROW_BUCKETS,
+    SMALL_GEMM_AMX_MAX_ROWS,
+    SMALL_GEMM_AMX_TILE_MAX_ROWS,
+    SMALL_GEMM_F32_AMX_MAX_ROWS,
+    SMALL_GEMM_F32_MAX_ROWS,
+    SMALL_GEMM_F32_ZEN4_MAX_ROWS,
+    SMALL_GEMM_MAX_ROWS,
+    PackedLinear,
+    can_pack,
+    pack_linears,
+    padded_rows,
+    small_gemm_max_rows,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -140,11 +149,26 @@ def test_small_f32_gemm_checks_its_arguments(f32_kernels):
         f32_kernels.small_gemm_f32(torch.randn(2, 6), packed, 8, torch.zeros(7))
 
 
+@pytest.mark.parametrize("vendor, family, flags, zen4", [
+    ("AuthenticAMD", "25", "fpu avx2 avx512f avx512_bf16", True),  # Zen 4
+    ("AuthenticAMD", "25", "fpu avx2", False),  # Zen 3: same family, no AVX-512
+    ("AuthenticAMD", "26", "fpu avx2 avx512f avx512_bf16", False),  # Zen 5
+    ("GenuineIntel", "6", "fpu avx2 avx512f amx_tile", False),
+])
+def test_zen4_is_told_from_cpuinfo(monkeypatch, vendor, family, flags, zen4):
+    fields = {"vendor_id": vendor, "cpu family": family, "flags": flags}
+    monkeypatch.setattr(cpu_kernels, "_cpuinfo", lambda: fields)
+    assert cpu_kernels.is_zen4() is zen4
+
+
 def test_bf16_small_gemm_cut_follows_amx():
     assert small_gemm_max_rows(torch.bfloat16, amx=False) == SMALL_GEMM_MAX_ROWS
     assert small_gemm_max_rows(torch.bfloat16, amx=True) == SMALL_GEMM_AMX_MAX_ROWS
-    assert small_gemm_max_rows(torch.float32, amx=False) == SMALL_GEMM_F32_MAX_ROWS
+    assert small_gemm_max_rows(torch.float32, amx=False, zen4=False) == SMALL_GEMM_F32_MAX_ROWS
+    assert small_gemm_max_rows(torch.float32, amx=False, zen4=True) == SMALL_GEMM_F32_ZEN4_MAX_ROWS
     assert small_gemm_max_rows(torch.float32, amx=True) == SMALL_GEMM_F32_AMX_MAX_ROWS
+    assert small_gemm_max_rows(torch.float32, amx=False) == small_gemm_max_rows(
+        torch.float32, amx=False, zen4=cpu_kernels.is_zen4())
     assert small_gemm_max_rows(torch.bfloat16) == small_gemm_max_rows(
         torch.bfloat16, amx=torch.cpu._is_amx_tile_supported())
 
