@@ -175,8 +175,7 @@ def main() -> None:
     else:
         cut = f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)} rows"
     print(f"{args.model}: {args.requests} requests, {args.threads} threads, dtype {args.dtype}, "
-          f"block size "
-          f"{args.block_size}, bf16 small GEMM {cut}, KV huge pages "
+          f"block size {args.block_size}, bf16 small GEMM {cut}, KV huge pages "
           f"{'on' if args.kv_huge_pages else 'off'}: {seconds:.2f} s, "
           f"{num_out / seconds:.1f} out tok/s")
     if args.block_runs:

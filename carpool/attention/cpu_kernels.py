@@ -30,6 +30,7 @@ It releases the GIL and runs on torch's intra-op threads (`torch.set_num_threads
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -104,11 +105,13 @@ def is_zen4() -> bool:
     at a row count differs from Intel's cores and Zen 5's (`cpu_linear.small_gemm_max_rows`)."""
     info = _cpuinfo()
     return (info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
-            and "avx512f" in _cpu_flags())
+            and "avx512f" in info.get("flags", "").split())
 
 
+@functools.cache
 def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    """The first processor's fields in /proc/cpuinfo (empty where there is none); read once,
+    as every packed linear layer asks for its small GEMM's cut."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -43,7 +43,6 @@ def test_compare_runs_every_variant_on_the_same_requests(checkpoint, tmp_path, c
     assert len(steps) == 3 and steps[1] < steps[0]  # static, continuous, chunked
 
 
-
 def test_every_other_round_runs_the_variants_in_reverse(checkpoint, tmp_path, capsys):
     result = tmp_path / "r.json"
     rc = main(["bench", "offline", "--model", str(checkpoint), "--workload", "mix", "--num-prompts", "4",
@@ -57,6 +56,7 @@ def test_every_other_round_runs_the_variants_in_reverse(checkpoint, tmp_path, ca
                       (("static", 1), ("continuous", 1), ("continuous", 2), ("static", 2))]
     rounds = json.loads(result.read_text())["rounds"]
     assert [list(r) for r in rounds] == [["static", "continuous"]] * 2  # variant order kept
+
 
 def test_static_slots_wait_for_the_whole_batch(checkpoint):
     requests = build_workload(WorkloadConfig(name="mix", num_prompts=6, input_len=8, short_output_len=2,

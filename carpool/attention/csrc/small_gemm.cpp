@@ -7,8 +7,8 @@
 // columns whose rows hold (k, k + 1) pairs: [ceil(N / 16)][K / 2][16][2]. One AVX512-BF16
 // `vdpbf16ps` then multiplies a 16-column register of weight pairs by a broadcast pair of
 // one input row and accumulates in float32; a tile of rows x blocks (12 x 2 up to 12 rows,
-// else 6 x 4) keeps its accumulators in registers while the weight streams past. The result is
-// rounded to bfloat16 once (after the bias), as oneDNN does.
+// else 6 x 4) keeps its accumulators in registers while the weight streams past. The result
+// is rounded to bfloat16 once (after the bias), as oneDNN does.
 //
 // A row's sums run over k in the same order whatever the number of rows or the tile it
 // falls in, and threads split the columns only: a row's result does not depend on its batch.
@@ -46,7 +46,7 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // output columns per register
 // Tile shapes, rows x blocks of 16 columns: 24 accumulators either way. The wide one takes 6
-// broadcasts of x and 4 weight loads a k step, and ran in 0.91-0.95x the narrow one's time on
+// broadcasts of x and 4 weight loads a k step, and ran in 0.91-0.94x the narrow one's time on
 // Zen 4 (where the broadcasts compete with `vdpbf16ps` for its units) from 13 rows on. Up to
 // 12 rows the narrow one is a single pass over the weight with half the loads a step: the
 // wide one's two passes took 1.15x its time at 7 rows with the weight in L3 (BENCHMARKS §30).
@@ -80,10 +80,9 @@ struct NextWeight {
 // Never inlined: inlined into the dispatch, one shape (7 x 2) once lost its registers and
 // ran at half speed; a call per tile costs nothing next to its k loop.
 template <int R, int B>
-CARPOOL_BF16_TARGET __attribute__((noinline)) void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w,
-                              int64_t pairs, int64_t block_stride, const float* bias,
-                              uint16_t* y, int64_t y_stride, int64_t col0, int64_t n,
-                              NextWeight next) {
+CARPOOL_BF16_TARGET __attribute__((noinline)) void tile(
+    const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t pairs, int64_t block_stride,
+    const float* bias, uint16_t* y, int64_t y_stride, int64_t col0, int64_t n, NextWeight next) {
   __m512 acc[R][B];
   for (int b = 0; b < B; ++b) {
     const __m512 init = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kBlock);
@@ -117,9 +116,10 @@ CARPOOL_BF16_TARGET __attribute__((noinline)) void tile(const uint16_t* x, int64
 
 // The float32 tile: rows [0, R) of x times blocks [0, B) of a [blocks][K][16] weight.
 template <int R, int B>
-__attribute__((noinline)) void tile_f32(const float* x, int64_t x_stride, const float* w, int64_t k,
-              int64_t block_stride, const float* bias, float* y, int64_t y_stride,
-              int64_t col0, int64_t n, NextWeight next) {
+__attribute__((noinline)) void tile_f32(const float* x, int64_t x_stride, const float* w,
+                                        int64_t k, int64_t block_stride, const float* bias,
+                                        float* y, int64_t y_stride, int64_t col0, int64_t n,
+                                        NextWeight next) {
   __m512 acc[R][B];
   for (int b = 0; b < B; ++b) {
     const __m512 init = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + b * kBlock);
