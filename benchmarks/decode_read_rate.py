@@ -35,7 +35,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
-#include "decode_bf16.h"
+#include "decode_one_pass.h"
 using namespace carpool_cpu;
 
 // One work item per (request, kv head), claimed as the engine's paged_attention claims them.
@@ -64,12 +64,13 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::T
   const int64_t width = tables.size(1), items = lens.size(0) * H;
   auto args = [&](int64_t i) {
     const int64_t s = i / H, h = i % H, row = (s * H + h) * group * D;
-    return DecodeArgs{qp + row, D, c + h * NB * BS * D, c + (H + h) * NB * BS * D, t + s * width,
-                      NB, BS, D, group, 0, l[s], static_cast<float>(scale), op + row, D, s};
+    return DecodeArgs<uint16_t>{qp + row, D, c + h * NB * BS * D, c + (H + h) * NB * BS * D,
+                                t + s * width, NB, BS, D, group, 0, l[s],
+                                static_cast<float>(scale), op + row, D, s};
   };
   for_items(items, [&](int64_t i, int64_t j, DecodeScratch& buf) {
-    const DecodeArgs next = j < items ? args(j) : DecodeArgs{};
-    attend_decode_bf16(args(i), j < items ? &next : nullptr, buf);
+    const DecodeArgs<uint16_t> next = j < items ? args(j) : DecodeArgs<uint16_t>{};
+    attend_decode_one_pass(args(i), j < items ? &next : nullptr, buf);
   });
 }
 
@@ -101,8 +102,8 @@ double read_only(torch::Tensor cache, torch::Tensor tables, torch::Tensor lens) 
 
 
 def build(headers: Path):
-    """The two functions, compiled against `headers`' decode_bf16.h (named by its text)."""
-    text = "".join((headers / name).read_text() for name in ("decode_bf16.h", "block_ops.h"))
+    """The two functions, compiled against `headers`' decode_one_pass.h (named by its text)."""
+    text = "".join((headers / name).read_text() for name in ("decode_one_pass.h", "block_ops.h"))
     name = "decode_read_rate_" + hashlib.sha1(text.encode()).hexdigest()[:12]
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
              "-mavx512bf16", "-DCARPOOL_AVX512_BF16", "-DCPU_CAPABILITY=AVX512",
@@ -166,7 +167,7 @@ def main() -> None:
     parser.add_argument("--run", type=int, default=4, help="consecutive block ids per run")
     parser.add_argument("--headers", type=Path,
                         default=Path(__file__).resolve().parent.parent / "carpool" / "attention"
-                        / "csrc", help="the csrc folder whose decode_bf16.h is timed")
+                        / "csrc", help="the csrc folder whose decode_one_pass.h is timed")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                         help="the caches on transparent huge pages, as the engine's")

@@ -147,20 +147,26 @@ def test_long_contexts_bfloat16(kernels):
 @pytest.mark.parametrize("block_size", [5, 16, 32])
 @pytest.mark.parametrize("sliding_window", [0, 21])
 @pytest.mark.parametrize("heads", [(8, 1), (9, 3)], ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
-@pytest.mark.parametrize("head_dim", [32, 96, 256])
-def test_bfloat16_decodes(kernels, block_size, sliding_window, heads, head_dim):
-    """bfloat16 decodes of head_dim a multiple of 32 take their own one-pass loop (where the
-    CPU has AVX512-BF16): groups of 16 keys within a block (blocks of 5 hold fewer), windows
-    that start inside a group, every query head of a kv head (one or several register
-    passes of the value sums), contexts shorter than one group."""
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 48),
+                                            (torch.float32, 256), (torch.bfloat16, 32),
+                                            (torch.bfloat16, 96), (torch.bfloat16, 256)],
+                         ids=lambda x: str(x).removeprefix("torch."))
+def test_one_pass_decodes(kernels, block_size, sliding_window, heads, dtype, head_dim):
+    """Decodes take their own one-pass loop on AVX512 CPUs: float32 of head_dim a multiple of
+    16, bfloat16 of a multiple of 32 (with AVX512-BF16). Groups of 16 keys within a block
+    (blocks of 5 hold fewer), windows that start inside a group, every query head of a kv
+    head (one or several register passes of the value sums), contexts shorter than one
+    group."""
     seq_lens = [1, 7, 16, 17, 90, 200]
-    case = make_case([1] * len(seq_lens), seq_lens, *heads, head_dim, torch.bfloat16,
+    case = make_case([1] * len(seq_lens), seq_lens, *heads, head_dim, dtype,
                      block_size=block_size, seed=head_dim + block_size)
     check_against_reference(kernels, case, sliding_window=sliding_window)
 
 
-def test_bfloat16_decode_rejects_a_block_outside_the_cache(kernels):
-    case = make_case([1], [40], 9, 3, 64, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda x: str(x).removeprefix("torch."))
+def test_one_pass_decode_rejects_a_block_outside_the_cache(kernels, dtype):
+    case = make_case([1], [40], 9, 3, 64, dtype)
     case["block_tables"][0, 1] = case["kv_cache"].shape[2]
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.paged_attention(torch.empty_like(case["q"]), case["q"], case["kv_cache"],

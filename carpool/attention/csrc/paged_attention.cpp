@@ -25,8 +25,9 @@
 // block_ops.h and bf16_pair_ops.h. Threads take work items
 // dynamically, longest context first.
 //
-// Decodes of bfloat16 caches (single-query items, head_dim a multiple of 32) take
-// decode_bf16.h's one-pass loop instead on AVX512-BF16 builds, outside batch_invariant.
+// Decodes (single-query items) take decode_one_pass.h's loop instead, outside batch_invariant:
+// of float32 caches on AVX512 builds (head_dim a multiple of 16), of bfloat16 caches on
+// AVX512-BF16 builds (a multiple of 32).
 //
 // batch_invariant: every row is scored by row (chunk_scores_by_row), never from transposed
 // keys, whose sums over head_dim run in another order: the transposed path is taken by items
@@ -43,7 +44,7 @@
 
 #include "bf16_pair_ops.h"
 #include "block_ops.h"
-#include "decode_bf16.h"
+#include "decode_one_pass.h"
 
 #include <algorithm>
 #include <atomic>
@@ -438,25 +439,42 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
   }
 }
 
-#if defined(CARPOOL_AVX512_BF16)
-// The arguments of attend_decode_bf16 for a single-query item.
+#if defined(CPU_CAPABILITY_AVX512)
+// The element type decode_one_pass.h reads a cache of scalar_t as (bfloat16 as its bits).
 template <typename scalar_t>
-DecodeArgs decode_args(const Shapes& s, const WorkItem& item, const scalar_t* q,
-                       const scalar_t* cache, scalar_t* out, const int32_t* block_tables,
-                       const int32_t* query_starts, const int32_t* query_lens,
-                       const int32_t* seq_lens) {
+using decode_elem_t =
+    std::conditional_t<std::is_same_v<scalar_t, at::BFloat16>, uint16_t, scalar_t>;
+
+// Whether decode_one_pass.h's loop takes single-query items of a scalar_t cache in this build
+// (then also the head_dim must suit it: decode_one_pass_head_dim_ok).
+template <typename scalar_t>
+constexpr bool kOnePassDecodes = std::is_same_v<scalar_t, float>
+#if defined(CARPOOL_AVX512_BF16)
+                                 || std::is_same_v<scalar_t, at::BFloat16>
+#endif
+    ;
+
+// The arguments of attend_decode_one_pass for a single-query item.
+template <typename scalar_t>
+DecodeArgs<decode_elem_t<scalar_t>> decode_args(const Shapes& s, const WorkItem& item,
+                                                const scalar_t* q, const scalar_t* cache,
+                                                scalar_t* out, const int32_t* block_tables,
+                                                const int32_t* query_starts,
+                                                const int32_t* query_lens,
+                                                const int32_t* seq_lens) {
+  using elem_t = decode_elem_t<scalar_t>;
   const int64_t G = s.group_size, head_stride = s.num_cache_blocks * s.block_size * s.head_dim;
   const int64_t token = query_starts[item.seq] + item.q_begin;
   const auto [begin, end] = item_keys(s, item, query_lens, seq_lens);
-  auto bits = [](auto* p) { return reinterpret_cast<uint16_t*>(const_cast<scalar_t*>(p)); };
-  return DecodeArgs{bits(q + token * s.q_token_stride + item.kv_head * G * s.q_head_stride),
-                    s.q_head_stride,
-                    bits(cache + item.kv_head * head_stride),
-                    bits(cache + (s.num_kv_heads + item.kv_head) * head_stride),
-                    block_tables + item.seq * s.max_blocks,
-                    s.num_cache_blocks, s.block_size, s.head_dim, G, begin, end, s.scale,
-                    bits(out + token * s.out_token_stride + item.kv_head * G * s.out_head_stride),
-                    s.out_head_stride, item.seq};
+  auto elems = [](auto* p) { return reinterpret_cast<elem_t*>(const_cast<scalar_t*>(p)); };
+  return {elems(q + token * s.q_token_stride + item.kv_head * G * s.q_head_stride),
+          s.q_head_stride,
+          elems(cache + item.kv_head * head_stride),
+          elems(cache + (s.num_kv_heads + item.kv_head) * head_stride),
+          block_tables + item.seq * s.max_blocks,
+          s.num_cache_blocks, s.block_size, s.head_dim, G, begin, end, s.scale,
+          elems(out + token * s.out_token_stride + item.kv_head * G * s.out_head_stride),
+          s.out_head_stride, item.seq};
 }
 #endif
 
@@ -554,40 +572,44 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   }
   const std::vector<WorkItem> items = plan(s, q_lens, s_lens, num_seqs);
   if (items.empty()) return;
-  // Single-query items (decodes) of bfloat16 caches take decode_bf16.h's loop, except in the
-  // batch-invariant mode: there a position's arithmetic may not depend on whether it was
-  // scheduled alone or in a chunk.
-#if defined(CARPOOL_AVX512_BF16)
-  const bool fast_decode = !batch_invariant && q.scalar_type() == at::kBFloat16 &&
-                           decode_bf16_head_dim_ok(s.head_dim);
-#endif
-
   auto run = [&](auto dtype_tag) {
     using scalar_t = decltype(dtype_tag);
     const scalar_t* q_ptr = q.const_data_ptr<scalar_t>();
     const scalar_t* cache_ptr = kv_cache.const_data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    // Single-query items (decodes) take decode_one_pass.h's loop where it takes the dtype and
+    // head_dim, except in the batch-invariant mode: there a position's arithmetic may not
+    // depend on whether it was scheduled alone or in a chunk.
+#if defined(CPU_CAPABILITY_AVX512)
+    bool one_pass = false;
+    if constexpr (kOnePassDecodes<scalar_t>) {
+      one_pass = !batch_invariant &&
+                 decode_one_pass_head_dim_ok<decode_elem_t<scalar_t>>(s.head_dim);
+    }
+#endif
     std::atomic<int64_t> next{0};
     const int64_t num_items = static_cast<int64_t>(items.size());
     const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       Scratch<scalar_t> buf;
-#if defined(CARPOOL_AVX512_BF16)
+#if defined(CPU_CAPABILITY_AVX512)
       DecodeScratch decode_buf;
 #endif
       // Each thread claims its next item before attending the current one, to prefetch it.
       for (int64_t i = next.fetch_add(1); i < num_items;) {
         const int64_t j = next.fetch_add(1);
-#if defined(CARPOOL_AVX512_BF16)
-        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-          if (fast_decode && items[i].q_end - items[i].q_begin == 1) {
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (kOnePassDecodes<scalar_t>) {
+          if (one_pass && items[i].q_end - items[i].q_begin == 1) {
+            using Args = DecodeArgs<decode_elem_t<scalar_t>>;
             const bool next_decode = j < num_items && items[j].q_end - items[j].q_begin == 1;
-            const DecodeArgs next_args = next_decode ? decode_args(
-                s, items[j], q_ptr, cache_ptr, out_ptr, tables, starts, q_lens, s_lens)
-                                                     : DecodeArgs{};
-            attend_decode_bf16(decode_args(s, items[i], q_ptr, cache_ptr, out_ptr, tables,
-                                           starts, q_lens, s_lens),
-                               next_decode ? &next_args : nullptr, decode_buf);
+            const Args next_args = next_decode ? decode_args(s, items[j], q_ptr, cache_ptr,
+                                                             out_ptr, tables, starts, q_lens,
+                                                             s_lens)
+                                               : Args{};
+            attend_decode_one_pass(decode_args(s, items[i], q_ptr, cache_ptr, out_ptr, tables,
+                                               starts, q_lens, s_lens),
+                                   next_decode ? &next_args : nullptr, decode_buf);
             i = j;
             continue;
           }

@@ -1,30 +1,35 @@
-// Decode attention over a bfloat16 cache on CPUs with AVX512-BF16: one query position of one
-// request against its keys, for the G query heads sharing one kv head, in a single pass.
+// Decode attention in a single pass: one query position of one request against its keys, for
+// the G query heads sharing one kv head. Float32 caches on AVX512 CPUs, bfloat16 caches on
+// those with AVX512-BF16.
 //
 // Why its own loop: a decode reads every key and value once and does little arithmetic per
 // byte, so it runs at the speed memory delivers the request's blocks, which sit anywhere in
 // the cache. The general loop (paged_attention.cpp) gathers 64-key chunks into pointer
 // tables, then makes one pass for the scores and one for the values with software
 // prefetches two chunks ahead; measured, it stalls on memory at about a third of what these
-// cores stream. Here each cache block is attended whole while the next one is prefetched
-// into L1, a few lines per key inside the value loop (one block ahead: farther ahead, or all
-// of a block's lines at once, the prefetches wait for fill buffers and stall the loop; on AMD
-// the block after next goes into L2 as well, see prefetch_block_after_next), scores
-// come from the bfloat16 keys in place through vdpbf16ps (products of bfloat16 pairs are
-// exact in float32; no conversion), and the value sums stay in float32.
+// cores stream (and for the few-key blocks of a small head_dim, its per-key pointer tables
+// cost more than the arithmetic). Here each cache block is attended whole while the next one
+// is prefetched into L1, a few lines per key inside the value loop (one block ahead: farther
+// ahead, or all of a block's lines at once, the prefetches wait for fill buffers and stall
+// the loop; on AMD the block after next goes into L2 as well, see prefetch_block_after_next),
+// scores come from the keys in place (bfloat16 through vdpbf16ps: products of bfloat16 pairs
+// are exact in float32, no conversion), and the value sums stay in float32.
 //
 // Per group of up to 16 keys of one block: each row's 16 dot products are folded into one
 // vector of 16 scores by a transpose-add tree; the online softmax takes the group at once
 // (the running max, the sum, and the float32 accumulators rescaled only when the max grows);
-// the value rows are widened to float32 in registers (even and odd columns apart, see
-// group_values) and added with the probabilities.
+// the value rows are added with the probabilities (bfloat16 ones widened to float32 in
+// registers, even and odd columns apart, see group_values).
 // Keys outside [key_begin, key_end) are never read (the cache holds anything there).
+//
+// A row of head_dim values fills NL cache lines of 64 bytes: 16 float32 or 32 bfloat16 each.
+// The element type is the pointers' (float, or uint16_t for bfloat16 bits).
 
 #pragma once
 
 #include "block_ops.h"
 
-#if defined(CARPOOL_AVX512_BF16)
+#if defined(CPU_CAPABILITY_AVX512)
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 
@@ -37,21 +42,26 @@ namespace carpool_cpu {
 namespace {  // internal linkage, as in block_ops.h
 
 constexpr int64_t kDecodeGroup = 16;  // keys per softmax step: one float32 vector of scores
-constexpr int kMaxDecodePairVecs = 8;  // head_dim up to 256, in vectors of 32 bfloat16
+constexpr int64_t kMaxDecodeDim = 256;  // head_dim up to this (kMaxVecs float32 vectors)
+
+// Values of elem_t in one 64-byte cache line (and in one AVX512 register).
+template <typename elem_t>
+constexpr int64_t kLine = 64 / sizeof(elem_t);
 
 // One request's decode against one kv head. Rows are the G query heads of that kv head.
+template <typename elem_t>
 struct DecodeArgs {
-  const uint16_t* q;         // row r's bfloat16 query at q + r * q_head_stride
+  const elem_t* q;         // row r's query at q + r * q_head_stride
   int64_t q_head_stride;
-  const uint16_t* key_head;  // this kv head's keys: block b's row t at (b * block_size + t) * D
-  const uint16_t* value_head;
-  const int32_t* table;      // the request's block table
+  const elem_t* key_head;  // this kv head's keys: block b's row t at (b * block_size + t) * D
+  const elem_t* value_head;
+  const int32_t* table;    // the request's block table
   int64_t num_cache_blocks, block_size, head_dim, rows;
   int64_t key_begin, key_end;  // the positions attended
   float scale;
-  uint16_t* out;  // row r's bfloat16 output at out + r * out_head_stride
+  elem_t* out;  // row r's output at out + r * out_head_stride
   int64_t out_head_stride;
-  int64_t seq;    // the request's index, for errors
+  int64_t seq;  // the request's index, for errors
 };
 
 // Per-thread state across a call's items.
@@ -68,7 +78,9 @@ struct DecodeScratch {
 };
 
 // Lane i of the result = the sum of the lanes of a[i].
-inline __m512 fold16(const __m512 (&a)[16]) {
+// (always inlined, as the helpers below: an out-of-line call takes the 16 vectors through
+// memory, 0.82x measured on bfloat16 decodes)
+__attribute__((always_inline)) inline __m512 fold16(const __m512 (&a)[16]) {
   __m512 pair[8], quad[4], half[2];
   for (int i = 0; i < 8; ++i) {  // per 128 bits: [a0 l0+l2, a1 l0+l2, a0 l1+l3, a1 l1+l3]
     pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
@@ -88,8 +100,31 @@ inline __m512 fold16(const __m512 (&a)[16]) {
                        _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The n <= 16 scores of one query row (NP vectors of 32 bfloat16) against the key rows at
+// The n <= 16 scores of one query row (NL lines of D values) against the key rows at
 // keys + t * D, t < n, scaled; lanes from n on are -inf. Key rows past n are not read.
+__attribute__((always_inline)) inline __m512 scaled_scores(const __m512 (&part)[16], int64_t n,
+                                                           float scale) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                            fold16(part), _mm512_set1_ps(scale));
+}
+
+template <int NL>
+inline __m512 group_scores(const float* q, const float* keys, int64_t n, float scale) {
+  constexpr int64_t D = 16 * NL;
+  __m512 qv[NL];
+  for (int p = 0; p < NL; ++p) qv[p] = _mm512_loadu_ps(q + 16 * p);
+  __m512 part[16];
+  for (int t = 0; t < 16; ++t) {
+    const float* key = keys + std::min<int64_t>(t, n - 1) * D;
+    __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+    for (int p = 1; p < NL; ++p) a = _mm512_fmadd_ps(qv[p], _mm512_loadu_ps(key + 16 * p), a);
+    part[t] = a;
+  }
+  return scaled_scores(part, n, scale);
+}
+
+#if defined(CARPOOL_AVX512_BF16)
 template <int NP>
 inline __m512 group_scores(const uint16_t* q, const uint16_t* keys, int64_t n, float scale) {
   constexpr int64_t D = 32 * NP;
@@ -104,19 +139,59 @@ inline __m512 group_scores(const uint16_t* q, const uint16_t* keys, int64_t n, f
     }
     part[t] = a;
   }
-  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-  return _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                            fold16(part), _mm512_set1_ps(scale));
+  return scaled_scores(part, n, scale);
+}
+#endif
+
+// The lines of key row t and value row t of the next block (both null: none) into L1, with
+// value row t: a block's prefetches spread over the loop instead of waiting in a burst for
+// fill buffers.
+template <typename elem_t, int NL>
+__attribute__((always_inline)) inline void prefetch_rows_l1(const elem_t* next_keys,
+                                                            const elem_t* next_values, int64_t t) {
+  if (next_keys == nullptr) return;
+  constexpr int64_t D = kLine<elem_t> * NL;
+  for (int p = 0; p < NL; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D + kLine<elem_t> * p),
+                 _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D + kLine<elem_t> * p),
+                 _MM_HINT_T0);
+  }
 }
 
-// acc[r] += sum_t probs[r][t] * values[t] for R rows and the n value rows at values + t * D.
-// Each 32 columns of acc are held as their 16 even columns, then their 16 odd ones: a
-// bfloat16 pair's 32 bits become the even column's float by a shift and the odd one's by a
-// mask (two operations for 32 columns, where widening in column order takes five);
-// unpair_columns puts them back in order at the end.
-// next_keys, next_values: the next block's rows (both null: none); key row t's lines and value
-// row t's lines are prefetched into L1 with value row t, so a block's prefetches are spread
-// over the loop instead of waiting in a burst for fill buffers.
+// acc[r] += sum_t probs[r][t] * values[t] for R rows and the n value rows at values + t * D;
+// the next block's rows prefetched as they go (prefetch_rows_l1).
+template <int NL, int R>
+void group_values(const float* probs, const float* values, int64_t n, float* acc,
+                  const float* next_keys, const float* next_values) {
+  constexpr int64_t D = 16 * NL;
+  __m512 a[R][NL];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NL; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch_rows_l1<float, NL>(next_keys, next_values, t);
+    __m512 x[NL];
+    for (int v = 0; v < NL; ++v) x[v] = _mm512_loadu_ps(values + t * D + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * kDecodeGroup + t]);
+      for (int v = 0; v < NL; ++v) a[r][v] = _mm512_fmadd_ps(p, x[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NL; ++v) _mm512_storeu_ps(acc + r * D + 16 * v, a[r][v]);
+  }
+}
+
+// Float32 accumulators are in column order already.
+template <int NL>
+inline void to_column_order(float*, const float*) {}
+
+#if defined(CARPOOL_AVX512_BF16)
+// The same for bfloat16 value rows. Each 32 columns of acc are held as their 16 even columns,
+// then their 16 odd ones: a bfloat16 pair's 32 bits become the even column's float by a shift
+// and the odd one's by a mask (two operations for 32 columns, where widening in column order
+// takes five); to_column_order puts them back in order at the end.
 template <int NP, int R>
 void group_values(const float* probs, const uint16_t* values, int64_t n, float* acc,
                   const uint16_t* next_keys, const uint16_t* next_values) {
@@ -128,12 +203,7 @@ void group_values(const float* probs, const uint16_t* values, int64_t n, float* 
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (next_keys != nullptr) {
-      for (int p = 0; p < NP; ++p) {  // a 64-byte line holds 32 bfloat16
-        _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D + 32 * p), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D + 32 * p), _MM_HINT_T0);
-      }
-    }
+    prefetch_rows_l1<uint16_t, NP>(next_keys, next_values, t);
     __m512 x[NV];
     for (int p = 0; p < NP; ++p) {
       const __m512i pairs = _mm512_loadu_si512(values + t * D + 32 * p);
@@ -152,7 +222,7 @@ void group_values(const float* probs, const uint16_t* values, int64_t n, float* 
 
 // One row of D = 32 * NP accumulators from group_values' paired order back to column order.
 template <int NP>
-inline void unpair_columns(float* row) {
+inline void to_column_order(float* row, const uint16_t*) {
   const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                           24, 8);
@@ -162,24 +232,26 @@ inline void unpair_columns(float* row) {
     _mm512_storeu_ps(row + 32 * p + 16, _mm512_permutex2var_ps(even, second, odd));
   }
 }
+#endif
 
-template <int NP, int... R>
-void group_values_rows(const float* probs, const uint16_t* values, int64_t n, float* acc,
-                       int64_t rows, std::integer_sequence<int, R...>, const uint16_t* next_keys,
-                       const uint16_t* next_values) {
-  constexpr int kPass = rows_per_pass(2 * NP);  // block_ops.h: accumulators in registers
-  using Fn = void (*)(const float*, const uint16_t*, int64_t, float*, const uint16_t*,
-                      const uint16_t*);
-  static constexpr Fn fns[] = {&group_values<NP, R + 1>...};
+template <typename elem_t, int NL, int... R>
+void group_values_rows(const float* probs, const elem_t* values, int64_t n, float* acc,
+                       int64_t rows, std::integer_sequence<int, R...>, const elem_t* next_keys,
+                       const elem_t* next_values) {
+  constexpr int64_t D = kLine<elem_t> * NL;
+  constexpr int kPass = rows_per_pass(D / 16);  // block_ops.h: accumulators in registers
+  using Fn = void (*)(const float*, const elem_t*, int64_t, float*, const elem_t*,
+                      const elem_t*);
+  static constexpr Fn fns[] = {&group_values<NL, R + 1>...};
   for (int64_t r0 = 0; r0 < rows; r0 += kPass) {  // the first pass prefetches
     const int64_t m = std::min<int64_t>(kPass, rows - r0);
     const bool first = r0 == 0;
-    fns[m - 1](probs + r0 * kDecodeGroup, values, n, acc + r0 * 32 * NP,
+    fns[m - 1](probs + r0 * kDecodeGroup, values, n, acc + r0 * D,
                first ? next_keys : nullptr, first ? next_values : nullptr);
   }
 }
 
-inline void prefetch_block_l1(const uint16_t* p, int64_t bytes) {
+inline void prefetch_block_l1(const void* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
@@ -194,7 +266,7 @@ inline bool prefetch_block_after_next() {
 }
 
 // `bytes` of keys and of values into L2, a line of each in turn.
-inline void prefetch_block_l2(const uint16_t* keys, const uint16_t* values, int64_t bytes) {
+inline void prefetch_block_l2(const void* keys, const void* values, int64_t bytes) {
   const char* k = reinterpret_cast<const char*>(keys);
   const char* v = reinterpret_cast<const char*>(values);
   for (int64_t i = 0; i < bytes; i += 64) {
@@ -205,21 +277,25 @@ inline void prefetch_block_l2(const uint16_t* keys, const uint16_t* values, int6
 
 // The first block of `a` (keys and values) into L1: the thread's next item, while the last
 // block of its current one is attended.
-template <int NP>
-inline void prefetch_first_block(const DecodeArgs& a) {
-  constexpr int64_t D = 32 * NP;
+template <typename elem_t, int NL>
+inline void prefetch_first_block(const DecodeArgs<elem_t>& a) {
+  constexpr int64_t D = kLine<elem_t> * NL;
   const int64_t b = a.key_begin / a.block_size, block = a.table[b];
   if (block < 0 || block >= a.num_cache_blocks) return;  // attend_decode raises on it
   const int64_t first = a.key_begin - b * a.block_size;
   const int64_t n = std::min(a.block_size - first, a.key_end - a.key_begin);
   const int64_t offset = (block * a.block_size + first) * D;
-  prefetch_block_l1(a.key_head + offset, n * D * sizeof(uint16_t));
-  prefetch_block_l1(a.value_head + offset, n * D * sizeof(uint16_t));
+  prefetch_block_l1(a.key_head + offset, n * D * sizeof(elem_t));
+  prefetch_block_l1(a.value_head + offset, n * D * sizeof(elem_t));
 }
 
-template <int NP>
-void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScratch& buf) {
-  constexpr int64_t D = 32 * NP;
+inline float* output_row(float* p) { return p; }
+inline at::BFloat16* output_row(uint16_t* p) { return reinterpret_cast<at::BFloat16*>(p); }
+
+template <typename elem_t, int NL>
+void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
+                   DecodeScratch& buf) {
+  constexpr int64_t D = kLine<elem_t> * NL;
   const int64_t G = a.rows, BS = a.block_size;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   buf.reserve(G, D);
@@ -238,20 +314,20 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
   int64_t block = block_id(first_block);
   for (int64_t b = first_block; b < end_block; ++b) {
     int64_t next = -1;  // the next block's id
-    const uint16_t* next_keys = nullptr;  // its rows, prefetched while this block is attended
-    const uint16_t* next_values = nullptr;
+    const elem_t* next_keys = nullptr;  // its rows, prefetched while this block is attended
+    const elem_t* next_values = nullptr;
     if (b + 1 < end_block) {
       next = block_id(b + 1);
       next_keys = a.key_head + next * BS * D;
       next_values = a.value_head + next * BS * D;
     } else if (next_item != nullptr) {
-      prefetch_first_block<NP>(*next_item);
+      prefetch_first_block<elem_t, NL>(*next_item);
     }
     if (l2_ahead && b + 2 < end_block) {  // an id outside the cache raises when reached
       const int64_t far = a.table[b + 2];
       if (far >= 0 && far < a.num_cache_blocks) {
         prefetch_block_l2(a.key_head + far * BS * D, a.value_head + far * BS * D,
-                          BS * D * sizeof(uint16_t));
+                          BS * D * sizeof(elem_t));
       }
     }
     const int64_t lo = std::max(a.key_begin, b * BS), hi = std::min(a.key_end, (b + 1) * BS);
@@ -260,7 +336,7 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
       const int64_t offset = (block * BS + t0 - b * BS) * D;
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
       for (int64_t r = 0; r < G; ++r) {
-        const __m512 s = group_scores<NP>(a.q + r * a.q_head_stride, a.key_head + offset, n,
+        const __m512 s = group_scores<NL>(a.q + r * a.q_head_stride, a.key_head + offset, n,
                                           a.scale);
         const float group_max = _mm512_reduce_max_ps(s);
         if (group_max > buf.row_max[r]) {  // rescale what the row accumulated so far
@@ -280,39 +356,42 @@ void attend_decode(const DecodeArgs& a, const DecodeArgs* next_item, DecodeScrat
       // The next block's rows t0 - lo ... t0 - lo + n - 1 with this group's value rows (rows of
       // a whole cache block: at most block_size of them, whatever they hold).
       const int64_t ahead = (t0 - lo) * D;
-      group_values_rows<NP>(buf.probs.data(), a.value_head + offset, n, acc, G,
-                            std::make_integer_sequence<int, rows_per_pass(2 * NP)>{},
+      group_values_rows<elem_t, NL>(buf.probs.data(), a.value_head + offset, n, acc, G,
+                                    std::make_integer_sequence<int, rows_per_pass(D / 16)>{},
                             next_keys != nullptr ? next_keys + ahead : nullptr,
                             next_values != nullptr ? next_values + ahead : nullptr);
     }
     block = next;
   }
   for (int64_t r = 0; r < G; ++r) {
-    unpair_columns<NP>(acc + r * D);
-    store_scaled(acc + r * D, 1.f / buf.row_sum[r],
-                 reinterpret_cast<at::BFloat16*>(a.out + r * a.out_head_stride), D);
+    to_column_order<NL>(acc + r * D, a.value_head);
+    store_scaled(acc + r * D, 1.f / buf.row_sum[r], output_row(a.out + r * a.out_head_stride), D);
   }
 }
 
-// Whether attend_decode_bf16 takes this head_dim.
-inline bool decode_bf16_head_dim_ok(int64_t head_dim) {
-  return head_dim % 32 == 0 && head_dim / 32 <= kMaxDecodePairVecs;
+// Whether attend_decode_one_pass takes this head_dim for elements of elem_t.
+template <typename elem_t>
+inline bool decode_one_pass_head_dim_ok(int64_t head_dim) {
+  return head_dim % kLine<elem_t> == 0 && head_dim <= kMaxDecodeDim;
+}
+
+template <typename elem_t, int... NL>
+void attend_decode_lines(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
+                         DecodeScratch& buf, std::integer_sequence<int, NL...>) {
+  using Fn = void (*)(const DecodeArgs<elem_t>&, const DecodeArgs<elem_t>*, DecodeScratch&);
+  static constexpr Fn fns[] = {&attend_decode<elem_t, NL + 1>...};
+  const int64_t lines = a.head_dim / kLine<elem_t>;
+  TORCH_CHECK(decode_one_pass_head_dim_ok<elem_t>(a.head_dim), "attend_decode_one_pass: head_dim ",
+              a.head_dim, " not taken");
+  fns[lines - 1](a, next_item, buf);
 }
 
 // next_item: the thread's next decode (its first block is prefetched at the end), or null.
-inline void attend_decode_bf16(const DecodeArgs& a, const DecodeArgs* next_item,
-                               DecodeScratch& buf) {
-  switch (a.head_dim / 32) {
-    case 1: attend_decode<1>(a, next_item, buf); break;
-    case 2: attend_decode<2>(a, next_item, buf); break;
-    case 3: attend_decode<3>(a, next_item, buf); break;
-    case 4: attend_decode<4>(a, next_item, buf); break;
-    case 5: attend_decode<5>(a, next_item, buf); break;
-    case 6: attend_decode<6>(a, next_item, buf); break;
-    case 7: attend_decode<7>(a, next_item, buf); break;
-    case 8: attend_decode<8>(a, next_item, buf); break;
-    default: TORCH_CHECK(false, "attend_decode_bf16: head_dim ", a.head_dim, " not taken");
-  }
+template <typename elem_t>
+inline void attend_decode_one_pass(const DecodeArgs<elem_t>& a,
+                                   const DecodeArgs<elem_t>* next_item, DecodeScratch& buf) {
+  attend_decode_lines(a, next_item, buf,
+                      std::make_integer_sequence<int, kMaxDecodeDim / kLine<elem_t>>{});
 }
 
 }  // namespace
