@@ -152,10 +152,13 @@ class Scheduler(RequestTable):
         return slots
 
     def _admit_waiting(self, plan: StepPlan) -> None:
+        num_seated = (sum(1 for r in self._running if r.request_id not in self._paused)
+                      if self._paused else len(self._running))
+        if num_seated >= self.config.max_num_seqs or plan.token_budget == 0 or not self._waiting:
+            return  # no seat, no budget or no one waiting: skip the per-running-request passes
         slots = self._partial_slots_after_running(plan)
         in_flight = self._in_flight_block_hashes()
         passed_over: list[Request] = []
-        num_seated = sum(1 for r in self._running if r.request_id not in self._paused)
         for request in list(self._waiting):
             if num_seated >= self.config.max_num_seqs or plan.token_budget == 0:
                 return
