@@ -159,57 +159,45 @@ __attribute__((always_inline)) inline void prefetch_rows_l1(const elem_t* next_k
   }
 }
 
-// acc[r] += sum_t probs[r][t] * values[t] for R rows and the n value rows at values + t * D;
-// the next block's rows prefetched as they go (prefetch_rows_l1).
-template <int NL, int R>
-void group_values(const float* probs, const float* values, int64_t n, float* acc,
-                  const float* next_keys, const float* next_values) {
-  constexpr int64_t D = 16 * NL;
-  __m512 a[R][NL];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NL; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    prefetch_rows_l1<float, NL>(next_keys, next_values, t);
-    __m512 x[NL];
-    for (int v = 0; v < NL; ++v) x[v] = _mm512_loadu_ps(values + t * D + 16 * v);
-    for (int r = 0; r < R; ++r) {
-      const __m512 p = _mm512_set1_ps(probs[r * kDecodeGroup + t]);
-      for (int v = 0; v < NL; ++v) a[r][v] = _mm512_fmadd_ps(p, x[v], a[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NL; ++v) _mm512_storeu_ps(acc + r * D + 16 * v, a[r][v]);
-  }
+// Value row `row` as D / 16 float32 vectors, in the column order group_values keeps the
+// accumulators in: float32 rows as they are.
+template <int NL>
+__attribute__((always_inline)) inline void load_values(const float* row, __m512 (&x)[NL]) {
+  for (int v = 0; v < NL; ++v) x[v] = _mm512_loadu_ps(row + 16 * v);
 }
 
-// Float32 accumulators are in column order already.
-template <int NL>
-inline void to_column_order(float*, const float*) {}
-
 #if defined(CARPOOL_AVX512_BF16)
-// The same for bfloat16 value rows. Each 32 columns of acc are held as their 16 even columns,
-// then their 16 odd ones: a bfloat16 pair's 32 bits become the even column's float by a shift
-// and the odd one's by a mask (two operations for 32 columns, where widening in column order
-// takes five); to_column_order puts them back in order at the end.
-template <int NP, int R>
-void group_values(const float* probs, const uint16_t* values, int64_t n, float* acc,
-                  const uint16_t* next_keys, const uint16_t* next_values) {
-  constexpr int NV = 2 * NP;
-  constexpr int64_t D = 32 * NP;
+// bfloat16 rows: each 32 columns as their 16 even columns, then their 16 odd ones. A bfloat16
+// pair's 32 bits become the even column's float by a shift and the odd one's by a mask (two
+// operations for 32 columns, where widening in column order takes five); to_column_order
+// puts the accumulators back in order at the end.
+template <int NP>
+__attribute__((always_inline)) inline void load_values(const uint16_t* row,
+                                                       __m512 (&x)[2 * NP]) {
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int p = 0; p < NP; ++p) {
+    const __m512i pairs = _mm512_loadu_si512(row + 32 * p);
+    x[2 * p] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    x[2 * p + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+  }
+}
+#endif
+
+// acc[r] += sum_t probs[r][t] * values[t] for R rows and the n value rows at values + t * D;
+// the next block's rows prefetched as they go (prefetch_rows_l1).
+template <typename elem_t, int NL, int R>
+void group_values(const float* probs, const elem_t* values, int64_t n, float* acc,
+                  const elem_t* next_keys, const elem_t* next_values) {
+  constexpr int64_t D = kLine<elem_t> * NL;
+  constexpr int NV = D / 16;
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NV; ++v) a[r][v] = _mm512_loadu_ps(acc + r * D + 16 * v);
   }
   for (int64_t t = 0; t < n; ++t) {
-    prefetch_rows_l1<uint16_t, NP>(next_keys, next_values, t);
+    prefetch_rows_l1<elem_t, NL>(next_keys, next_values, t);
     __m512 x[NV];
-    for (int p = 0; p < NP; ++p) {
-      const __m512i pairs = _mm512_loadu_si512(values + t * D + 32 * p);
-      x[2 * p] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      x[2 * p + 1] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
-    }
+    load_values<NL>(values + t * D, x);
     for (int r = 0; r < R; ++r) {
       const __m512 p = _mm512_set1_ps(probs[r * kDecodeGroup + t]);
       for (int v = 0; v < NV; ++v) a[r][v] = _mm512_fmadd_ps(p, x[v], a[r][v]);
@@ -220,6 +208,11 @@ void group_values(const float* probs, const uint16_t* values, int64_t n, float* 
   }
 }
 
+// Float32 accumulators are in column order already.
+template <int NL>
+inline void to_column_order(float*, const float*) {}
+
+#if defined(CARPOOL_AVX512_BF16)
 // One row of D = 32 * NP accumulators from group_values' paired order back to column order.
 template <int NP>
 inline void to_column_order(float* row, const uint16_t*) {
@@ -242,7 +235,7 @@ void group_values_rows(const float* probs, const elem_t* values, int64_t n, floa
   constexpr int kPass = rows_per_pass(D / 16);  // block_ops.h: accumulators in registers
   using Fn = void (*)(const float*, const elem_t*, int64_t, float*, const elem_t*,
                       const elem_t*);
-  static constexpr Fn fns[] = {&group_values<NL, R + 1>...};
+  static constexpr Fn fns[] = {&group_values<elem_t, NL, R + 1>...};
   for (int64_t r0 = 0; r0 < rows; r0 += kPass) {  // the first pass prefetches
     const int64_t m = std::min<int64_t>(kPass, rows - r0);
     const bool first = r0 == 0;
