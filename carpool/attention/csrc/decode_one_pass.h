@@ -100,8 +100,7 @@ __attribute__((always_inline)) inline __m512 fold16(const __m512 (&a)[16]) {
                        _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The n <= 16 scores of one query row (NL lines of D values) against the key rows at
-// keys + t * D, t < n, scaled; lanes from n on are -inf. Key rows past n are not read.
+// 16 keys' partial-sum vectors -> their scores, scaled; lanes from n on are -inf.
 __attribute__((always_inline)) inline __m512 scaled_scores(const __m512 (&part)[16], int64_t n,
                                                            float scale) {
   const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -109,6 +108,8 @@ __attribute__((always_inline)) inline __m512 scaled_scores(const __m512 (&part)[
                             fold16(part), _mm512_set1_ps(scale));
 }
 
+// The n <= 16 scores of one query row (NL lines of D values) against the key rows at
+// keys + t * D, t < n, scaled; lanes from n on are -inf. Key rows past n are not read.
 template <int NL>
 inline __m512 group_scores(const float* q, const float* keys, int64_t n, float scale) {
   constexpr int64_t D = 16 * NL;
