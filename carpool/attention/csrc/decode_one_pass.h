@@ -352,8 +352,8 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
       const int64_t ahead = (t0 - lo) * D;
       group_values_rows<elem_t, NL>(buf.probs.data(), a.value_head + offset, n, acc, G,
                                     std::make_integer_sequence<int, rows_per_pass(D / 16)>{},
-                            next_keys != nullptr ? next_keys + ahead : nullptr,
-                            next_values != nullptr ? next_values + ahead : nullptr);
+                                    next_keys != nullptr ? next_keys + ahead : nullptr,
+                                    next_values != nullptr ? next_values + ahead : nullptr);
     }
     block = next;
   }
@@ -374,10 +374,9 @@ void attend_decode_lines(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* 
                          DecodeScratch& buf, std::integer_sequence<int, NL...>) {
   using Fn = void (*)(const DecodeArgs<elem_t>&, const DecodeArgs<elem_t>*, DecodeScratch&);
   static constexpr Fn fns[] = {&attend_decode<elem_t, NL + 1>...};
-  const int64_t lines = a.head_dim / kLine<elem_t>;
-  TORCH_CHECK(decode_one_pass_head_dim_ok<elem_t>(a.head_dim), "attend_decode_one_pass: head_dim ",
-              a.head_dim, " not taken");
-  fns[lines - 1](a, next_item, buf);
+  TORCH_CHECK(decode_one_pass_head_dim_ok<elem_t>(a.head_dim),
+              "attend_decode_one_pass: head_dim ", a.head_dim, " not taken");
+  fns[a.head_dim / kLine<elem_t> - 1](a, next_item, buf);
 }
 
 // next_item: the thread's next decode (its first block is prefetched at the end), or null.
