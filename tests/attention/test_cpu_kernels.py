@@ -148,12 +148,14 @@ def test_long_contexts_bfloat16(kernels):
 @pytest.mark.parametrize("sliding_window", [0, 21])
 @pytest.mark.parametrize("heads", [(8, 1), (9, 3)], ids=lambda h: f"H{h[0]}-Hkv{h[1]}")
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 16), (torch.float32, 48),
-                                            (torch.float32, 256), (torch.bfloat16, 32),
-                                            (torch.bfloat16, 96), (torch.bfloat16, 256)],
+                                            (torch.float32, 256), (torch.bfloat16, 16),
+                                            (torch.bfloat16, 32), (torch.bfloat16, 96),
+                                            (torch.bfloat16, 256)],
                          ids=lambda x: str(x).removeprefix("torch."))
 def test_one_pass_decodes(kernels, block_size, sliding_window, heads, dtype, head_dim):
-    """Decodes take their own one-pass loop on AVX512 CPUs: float32 of head_dim a multiple of
-    16, bfloat16 of a multiple of 32 (with AVX512-BF16). Groups of 16 keys within a block
+    """Decodes take their own loops on AVX512 CPUs: one pass for float32 of head_dim a
+    multiple of 16 and bfloat16 of a multiple of 32 (with AVX512-BF16), key pairs for
+    bfloat16 of head_dim 16 (with AVX512-BF16). Groups of 16 keys within a block
     (blocks of 5 hold fewer), windows that start inside a group, every query head of a kv
     head (one or several register passes of the value sums), contexts shorter than one
     group."""

@@ -25,9 +25,10 @@
 // block_ops.h and bf16_pair_ops.h. Threads take work items
 // dynamically, longest context first.
 //
-// Decodes (single-query items) take decode_one_pass.h's loop instead, outside batch_invariant:
-// of float32 caches on AVX512 builds (head_dim a multiple of 16), of bfloat16 caches on
-// AVX512-BF16 builds (a multiple of 32).
+// Decodes (single-query items) take their own loops instead, outside batch_invariant:
+// decode_one_pass.h's of float32 caches on AVX512 builds (head_dim a multiple of 16) and of
+// bfloat16 caches on AVX512-BF16 builds (a multiple of 32); decode_pairs.h's of bfloat16
+// caches of head_dim 16 on AVX512-BF16 builds.
 //
 // batch_invariant: every row is scored by row (chunk_scores_by_row), never from transposed
 // keys, whose sums over head_dim run in another order: the transposed path is taken by items
@@ -44,7 +45,7 @@
 
 #include "bf16_pair_ops.h"
 #include "block_ops.h"
-#include "decode_one_pass.h"
+#include "decode_pairs.h"
 
 #include <algorithm>
 #include <atomic>
@@ -440,21 +441,21 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The element type decode_one_pass.h reads a cache of scalar_t as (bfloat16 as its bits).
+// The element type the decode loops read a cache of scalar_t as (bfloat16 as its bits).
 template <typename scalar_t>
 using decode_elem_t =
     std::conditional_t<std::is_same_v<scalar_t, at::BFloat16>, uint16_t, scalar_t>;
 
-// Whether decode_one_pass.h's loop takes single-query items of a scalar_t cache in this build
-// (then also the head_dim must suit it: decode_one_pass_head_dim_ok).
+// Whether the decode loops take single-query items of a scalar_t cache in this build (then
+// also the head_dim must suit them: single_query_head_dim_ok).
 template <typename scalar_t>
-constexpr bool kOnePassDecodes = std::is_same_v<scalar_t, float>
+constexpr bool kDecodeLoops = std::is_same_v<scalar_t, float>
 #if defined(CARPOOL_AVX512_BF16)
-                                 || std::is_same_v<scalar_t, at::BFloat16>
+                              || std::is_same_v<scalar_t, at::BFloat16>
 #endif
     ;
 
-// The arguments of attend_decode_one_pass for a single-query item.
+// The arguments of attend_single_query for a single-query item.
 template <typename scalar_t>
 DecodeArgs<decode_elem_t<scalar_t>> decode_args(const Shapes& s, const WorkItem& item,
                                                 const scalar_t* q, const scalar_t* cache,
@@ -577,14 +578,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     const scalar_t* q_ptr = q.const_data_ptr<scalar_t>();
     const scalar_t* cache_ptr = kv_cache.const_data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    // Single-query items (decodes) take decode_one_pass.h's loop where it takes the dtype and
+    // Single-query items (decodes) take the decode loops where they take the dtype and
     // head_dim, except in the batch-invariant mode: there a position's arithmetic may not
     // depend on whether it was scheduled alone or in a chunk.
 #if defined(CPU_CAPABILITY_AVX512)
-    bool one_pass = false;
-    if constexpr (kOnePassDecodes<scalar_t>) {
-      one_pass = !batch_invariant &&
-                 decode_one_pass_head_dim_ok<decode_elem_t<scalar_t>>(s.head_dim);
+    bool decode_loops = false;
+    if constexpr (kDecodeLoops<scalar_t>) {
+      decode_loops = !batch_invariant &&
+                     single_query_head_dim_ok<decode_elem_t<scalar_t>>(s.head_dim);
     }
 #endif
     std::atomic<int64_t> next{0};
@@ -599,17 +600,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
       for (int64_t i = next.fetch_add(1); i < num_items;) {
         const int64_t j = next.fetch_add(1);
 #if defined(CPU_CAPABILITY_AVX512)
-        if constexpr (kOnePassDecodes<scalar_t>) {
-          if (one_pass && items[i].q_end - items[i].q_begin == 1) {
+        if constexpr (kDecodeLoops<scalar_t>) {
+          if (decode_loops && items[i].q_end - items[i].q_begin == 1) {
             using Args = DecodeArgs<decode_elem_t<scalar_t>>;
             const bool next_decode = j < num_items && items[j].q_end - items[j].q_begin == 1;
             const Args next_args = next_decode ? decode_args(s, items[j], q_ptr, cache_ptr,
                                                              out_ptr, tables, starts, q_lens,
                                                              s_lens)
                                                : Args{};
-            attend_decode_one_pass(decode_args(s, items[i], q_ptr, cache_ptr, out_ptr, tables,
-                                               starts, q_lens, s_lens),
-                                   next_decode ? &next_args : nullptr, decode_buf);
+            attend_single_query(decode_args(s, items[i], q_ptr, cache_ptr, out_ptr, tables,
+                                            starts, q_lens, s_lens),
+                                next_decode ? &next_args : nullptr, decode_buf);
             i = j;
             continue;
           }
