@@ -105,12 +105,12 @@ class Request:
     @property
     def max_output_tokens(self) -> int | None:
         """The tighter of `max_tokens` and what `max_model_len` leaves after the prompt."""
-        limits = []
-        if self.sampling_params.max_tokens is not None:
-            limits.append(self.sampling_params.max_tokens)
+        limit = self.sampling_params.max_tokens  # read on every token: no list, no min()
         if self.max_model_len is not None:
-            limits.append(self.max_model_len - self.num_prompt_tokens)
-        return min(limits) if limits else None
+            room = self.max_model_len - len(self.prompt_token_ids)
+            if limit is None or room < limit:
+                limit = room
+        return limit
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + outputs, without copying the rest.

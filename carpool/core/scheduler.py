@@ -96,7 +96,9 @@ class Scheduler(RequestTable):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
             num_remaining = request.num_tokens - request.num_computed_tokens
-            num_new = prefill_chunk(num_remaining, plan.token_budget, self.config)
+            # a decode's one token always fits the budget left (> 0) and any chunk cap
+            num_new = 1 if num_remaining == 1 else prefill_chunk(num_remaining,
+                                                                 plan.token_budget, self.config)
             if num_new and self._grow_or_preempt(request, num_new, plan, unseated):
                 plan.add(request, num_new)
 
