@@ -120,7 +120,8 @@ class LLM:
         added: list[str] = []
         try:
             for child in children:
-                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params)
+                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params,
+                                        text_at_finish=True)  # only the final text is read
                 added.append(child.request_id)
             self._drive(children, len(builders), use_tqdm)
         except BaseException:

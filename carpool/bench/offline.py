@@ -160,7 +160,8 @@ def _add(engine, index: int, request: BenchRequest, run: _RunRecorder, now: floa
     from carpool.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-    engine.add_request(f"bench-{index}", list(request.prompt_token_ids), params)
+    engine.add_request(f"bench-{index}", list(request.prompt_token_ids), params,
+                       text_at_finish=True)  # as `LLM.generate` adds its requests
     run.results[index] = RequestResult(start_time=now,
                                        num_prompt_tokens=len(request.prompt_token_ids))
 

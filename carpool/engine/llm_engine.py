@@ -143,10 +143,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> int:
+                    cache_salt: str | None = None, text_at_finish: bool = False) -> int:
         """Queue one request; returns its number of prompt tokens. ValueError if it is invalid.
 
-        Requests share cached prefix blocks only with requests of the same `cache_salt`."""
+        Requests share cached prefix blocks only with requests of the same `cache_salt`.
+        `text_at_finish`: for a caller that reads only the final text (`LLM.generate`), the
+        output that finishes the request carries all of its text, decoded once, and the
+        ones before it none, so no step spends time detokenizing; ignored when stop strings
+        need the text every step. (An abort or error output carries no text.)"""
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self.encode_prompt(prompt)
@@ -165,7 +169,9 @@ class LLMEngine:
         self.scheduler.add_request(request)
         detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
                        if self.detokenize else None)
-        self._states[request_id] = RequestState(request, detokenizer, matcher=matcher)
+        self._states[request_id] = RequestState(
+            request, detokenizer, matcher=matcher,
+            text_at_finish=text_at_finish and not sampling_params.stop)
         return len(prompt_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -254,8 +260,9 @@ class LLMEngine:
         if request.num_output_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
         new_text = ""
-        if state.detokenizer is not None:
-            delta = state.detokenizer.update(new_token_ids, finished=request.is_finished)
+        if state.detokenizer is not None and (request.is_finished or not state.text_at_finish):
+            text_ids = request.output_token_ids if state.text_at_finish else new_token_ids
+            delta = state.detokenizer.update(text_ids, finished=request.is_finished)
             new_text = delta.text
             if delta.stop_string is not None:
                 self._finish_on_stop_string(request, delta.stop_string)

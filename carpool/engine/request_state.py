@@ -1,6 +1,6 @@
 """What `LLMEngine` keeps per live request beside the scheduler's `Request`: its
-detokenizer, how many output tokens were already sent, the prompt logprobs gathered
-chunk by chunk, and its grammar matcher."""
+detokenizer (and whether it runs only at the finish), how many output tokens were
+already sent, the prompt logprobs gathered chunk by chunk, and its grammar matcher."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ class RequestState:
     # Prompt logprobs gathered chunk by chunk (prompt_logprobs requests), until first sent.
     prompt_logprobs: PromptLogprobs | None = None
     matcher: Any = None  # the grammar's llguidance matcher when structured_outputs is set
+    # Decode the whole output once, in the output that finishes the request (no stop strings).
+    text_at_finish: bool = False
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Join one prefill chunk's share. After a preemption the prompt is computed again,

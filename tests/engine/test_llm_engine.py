@@ -3,6 +3,7 @@ seeded sampling, n > 1, chat, logprobs and the stats they report."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -320,3 +321,31 @@ def test_llm_refuses_trust_remote_code():
 
     with pytest.raises(ValueError, match="trust_remote_code"):
         LLM(trust_remote_code=True)
+
+
+def test_text_at_finish_is_the_text_the_steps_add_up_to(model_dir):
+    """`LLM.generate`'s requests decode their text once, when they finish: the same text as
+    the per-step deltas of a streamed request (a random model's stray bytes included), and
+    none before the finishing output; a request with stop strings still decodes each step."""
+    engine = make_engine(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    batch = prompts(seed=11, num=6)
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"step-{i}", prompt, params)
+        engine.add_request(f"end-{i}", prompt, params, text_at_finish=True)
+    outputs = run_to_end(engine)
+    for i in range(len(batch)):
+        stepped, at_end = outputs[f"step-{i}"], outputs[f"end-{i}"]
+        assert [o.new_token_ids for o in at_end] == [o.new_token_ids for o in stepped]
+        assert all(o.new_text == "" for o in at_end[:-1])
+        assert at_end[-1].new_text == "".join(o.new_text for o in stepped) != ""
+    text = "".join(o.new_text for o in outputs["step-0"])
+    start = next(i for i in range(len(text) // 2, len(text) - 2)
+                 if "\ufffd" not in text[i:i + 2])  # stray bytes aside, as above
+    stop = text[start:start + 2]
+    engine.add_request("stop", batch[0], dataclasses.replace(params, stop=[stop]),
+                       text_at_finish=True)
+    outs = run_to_end(engine)["stop"]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert "".join(o.new_text for o in outs) == text[:text.index(stop)]
+    assert len(outs) < 30
