@@ -167,10 +167,11 @@ def test_one_pass_decodes(kernels, block_size, sliding_window, heads, dtype, hea
     check_against_reference(kernels, case, sliding_window=sliding_window)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64),
+                                            (torch.bfloat16, 16)],
                          ids=lambda x: str(x).removeprefix("torch."))
-def test_one_pass_decode_rejects_a_block_outside_the_cache(kernels, dtype):
-    case = make_case([1], [40], 9, 3, 64, dtype)
+def test_one_pass_decode_rejects_a_block_outside_the_cache(kernels, dtype, head_dim):
+    case = make_case([1], [40], 9, 3, head_dim, dtype)
     case["block_tables"][0, 1] = case["kv_cache"].shape[2]
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.paged_attention(torch.empty_like(case["q"]), case["q"], case["kv_cache"],

@@ -269,6 +269,15 @@ inline void prefetch_block_l2(const void* keys, const void* values, int64_t byte
   }
 }
 
+// The id at table entry b; raises when it is outside the cache.
+template <typename elem_t>
+inline int64_t checked_block(const DecodeArgs<elem_t>& a, int64_t b) {
+  const int64_t block = a.table[b];
+  TORCH_CHECK(block >= 0 && block < a.num_cache_blocks, "paged_attention: block id ", block,
+              " of request ", a.seq, " is outside the cache (", a.num_cache_blocks, " blocks)");
+  return block;
+}
+
 // The first block of `a` (keys and values) into L1: the thread's next item, while the last
 // block of its current one is attended.
 template <typename elem_t, int NL>
@@ -297,21 +306,15 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
   std::fill(acc, acc + G * D, 0.f);
   std::fill(buf.row_max.begin(), buf.row_max.begin() + G, kNegInf);
   std::fill(buf.row_sum.begin(), buf.row_sum.begin() + G, 0.f);
-  auto block_id = [&](int64_t b) {
-    const int64_t block = a.table[b];
-    TORCH_CHECK(block >= 0 && block < a.num_cache_blocks, "paged_attention: block id ", block,
-                " of request ", a.seq, " is outside the cache (", a.num_cache_blocks, " blocks)");
-    return block;
-  };
   const int64_t first_block = a.key_begin / BS, end_block = (a.key_end + BS - 1) / BS;
   const bool l2_ahead = prefetch_block_after_next();
-  int64_t block = block_id(first_block);
+  int64_t block = checked_block(a, first_block);
   for (int64_t b = first_block; b < end_block; ++b) {
     int64_t next = -1;  // the next block's id
     const elem_t* next_keys = nullptr;  // its rows, prefetched while this block is attended
     const elem_t* next_values = nullptr;
     if (b + 1 < end_block) {
-      next = block_id(b + 1);
+      next = checked_block(a, b + 1);
       next_keys = a.key_head + next * BS * D;
       next_values = a.value_head + next * BS * D;
     } else if (next_item != nullptr) {

@@ -86,20 +86,14 @@ void attend_pairs_rows(const DecodeArgs<uint16_t>& a, int64_t r0) {
     const int even = j < 4 ? j : 4 + j, odd = even + 4;
     pair_lanes[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(even), 0xFF00, odd);
   }
-  auto block_id = [&](int64_t b) {
-    const int64_t block = a.table[b];
-    TORCH_CHECK(block >= 0 && block < a.num_cache_blocks, "paged_attention: block id ", block,
-                " of request ", a.seq, " is outside the cache (", a.num_cache_blocks, " blocks)");
-    return block;
-  };
   const int64_t first_block = a.key_begin / BS, end_block = (a.key_end + BS - 1) / BS;
   const bool l2_ahead = prefetch_block_after_next();
   const int64_t block_bytes = BS * kPairDim * sizeof(uint16_t);
-  int64_t block = block_id(first_block);
+  int64_t block = checked_block(a, first_block);
   for (int64_t b = first_block; b < end_block; ++b) {
     int64_t next = -1;
     if (b + 1 < end_block) {  // the next block into L1 while this one is attended
-      next = block_id(b + 1);
+      next = checked_block(a, b + 1);
       prefetch_block_l1(a.key_head + next * BS * kPairDim, block_bytes);
       prefetch_block_l1(a.value_head + next * BS * kPairDim, block_bytes);
     }
