@@ -2,9 +2,9 @@
 //
 // Why its own loop: a bfloat16 row of 16 values is 32 bytes, half of what decode_one_pass.h
 // works in (a cache line per row), and a model this narrow does little arithmetic per key, so
-// the cost per key is the loop's latency chains, not the memory: one row per register would
-// leave half of every vdpbf16ps and value FMA idle, and fold 16 partial-sum vectors per 16
-// keys per query row. Here rows t and t + 1 of a block (contiguous: 64 bytes) are one
+// the cost per key is the loop's vector operations, not the memory: one row per register
+// would leave half of every vdpbf16ps and value FMA idle, and fold 16 partial-sum vectors per
+// 16 keys per query row. Here rows t and t + 1 of a block (contiguous: 64 bytes) are one
 // register, for the keys and for the values:
 // - scores: vdpbf16ps of the query row (in both halves of a register) with 8 such key pairs
 //   gives 8 vectors, each with key 2j's 8 partial sums below and key 2j + 1's above; two
@@ -190,7 +190,8 @@ inline bool single_query_head_dim_ok(int64_t head_dim) {
 }
 
 // One decode of one kv head: bfloat16 rows of 16 values by pairs, the rest in one pass.
-// next_item: the thread's next decode (its first block is prefetched at the end), or null.
+// next_item: the thread's next decode, or null (the one-pass loop prefetches its first block
+// at the end; the pairs loop, for caches this small, does not).
 template <typename elem_t>
 inline void attend_single_query(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
                                 DecodeScratch& buf) {
