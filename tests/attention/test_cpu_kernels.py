@@ -152,7 +152,7 @@ def test_long_contexts_bfloat16(kernels):
                                             (torch.bfloat16, 32), (torch.bfloat16, 96),
                                             (torch.bfloat16, 256)],
                          ids=lambda x: str(x).removeprefix("torch."))
-def test_one_pass_decodes(kernels, block_size, sliding_window, heads, dtype, head_dim):
+def test_decode_loops(kernels, block_size, sliding_window, heads, dtype, head_dim):
     """Decodes take their own loops on AVX512 CPUs: one pass for float32 of head_dim a
     multiple of 16 and bfloat16 of a multiple of 32 (with AVX512-BF16), key pairs for
     bfloat16 of head_dim 16 (with AVX512-BF16). Groups of 16 keys within a block
@@ -170,7 +170,7 @@ def test_one_pass_decodes(kernels, block_size, sliding_window, heads, dtype, hea
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64),
                                             (torch.bfloat16, 16)],
                          ids=lambda x: str(x).removeprefix("torch."))
-def test_one_pass_decode_rejects_a_block_outside_the_cache(kernels, dtype, head_dim):
+def test_decode_loops_reject_a_block_outside_the_cache(kernels, dtype, head_dim):
     case = make_case([1], [40], 9, 3, head_dim, dtype)
     case["block_tables"][0, 1] = case["kv_cache"].shape[2]
     with pytest.raises(RuntimeError, match="outside the cache"):
