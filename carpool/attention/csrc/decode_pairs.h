@@ -121,8 +121,9 @@ void attend_pairs_rows(const DecodeArgs<uint16_t>& a, int64_t r0) {
         }
         const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid,
                                             pair_scores(part, a.scale));
-        const float group_max = _mm512_reduce_max_ps(s);
-        if (group_max > row_max[r]) {  // rescale what the row accumulated so far
+        // as attend_decode: the running max moves only by more than kMaxSlack
+        if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(row_max[r] + kMaxSlack), _CMP_GT_OQ)) {
+          const float group_max = _mm512_reduce_max_ps(s);
           const __m512 c = _mm512_set1_ps(row_max[r] == kNegInf ? 0.f
                                                                 : std::exp(row_max[r] - group_max));
           acc_even[r] = _mm512_mul_ps(acc_even[r], c);
