@@ -167,6 +167,19 @@ def test_decode_loops(kernels, block_size, sliding_window, heads, dtype, head_di
     check_against_reference(kernels, case, sliding_window=sliding_window)
 
 
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64),
+                                            (torch.bfloat16, 16)],
+                         ids=lambda x: str(x).removeprefix("torch."))
+def test_decode_loops_follow_a_max_that_moves(kernels, dtype, head_dim, scale):
+    """The decode loops move their running max only when a score passes it by more than a
+    slack: scores spread wide (scale 3: a later group often passes the max by more, so the
+    sums are rescaled) and narrow (scale 0.5: within the slack, probabilities above 1)."""
+    seq_lens = [3, 40, 333, 1024]
+    case = make_case([1] * len(seq_lens), seq_lens, 9, 3, head_dim, dtype, seed=11)
+    check_against_reference(kernels, case, scale=scale)
+
+
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64),
                                             (torch.bfloat16, 16)],
                          ids=lambda x: str(x).removeprefix("torch."))
