@@ -28,28 +28,12 @@ FLAGS = ["--max-num-seqs", str(NUM_SEATS), "--max-num-waiting-requests", str(QUE
          "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "16", "--max-model-len", "256"]
 PROMPTS = ["import os\n", "class Foo:", "for i in range(", "def main():", "x = [", "return ",
            "while True:", "# comment"]
-# The overload test's server: the same seats and queue, and a cache that holds every seat's
-# whole output, so that its admitted requests run OVERLOAD_MAX_TOKENS steps. Taking in the
-# burst's 60 requests keeps the server ~0.3 s busy on a 2-core machine; with 40-token outputs
-# in the small cache the first admitted request finished 3-33 ms after the last refusal, and
-# once before it (a failed run); with these, 100-200 ms after.
-OVERLOAD_MAX_TOKENS = 200  # at most 14 blocks each (prompts under 24 tokens): 4 seats take 56
-OVERLOAD_FLAGS = ["--max-num-seqs", str(NUM_SEATS), "--max-num-waiting-requests",
-                  str(QUEUE_LIMIT), "--num-kv-blocks", "56", "--block-size", "16",
-                  "--max-model-len", "256"]
 
 
 @pytest.fixture(scope="module")
 def small_server(llama_checkpoint, tmp_path_factory):
     with live_server(llama_checkpoint, FLAGS,
                      tmp_path_factory.mktemp("small") / "server.log") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def overload_server(llama_checkpoint, tmp_path_factory):
-    with live_server(llama_checkpoint, OVERLOAD_FLAGS,
-                     tmp_path_factory.mktemp("overload") / "server.log") as live:
         yield live
 
 
@@ -73,10 +57,10 @@ class _QueueWatcher(threading.Thread):
                 time.sleep(0.01)
 
 
-def test_overload_is_turned_away_at_once_and_admitted_requests_complete(overload_server,
+def test_overload_is_turned_away_at_once_and_admitted_requests_complete(small_server,
                                                                         reference_llm):
     num_clients = 5 * (NUM_SEATS + QUEUE_LIMIT)
-    max_tokens = OVERLOAD_MAX_TOKENS  # the seats fit the cache, no preemption needed
+    max_tokens = 40  # 3 blocks each: the seats fit the cache, no preemption needed
 
     async def one(http, i: int, started: float):
         response = await http.post("/v1/completions",
@@ -84,11 +68,11 @@ def test_overload_is_turned_away_at_once_and_admitted_requests_complete(overload
         return i, response, time.monotonic() - started
 
     async def burst():
-        async with overload_server.async_http() as http:
+        async with small_server.async_http() as http:
             started = time.monotonic()
             return await asyncio.gather(*(one(http, i, started) for i in range(num_clients)))
 
-    watcher = _QueueWatcher(overload_server)
+    watcher = _QueueWatcher(small_server)
     watcher.start()
     try:
         results = asyncio.run(burst())
@@ -110,10 +94,10 @@ def test_overload_is_turned_away_at_once_and_admitted_requests_complete(overload
         error = assert_openai_error(response, 503, "overloaded")
         assert error["code"] == "server_overloaded" and response.headers["Retry-After"] == "1"
     # Refusals do not queue behind the work: all came back before the first admitted
-    # request (some OVERLOAD_MAX_TOKENS model steps) finished.
+    # request (some 40 model steps) finished.
     assert max(t for *_, t in refused) < min(t for *_, t in served)
     assert watcher.max_held <= NUM_SEATS + QUEUE_LIMIT
-    wait_idle_and_intact(overload_server)
+    wait_idle_and_intact(small_server)
 
 
 def test_fan_out_larger_than_the_queue_is_a_400_not_a_503(small_server):
