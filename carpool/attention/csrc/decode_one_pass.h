@@ -184,6 +184,14 @@ void group_scores(const elem_t* q, int64_t q_stride, const elem_t* keys, int64_t
   }
 }
 
+// Whether a group's scores move the running max m: the probabilities are exp(score - m) for
+// an m that moves only when a score exceeds it by more than kMaxSlack (so they stay below
+// e^kMaxSlack), so most groups skip the horizontal max and the rescale; the slack cancels in
+// the final division. True for any score while m is -inf.
+__attribute__((always_inline)) inline bool passes_running_max(__m512 scores, float m) {
+  return _mm512_cmp_ps_mask(scores, _mm512_set1_ps(m + kMaxSlack), _CMP_GT_OQ) != 0;
+}
+
 // Query rows per group_scores pass: their query vectors stay in registers with the key row's
 // and the partial sums of two keys.
 constexpr int score_rows_per_pass(int num_vecs) {
@@ -436,10 +444,7 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
       for (int64_t r = 0; r < G; ++r) {
         const __m512 s = _mm512_loadu_ps(buf.scores.data() + r * kDecodeGroup);
         float* sum = buf.row_sum.data() + r * kDecodeGroup;  // a vector of partial sums
-        // The probabilities are exp(score - m) for a running m that moves only when a score
-        // exceeds it by more than kMaxSlack (so they stay below e^kMaxSlack): most groups
-        // skip the horizontal max and the rescale (the slack cancels in the final division).
-        if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(buf.row_max[r] + kMaxSlack), _CMP_GT_OQ)) {
+        if (passes_running_max(s, buf.row_max[r])) {
           const float group_max = _mm512_reduce_max_ps(s);
           const float c = buf.row_max[r] == kNegInf ? 0.f : std::exp(buf.row_max[r] - group_max);
           const __m512 cv = _mm512_set1_ps(c);

@@ -44,23 +44,13 @@ __attribute__((always_inline)) inline __m512i load_row_pair(const uint16_t* rows
 }
 
 // Lane i = key kScoreKeys[i]'s score: the sum of its 8 lanes in part[j] (key 2j in lanes
-// 0..7, key 2j + 1 in lanes 8..15), scaled.
+// 0..7, key 2j + 1 in lanes 8..15), scaled. decode_one_pass.h's tree without its last level:
+// after fold_pairs a key's 8 lanes span two 128-bit quarters (0 and 1 for even keys, 2 and 3
+// for odd ones), which fold_halves adds.
 __attribute__((always_inline)) inline __m512 pair_scores(const __m512 (&part)[8], float scale) {
-  __m512 pair[4], quad[2];
-  for (int i = 0; i < 4; ++i) {  // as fold16's first level: per 128 bits, 2 vectors' halves
-    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(part[2 * i], part[2 * i + 1]),
-                            _mm512_unpackhi_ps(part[2 * i], part[2 * i + 1]));
-  }
-  for (int i = 0; i < 2; ++i) {  // per 128 bits k: vectors 4i .. 4i + 3, each its k-th sum
-    const __m512d x = _mm512_castps_pd(pair[2 * i]), y = _mm512_castps_pd(pair[2 * i + 1]);
-    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                            _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // A key's 8 lanes span two 128-bit quarters: 0 and 1 for even keys, 2 and 3 for odd ones.
-  const __m512 sum = _mm512_add_ps(
-      _mm512_shuffle_f32x4(quad[0], quad[1], _MM_SHUFFLE(2, 0, 2, 0)),
-      _mm512_shuffle_f32x4(quad[0], quad[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_mul_ps(sum, _mm512_set1_ps(scale));
+  const __m512 low = fold_pairs(fold_keys(part[0], part[1]), fold_keys(part[2], part[3]));
+  const __m512 high = fold_pairs(fold_keys(part[4], part[5]), fold_keys(part[6], part[7]));
+  return _mm512_mul_ps(fold_halves(low, high), _mm512_set1_ps(scale));
 }
 
 // R query rows, rows r0 .. r0 + R - 1 of the kv head's G, against all of the item's keys.
@@ -121,8 +111,7 @@ void attend_pairs_rows(const DecodeArgs<uint16_t>& a, int64_t r0) {
         }
         const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid,
                                             pair_scores(part, a.scale));
-        // as attend_decode: the running max moves only by more than kMaxSlack
-        if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(row_max[r] + kMaxSlack), _CMP_GT_OQ)) {
+        if (passes_running_max(s, row_max[r])) {
           const float group_max = _mm512_reduce_max_ps(s);
           const __m512 c = _mm512_set1_ps(row_max[r] == kNegInf ? 0.f
                                                                 : std::exp(row_max[r] - group_max));
