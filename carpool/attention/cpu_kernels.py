@@ -53,23 +53,31 @@ _CAPABILITY_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
 _lock = threading.Lock()
-_modules: dict[str | None, ModuleType | None] = {}  # per build_dir; None = the build failed
+# per (build_dir, capability); None = the build failed
+_modules: dict[tuple[str | None, str | None], ModuleType | None] = {}
 
 
-def load(build_dir: str | os.PathLike | None = None) -> ModuleType | None:
-    """The compiled kernels module (built once per process and build dir), or None if the
-    build fails (no compiler, no ninja, a compile error), after one warning line."""
-    key = None if build_dir is None else str(build_dir)
+def load(build_dir: str | os.PathLike | None = None,
+         capability: str | None = None) -> ModuleType | None:
+    """The compiled kernels module (built once per process, build dir and capability), or None
+    if the build fails (no compiler, no ninja, a compile error), after one warning line.
+
+    `capability` ("AVX512", "AVX2", "DEFAULT") picks the vector width of the build; None
+    takes the one torch dispatches to on this CPU (what the engine uses). Another one is for
+    tests and benchmarks of a narrower build on a wider CPU: the modules are independent, and
+    several can be loaded in one process.
+    """
+    key = (None if build_dir is None else str(build_dir), capability)
     with _lock:
         if key not in _modules:
-            _modules[key] = _build(key)
+            _modules[key] = _build(key[0], capability)
         return _modules[key]
 
 
-def _build(build_dir: str | None) -> ModuleType | None:
+def _build(build_dir: str | None, capability: str | None = None) -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = capability or torch.backends.cpu.get_cpu_capability()
     flags = _CAPABILITY_FLAGS.get(capability, [])
     if capability == "AVX512" and "avx512_bf16" in _cpu_flags():
         flags = [*flags, "-mavx512bf16", "-DCARPOOL_AVX512_BF16"]  # vdpbf16ps on bf16 prompts

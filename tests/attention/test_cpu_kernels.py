@@ -16,9 +16,20 @@ from carpool.attention.cpu_kernels import paged_attention_reference
 UNTOUCHED = 7.0  # what out holds before the call; rows no request covers must keep it
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
+def _builds() -> list[str | None]:
+    """The builds every kernel test runs on: this CPU's (None), and on an AVX512 CPU also the
+    AVX2 build, whose loops (decode_one_pass_avx2.h among them) laptops and older servers run
+    and CI would otherwise never execute."""
+    builds: list[str | None] = [None]
+    if (torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and "avx2" in cpu_kernels._cpu_flags()):
+        builds.append("AVX2")
+    return builds
+
+
+@pytest.fixture(scope="module", params=_builds(), ids=lambda b: (b or "native").lower())
+def kernels(request):
+    module = cpu_kernels.load(capability=request.param)
     if module is None:
         pytest.skip("the C++ kernels could not be built here")
     return module
@@ -153,9 +164,10 @@ def test_long_contexts_bfloat16(kernels):
                                             (torch.bfloat16, 256)],
                          ids=lambda x: str(x).removeprefix("torch."))
 def test_decode_loops(kernels, block_size, sliding_window, heads, dtype, head_dim):
-    """Decodes take their own loops on AVX512 CPUs: one pass for float32 of head_dim a
+    """Decodes take their own loops: on AVX512 CPUs one pass for float32 of head_dim a
     multiple of 16 and bfloat16 of a multiple of 32 (with AVX512-BF16), key pairs for
-    bfloat16 of head_dim 16 (with AVX512-BF16). Groups of 16 keys within a block
+    bfloat16 of head_dim 16 (with AVX512-BF16); on AVX2 ones one pass for both of a
+    multiple of 16 (groups of 8 keys). Groups of 16 keys within a block
     (blocks of 5 hold fewer), windows that start inside a group, every query head of a kv
     head (one or several register passes of the value sums), contexts shorter than one
     group."""

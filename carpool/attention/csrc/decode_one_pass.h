@@ -30,7 +30,7 @@
 
 #pragma once
 
-#include "block_ops.h"
+#include "decode_common.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <c10/util/Exception.h>
@@ -45,43 +45,7 @@
 namespace carpool_cpu {
 namespace {  // internal linkage, as in block_ops.h
 
-constexpr int64_t kDecodeGroup = 16;  // keys per softmax step: one float32 vector of scores
 constexpr int64_t kMaxDecodeDim = 256;  // head_dim up to this (kMaxVecs float32 vectors)
-constexpr float kMaxSlack = 8.f;  // how far a score may exceed the running max (attend_decode)
-
-// Values of elem_t in one 64-byte cache line (and in one AVX512 register).
-template <typename elem_t>
-constexpr int64_t kLine = 64 / sizeof(elem_t);
-
-// One request's decode against one kv head. Rows are the G query heads of that kv head.
-template <typename elem_t>
-struct DecodeArgs {
-  const elem_t* q;         // row r's query at q + r * q_head_stride
-  int64_t q_head_stride;
-  const elem_t* key_head;  // this kv head's keys: block b's row t at (b * block_size + t) * D
-  const elem_t* value_head;
-  const int32_t* table;    // the request's block table
-  int64_t num_cache_blocks, block_size, head_dim, rows;
-  int64_t key_begin, key_end;  // the positions attended
-  float scale;
-  elem_t* out;  // row r's output at out + r * out_head_stride
-  int64_t out_head_stride;
-  int64_t seq;  // the request's index, for errors
-};
-
-// Per-thread state across a call's items.
-struct DecodeScratch {
-  std::vector<float> acc, scores, probs, row_max, row_sum;
-  void reserve(int64_t rows, int64_t head_dim) {
-    if (static_cast<int64_t>(acc.size()) < rows * head_dim) acc.resize(rows * head_dim);
-    if (static_cast<int64_t>(row_max.size()) < rows) {
-      scores.resize(rows * kDecodeGroup);
-      probs.resize(rows * kDecodeGroup);
-      row_max.resize(rows);
-      row_sum.resize(rows * kDecodeGroup);
-    }
-  }
-};
 
 // The transpose-add tree that turns 16 keys' partial-sum vectors into one vector of 16 scores
 // (lane t: the sum of the lanes of key t's vector), one level at a time, so that group_scores
@@ -351,56 +315,6 @@ void group_values_rows(const float* probs, const elem_t* values, int64_t n, floa
   }
 }
 
-inline void prefetch_block_l1(const void* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
-
-// Whether attend_decode also prefetches the block after next into L2. On AMD's Zen 4 the
-// one-block-ahead L1 prefetches alone leave the reads and the arithmetic nearly serial
-// (decode_read_rate.py from memory: 14-16 GB/s, 19-23 with this, 24-27 read-only); on
-// Intel's Sapphire Rapids L2 prefetches ahead of the L1 ones cost 5-10% (BENCHMARKS §28).
-inline bool prefetch_block_after_next() {
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-}
-
-// `bytes` of keys and of values into L2, a line of each in turn.
-inline void prefetch_block_l2(const void* keys, const void* values, int64_t bytes) {
-  const char* k = reinterpret_cast<const char*>(keys);
-  const char* v = reinterpret_cast<const char*>(values);
-  for (int64_t i = 0; i < bytes; i += 64) {
-    _mm_prefetch(k + i, _MM_HINT_T1);
-    _mm_prefetch(v + i, _MM_HINT_T1);
-  }
-}
-
-// The id at table entry b; raises when it is outside the cache.
-template <typename elem_t>
-inline int64_t checked_block(const DecodeArgs<elem_t>& a, int64_t b) {
-  const int64_t block = a.table[b];
-  TORCH_CHECK(block >= 0 && block < a.num_cache_blocks, "paged_attention: block id ", block,
-              " of request ", a.seq, " is outside the cache (", a.num_cache_blocks, " blocks)");
-  return block;
-}
-
-// The first block of `a` (keys and values) into L1: the thread's next item, while the last
-// block of its current one is attended.
-template <typename elem_t, int NL>
-inline void prefetch_first_block(const DecodeArgs<elem_t>& a) {
-  constexpr int64_t D = kLine<elem_t> * NL;
-  const int64_t b = a.key_begin / a.block_size, block = a.table[b];
-  if (block < 0 || block >= a.num_cache_blocks) return;  // attend_decode raises on it
-  const int64_t first = a.key_begin - b * a.block_size;
-  const int64_t n = std::min(a.block_size - first, a.key_end - a.key_begin);
-  const int64_t offset = (block * a.block_size + first) * D;
-  prefetch_block_l1(a.key_head + offset, n * D * sizeof(elem_t));
-  prefetch_block_l1(a.value_head + offset, n * D * sizeof(elem_t));
-}
-
-inline float* output_row(float* p) { return p; }
-inline at::BFloat16* output_row(uint16_t* p) { return reinterpret_cast<at::BFloat16*>(p); }
-
 template <typename elem_t, int NL>
 void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
                    DecodeScratch& buf) {
@@ -424,7 +338,7 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
       next_keys = a.key_head + next * BS * D;
       next_values = a.value_head + next * BS * D;
     } else if (next_item != nullptr) {
-      prefetch_first_block<elem_t, NL>(*next_item);
+      prefetch_first_block(*next_item);
     }
     if (l2_ahead && b + 2 < end_block) {  // an id outside the cache raises when reached
       const int64_t far = a.table[b + 2];

@@ -28,7 +28,8 @@
 // Decodes (single-query items) take their own loops instead, outside batch_invariant:
 // decode_one_pass.h's of float32 caches on AVX512 builds (head_dim a multiple of 16) and of
 // bfloat16 caches on AVX512-BF16 builds (a multiple of 32); decode_pairs.h's of bfloat16
-// caches of head_dim 16 on AVX512-BF16 builds.
+// caches of head_dim 16 on AVX512-BF16 builds; decode_one_pass_avx2.h's of float32 and
+// bfloat16 caches on AVX2 builds (a multiple of 16).
 //
 // batch_invariant: every row is scored by row (chunk_scores_by_row), never from transposed
 // keys, whose sums over head_dim run in another order: the transposed path is taken by items
@@ -45,6 +46,7 @@
 
 #include "bf16_pair_ops.h"
 #include "block_ops.h"
+#include "decode_one_pass_avx2.h"
 #include "decode_pairs.h"
 
 #include <algorithm>
@@ -440,7 +442,7 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // The element type the decode loops read a cache of scalar_t as (bfloat16 as its bits).
 template <typename scalar_t>
 using decode_elem_t =
@@ -450,7 +452,7 @@ using decode_elem_t =
 // also the head_dim must suit them: single_query_head_dim_ok).
 template <typename scalar_t>
 constexpr bool kDecodeLoops = std::is_same_v<scalar_t, float>
-#if defined(CARPOOL_AVX512_BF16)
+#if defined(CARPOOL_AVX512_BF16) || defined(CPU_CAPABILITY_AVX2)
                               || std::is_same_v<scalar_t, at::BFloat16>
 #endif
     ;
@@ -581,7 +583,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     // Single-query items (decodes) take the decode loops where they take the dtype and
     // head_dim, except in the batch-invariant mode: there a position's arithmetic may not
     // depend on whether it was scheduled alone or in a chunk.
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     bool decode_loops = false;
     if constexpr (kDecodeLoops<scalar_t>) {
       decode_loops = !batch_invariant &&
@@ -593,13 +595,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       Scratch<scalar_t> buf;
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
       DecodeScratch decode_buf;
 #endif
       // Each thread claims its next item before attending the current one, to prefetch it.
       for (int64_t i = next.fetch_add(1); i < num_items;) {
         const int64_t j = next.fetch_add(1);
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
         if constexpr (kDecodeLoops<scalar_t>) {
           if (decode_loops && items[i].q_end - items[i].q_begin == 1) {
             using Args = DecodeArgs<decode_elem_t<scalar_t>>;

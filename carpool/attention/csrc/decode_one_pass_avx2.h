@@ -1,0 +1,334 @@
+// Decode attention in a single pass on AVX2 CPUs (no AVX512: Intel's client cores, AMD's Zen 2
+// and 3): decode_one_pass.h's loop in registers of 8 floats, for float32 and bfloat16 caches of
+// head_dim a multiple of 16, up to 128 (the most an AVX2 build takes, block_ops.h's kMaxVecs).
+//
+// Why its own loop: without it an AVX2 build attends decodes with the general chunked loop
+// (paged_attention.cpp), measured 2.3-3.3x slower than the AVX512 one-pass loop on the same
+// cores (BENCHMARKS §33), for the reasons decode_one_pass.h gives. The plan is that loop's: each
+// cache block attended whole while the next one is prefetched into L1 a row at a time inside
+// the value loop (and on AMD the block after next into L2), scores from the keys in place, an
+// online softmax per group with a lazy running max, float32 value sums. What AVX2 changes:
+// - 16 vector registers, no mask registers and no bfloat16 dot products. A row is read in
+//   chunks of 16 values, each as two float32 vectors (load_chunk): float32 as its two halves,
+//   bfloat16 as its even and its odd values (a shift and a mask: bfloat16 is the top half of a
+//   float32, so both are exact, and no shuffle is needed). The query rows are put in the same
+//   layout once per item, so a dot product pairs the same elements; the value accumulators are
+//   in it too and go back to column order at the end (to_column_order8). The probabilities
+//   stay float32.
+// - A softmax step is a group of 8 keys (one vector of scores, three levels of the
+//   transpose-add tree).
+// - Scores: each key chunk is loaded (and split) once for up to kScoreRows8 query rows, whose
+//   query operands come from L1. Values: column chunk by column chunk, the accumulators of up
+//   to kValueRows8 rows stay in registers across the group's keys, so each value chunk is
+//   loaded and split once for all of them.
+// Keys outside [key_begin, key_end) are never read (the cache holds anything there).
+
+#pragma once
+
+#include "decode_common.h"
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+namespace carpool_cpu {
+namespace {  // internal linkage, as in block_ops.h
+
+constexpr int64_t kGroup8 = 8;    // keys per softmax step: one vector of scores
+constexpr int64_t kChunk = 16;    // values per chunk of a row: two float32 vectors
+constexpr int64_t kMaxDecodeDim = 128;
+constexpr int kScoreRows8 = 3;    // query rows per pass over a group's keys
+constexpr int kValueRows8 = 6;    // rows of accumulators (2 vectors each) per value pass
+
+// The 16 values at p as two float32 vectors: float32 in order, bfloat16 as values 0, 2, ...,
+// 14 and 1, 3, ..., 15.
+__attribute__((always_inline)) inline void load_chunk(const float* p, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(p);
+  b = _mm256_loadu_ps(p + 8);
+}
+__attribute__((always_inline)) inline void load_chunk(const uint16_t* p, __m256& a, __m256& b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// decode_one_pass.h's transpose-add tree for 8 keys: 8 partial-sum vectors become one vector
+// of 8 scores (lane t: the sum of key t's lanes), one level at a time, each level adding two
+// neighbours of the level below, in key order.
+__attribute__((always_inline)) inline __m256 fold_keys8(__m256 a, __m256 b) {
+  // per 128 bits: [a l0+l2, b l0+l2, a l1+l3, b l1+l3]
+  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+}
+__attribute__((always_inline)) inline __m256 fold_pairs8(__m256 a, __m256 b) {
+  // per 128 bits: keys 0 .. 3, each the sum of its lanes in that half
+  const __m256d x = _mm256_castps_pd(a), y = _mm256_castps_pd(b);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+}
+__attribute__((always_inline)) inline __m256 fold_halves8(__m256 a, __m256 b) {
+  // keys 0 .. 3 of a, then of b: the low halves plus the high halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// All ones in the lanes below n.
+__attribute__((always_inline)) inline __m256 first_lanes(int64_t n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+__attribute__((always_inline)) inline float reduce_max8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+__attribute__((always_inline)) inline float reduce_add8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Scores of R query rows (row r at q + r * D, float32 in load_chunk's layout) against the
+// n <= 8 key rows at keys + t * D, scaled, into scores[r * 8 ...]; lanes from n on are -inf.
+// Each key chunk is loaded once for all R rows; key rows past n are not read.
+template <typename elem_t, int NC, int R>
+void group_scores8(const float* q, const elem_t* keys, int64_t n, float scale, float* scores) {
+  constexpr int64_t D = kChunk * NC;
+  auto partials = [&](int t, __m256 (&part)[R]) {
+    const elem_t* key = keys + std::min<int64_t>(t, n - 1) * D;
+    for (int c = 0; c < NC; ++c) {
+      __m256 ka, kb;
+      load_chunk(key + kChunk * c, ka, kb);
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q + r * D + kChunk * c;
+        const __m256 x = c == 0 ? _mm256_mul_ps(_mm256_loadu_ps(qr), ka)
+                                : _mm256_fmadd_ps(_mm256_loadu_ps(qr), ka, part[r]);
+        part[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8), kb, x);
+      }
+    }
+  };
+  __m256 quad[2][R];
+  for (int h = 0; h < 2; ++h) {
+    __m256 pair[2][R];
+    for (int i = 0; i < 2; ++i) {
+      const int t = 4 * h + 2 * i;
+      __m256 even[R], odd[R];
+      partials(t, even);
+      partials(t + 1, odd);
+      for (int r = 0; r < R; ++r) pair[i][r] = fold_keys8(even[r], odd[r]);
+    }
+    for (int r = 0; r < R; ++r) quad[h][r] = fold_pairs8(pair[0][r], pair[1][r]);
+  }
+  const __m256 valid = first_lanes(n);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < R; ++r) {
+    const __m256 s = _mm256_mul_ps(fold_halves8(quad[0][r], quad[1][r]), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(scores + r * kGroup8, _mm256_blendv_ps(neg_inf, s, valid));
+  }
+}
+
+// group_scores8 for `rows` query rows, in passes of kScoreRows8.
+template <typename elem_t, int NC, int... R>
+void group_scores_rows8(const float* q, const elem_t* keys, int64_t n, float scale,
+                        float* scores, int64_t rows, std::integer_sequence<int, R...>) {
+  using Fn = void (*)(const float*, const elem_t*, int64_t, float, float*);
+  static constexpr Fn fns[] = {&group_scores8<elem_t, NC, R + 1>...};
+  constexpr int64_t D = kChunk * NC;
+  for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows8) {
+    const int64_t m = std::min<int64_t>(kScoreRows8, rows - r0);
+    fns[m - 1](q + r0 * D, keys, n, scale, scores + r0 * kGroup8);
+  }
+}
+
+// acc[r][c .. c + 15] += sum_t probs[r][t] * values[t][c .. c + 15] for R rows and the n
+// value rows at values + t * D (the accumulators in load_chunk's layout); with kPrefetch,
+// the next block's rows t into L1 as they go (a block's prefetches spread over the loop, as
+// in decode_one_pass.h).
+template <typename elem_t, int R, bool kPrefetch>
+__attribute__((always_inline)) inline void chunk_values8(
+    const float* probs, const elem_t* values, int64_t n, int64_t D, int64_t c, float* acc,
+    const elem_t* next_keys, const elem_t* next_values) {
+  __m256 a[R][2];
+  for (int r = 0; r < R; ++r) {
+    a[r][0] = _mm256_loadu_ps(acc + r * D + c);
+    a[r][1] = _mm256_loadu_ps(acc + r * D + c + 8);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if constexpr (kPrefetch) {
+      for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(elem_t)); i += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D) + i, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D) + i, _MM_HINT_T0);
+      }
+    }
+    __m256 va, vb;
+    load_chunk(values + t * D + c, va, vb);
+    for (int r = 0; r < R; ++r) {
+      const __m256 p = _mm256_broadcast_ss(probs + r * kGroup8 + t);
+      a[r][0] = _mm256_fmadd_ps(p, va, a[r][0]);
+      a[r][1] = _mm256_fmadd_ps(p, vb, a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * D + c, a[r][0]);
+    _mm256_storeu_ps(acc + r * D + c + 8, a[r][1]);
+  }
+}
+
+template <typename elem_t, int R>
+void group_values8(const float* probs, const elem_t* values, int64_t n, int64_t D, float* acc,
+                   const elem_t* next_keys, const elem_t* next_values) {
+  int64_t c = 0;
+  if (next_keys != nullptr) {
+    chunk_values8<elem_t, R, true>(probs, values, n, D, c, acc, next_keys, next_values);
+    c += kChunk;
+  }
+  for (; c < D; c += kChunk) {
+    chunk_values8<elem_t, R, false>(probs, values, n, D, c, acc, nullptr, nullptr);
+  }
+}
+
+// group_values8 for `rows` rows, in passes of kValueRows8; the first pass prefetches.
+template <typename elem_t, int... R>
+void group_values_rows8(const float* probs, const elem_t* values, int64_t n, int64_t D,
+                        float* acc, int64_t rows, std::integer_sequence<int, R...>,
+                        const elem_t* next_keys, const elem_t* next_values) {
+  using Fn = void (*)(const float*, const elem_t*, int64_t, int64_t, float*, const elem_t*,
+                      const elem_t*);
+  static constexpr Fn fns[] = {&group_values8<elem_t, R + 1>...};
+  for (int64_t r0 = 0; r0 < rows; r0 += kValueRows8) {
+    const int64_t m = std::min<int64_t>(kValueRows8, rows - r0);
+    const bool first = r0 == 0;
+    fns[m - 1](probs + r0 * kGroup8, values, n, D, acc + r0 * D, first ? next_keys : nullptr,
+               first ? next_values : nullptr);
+  }
+}
+
+// One row of D accumulators from load_chunk's layout back to column order: float32 rows are in
+// order already; per 16 bfloat16 columns, the even columns' vector and the odd columns'
+// interleave (unpack per 128 bits: columns 0-3 and 8-11, 4-7 and 12-15; then the halves).
+template <typename elem_t>
+inline void to_column_order8(float* row, int64_t D) {
+  if constexpr (std::is_same_v<elem_t, uint16_t>) {
+    for (int64_t c = 0; c < D; c += kChunk) {
+      const __m256 even = _mm256_loadu_ps(row + c), odd = _mm256_loadu_ps(row + c + 8);
+      const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+      _mm256_storeu_ps(row + c, _mm256_permute2f128_ps(lo, hi, 0x20));
+      _mm256_storeu_ps(row + c + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+  }
+}
+
+template <typename elem_t, int NC>
+void attend_decode8(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
+                    DecodeScratch& buf) {
+  constexpr int64_t D = kChunk * NC;
+  const int64_t G = a.rows, BS = a.block_size;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  buf.reserve(G, D);
+  float* acc = buf.acc.data();
+  float* query = buf.query.data();
+  std::fill(acc, acc + G * D, 0.f);
+  std::fill(buf.row_max.begin(), buf.row_max.begin() + G, kNegInf);
+  std::fill(buf.row_sum.begin(), buf.row_sum.begin() + G * kGroup8, 0.f);
+  for (int64_t r = 0; r < G; ++r) {  // the query rows in load_chunk's layout
+    for (int64_t c = 0; c < D; c += kChunk) {
+      __m256 x, y;
+      load_chunk(a.q + r * a.q_head_stride + c, x, y);
+      _mm256_storeu_ps(query + r * D + c, x);
+      _mm256_storeu_ps(query + r * D + c + 8, y);
+    }
+  }
+  const int64_t first_block = a.key_begin / BS, end_block = (a.key_end + BS - 1) / BS;
+  const bool l2_ahead = prefetch_block_after_next();
+  int64_t block = checked_block(a, first_block);
+  for (int64_t b = first_block; b < end_block; ++b) {
+    int64_t next = -1;  // the next block's id
+    const elem_t* next_keys = nullptr;  // its rows, prefetched while this block is attended
+    const elem_t* next_values = nullptr;
+    if (b + 1 < end_block) {
+      next = checked_block(a, b + 1);
+      next_keys = a.key_head + next * BS * D;
+      next_values = a.value_head + next * BS * D;
+    } else if (next_item != nullptr) {
+      prefetch_first_block(*next_item);
+    }
+    if (l2_ahead && b + 2 < end_block) {  // an id outside the cache raises when reached
+      const int64_t far = a.table[b + 2];
+      if (far >= 0 && far < a.num_cache_blocks) {
+        prefetch_block_l2(a.key_head + far * BS * D, a.value_head + far * BS * D,
+                          BS * D * sizeof(elem_t));
+      }
+    }
+    const int64_t lo = std::max(a.key_begin, b * BS), hi = std::min(a.key_end, (b + 1) * BS);
+    for (int64_t t0 = lo; t0 < hi; t0 += kGroup8) {
+      const int64_t n = std::min(kGroup8, hi - t0);
+      const int64_t offset = (block * BS + t0 - b * BS) * D;
+      const __m256 valid = first_lanes(n);
+      group_scores_rows8<elem_t, NC>(query, a.key_head + offset, n, a.scale, buf.scores.data(),
+                                     G, std::make_integer_sequence<int, kScoreRows8>{});
+      for (int64_t r = 0; r < G; ++r) {
+        const __m256 s = _mm256_loadu_ps(buf.scores.data() + r * kGroup8);
+        float* sum = buf.row_sum.data() + r * kGroup8;  // a vector of partial sums
+        float& m = buf.row_max[r];
+        // decode_one_pass.h's lazy max: rescale only when a score passes m by kMaxSlack
+        if (_mm256_movemask_ps(_mm256_cmp_ps(s, _mm256_set1_ps(m + kMaxSlack), _CMP_GT_OQ))) {
+          const float group_max = reduce_max8(s);
+          const __m256 cv = _mm256_set1_ps(m == kNegInf ? 0.f : std::exp(m - group_max));
+          for (int64_t d = 0; d < D; d += 8) {
+            _mm256_storeu_ps(acc + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), cv));
+          }
+          _mm256_storeu_ps(sum, _mm256_mul_ps(_mm256_loadu_ps(sum), cv));
+          m = group_max;
+        }
+        const __m256 p = _mm256_and_ps(
+            valid, at::vec::Vectorized<float>(_mm256_sub_ps(s, _mm256_set1_ps(m))).exp_u20());
+        _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), p));
+        _mm256_storeu_ps(buf.probs.data() + r * kGroup8, p);
+      }
+      // The next block's rows t0 - lo ... t0 - lo + n - 1 with this group's value rows.
+      const int64_t ahead = (t0 - lo) * D;
+      group_values_rows8<elem_t>(buf.probs.data(), a.value_head + offset, n, D, acc, G,
+                                 std::make_integer_sequence<int, kValueRows8>{},
+                                 next_keys != nullptr ? next_keys + ahead : nullptr,
+                                 next_values != nullptr ? next_values + ahead : nullptr);
+    }
+    block = next;
+  }
+  for (int64_t r = 0; r < G; ++r) {
+    to_column_order8<elem_t>(acc + r * D, D);
+    const float sum = reduce_add8(_mm256_loadu_ps(buf.row_sum.data() + r * kGroup8));
+    store_scaled(acc + r * D, 1.f / sum, output_row(a.out + r * a.out_head_stride), D);
+  }
+}
+
+// Whether attend_single_query takes this head_dim for elements of elem_t.
+template <typename elem_t>
+inline bool single_query_head_dim_ok(int64_t head_dim) {
+  return head_dim % kChunk == 0 && head_dim <= kMaxDecodeDim;
+}
+
+template <typename elem_t, int... NC>
+void attend_decode8_chunks(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
+                           DecodeScratch& buf, std::integer_sequence<int, NC...>) {
+  using Fn = void (*)(const DecodeArgs<elem_t>&, const DecodeArgs<elem_t>*, DecodeScratch&);
+  static constexpr Fn fns[] = {&attend_decode8<elem_t, NC + 1>...};
+  TORCH_CHECK(single_query_head_dim_ok<elem_t>(a.head_dim), "attend_single_query: head_dim ",
+              a.head_dim, " not taken");
+  fns[a.head_dim / kChunk - 1](a, next_item, buf);
+}
+
+// One decode of one kv head. next_item: the thread's next decode (its first block is
+// prefetched at the end), or null.
+template <typename elem_t>
+inline void attend_single_query(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
+                                DecodeScratch& buf) {
+  attend_decode8_chunks(a, next_item, buf,
+                        std::make_integer_sequence<int, kMaxDecodeDim / kChunk>{});
+}
+
+}  // namespace
+}  // namespace carpool_cpu
+#endif
