@@ -5,8 +5,8 @@
 // pointers (a chunk's rows sit in several cache blocks). Scores come two ways:
 // - by row (chunk_scores_by_row): up to 3 query rows against W = Vec::size() keys at a time,
 //   each key row loaded once; the W partial-sum vectors of a row are folded into one vector
-//   of W scores by a transpose-add tree (AVX512; a horizontal sum per key elsewhere). Every
-//   score's sum runs in one fixed order.
+//   of W scores by a transpose-add tree (AVX512 and AVX2; a horizontal sum per key
+//   elsewhere). Every score's sum runs in one fixed order.
 // - transposed (block_scores_transposed): R query rows against a transposed copy of the
 //   keys, broadcast-FMAs over head_dim and no horizontal sums; for tiles of many rows.
 // The probability-weighted sum of value rows keeps R rows' accumulators in registers.
@@ -105,6 +105,39 @@ inline Vec partial_dot(const float* q, const Vec (&k)[NV]) {
   return a;
 }
 
+// Vector v of a row (W values from v * W) as float32: load_row's values, one vector at a time.
+template <typename kv_t>
+__attribute__((always_inline)) inline Vec load_vec(const kv_t* row, int v) {
+  if constexpr (std::is_same_v<kv_t, float>) {
+    return Vec::loadu(row + v * Vec::size());
+  } else {
+    Vec x;
+    at::vec::load_to_float<kv_t>(row + v * Vec::size(), x);
+    return x;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// The transpose-add tree that turns 8 keys' partial-sum vectors into one vector of 8 scores
+// (lane t: the sum of key t's lanes), one level at a time, each level adding two neighbours
+// of the level below, in key order (the AVX2 form of chunk_scores_by_row's AVX512 tree; also
+// decode_one_pass_avx2.h's).
+__attribute__((always_inline)) inline __m256 fold_keys8(__m256 a, __m256 b) {
+  // per 128 bits: [a l0+l2, b l0+l2, a l1+l3, b l1+l3]
+  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+}
+__attribute__((always_inline)) inline __m256 fold_pairs8(__m256 a, __m256 b) {
+  // per 128 bits: keys 0 .. 3, each the sum of its lanes in that half
+  const __m256d x = _mm256_castps_pd(a), y = _mm256_castps_pd(b);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+}
+__attribute__((always_inline)) inline __m256 fold_halves8(__m256 a, __m256 b) {
+  // keys 0 .. 3 of a, then of b: the low halves plus the high halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
 // scores[r * score_stride + t] = queries[r] . keys[t] for R rows and t in
 // [j_begin * W, j_end * W), W = Vec::size(): every key row of those groups must be readable
 // (rows outside a caller's range may point at zeros). Each key row is loaded (and converted)
@@ -151,6 +184,32 @@ void chunk_scores_by_row(const float* queries, int64_t q_stride, const kv_t* con
       _mm512_storeu_ps(scores + r * score_stride + j * W,
                        _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                      _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1))));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    // The same tree for 8 keys (fold_keys8, fold_pairs8, fold_halves8). A key pair's rows
+    // are read a vector at a time (a whole row of head_dim 64 would take 8 of the 16
+    // registers), each vector for the R rows, the partial sums in partial_dot's order.
+    __m256 quad[R][2];
+    for (int i = 0; i < 2; ++i) {
+      __m256 pair[R][2];
+      for (int p = 0; p < 2; ++p) {
+        const kv_t* k0 = group[4 * i + 2 * p];
+        const kv_t* k1 = group[4 * i + 2 * p + 1];
+        Vec a0[R], a1[R];
+        for (int v = 0; v < NV; ++v) {
+          const Vec x0 = load_vec(k0, v), x1 = load_vec(k1, v);
+          for (int r = 0; r < R; ++r) {
+            const Vec qv = Vec::loadu(queries + r * q_stride + v * W);
+            a0[r] = v == 0 ? qv * x0 : at::vec::fmadd(qv, x0, a0[r]);
+            a1[r] = v == 0 ? qv * x1 : at::vec::fmadd(qv, x1, a1[r]);
+          }
+        }
+        for (int r = 0; r < R; ++r) pair[r][p] = fold_keys8(a0[r], a1[r]);
+      }
+      for (int r = 0; r < R; ++r) quad[r][i] = fold_pairs8(pair[r][0], pair[r][1]);
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(scores + r * score_stride + j * W, fold_halves8(quad[r][0], quad[r][1]));
     }
 #else
     for (int k = 0; k < W; ++k) {

@@ -16,7 +16,7 @@
 //   in it too and go back to column order at the end (to_column_order8). The probabilities
 //   stay float32.
 // - A softmax step is a group of 8 keys (one vector of scores, three levels of the
-//   transpose-add tree).
+//   transpose-add tree, block_ops.h's fold_keys8 and the next two).
 // - Scores: each key chunk is loaded (and split) once for up to kScoreRows8 query rows, whose
 //   query operands come from L1. Values: column chunk by column chunk, the accumulators of up
 //   to kValueRows8 rows stay in registers across the group's keys, so each value chunk is
@@ -53,24 +53,6 @@ __attribute__((always_inline)) inline void load_chunk(const uint16_t* p, __m256&
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
   b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
-// decode_one_pass.h's transpose-add tree for 8 keys: 8 partial-sum vectors become one vector
-// of 8 scores (lane t: the sum of key t's lanes), one level at a time, each level adding two
-// neighbours of the level below, in key order.
-__attribute__((always_inline)) inline __m256 fold_keys8(__m256 a, __m256 b) {
-  // per 128 bits: [a l0+l2, b l0+l2, a l1+l3, b l1+l3]
-  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
-}
-__attribute__((always_inline)) inline __m256 fold_pairs8(__m256 a, __m256 b) {
-  // per 128 bits: keys 0 .. 3, each the sum of its lanes in that half
-  const __m256d x = _mm256_castps_pd(a), y = _mm256_castps_pd(b);
-  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
-                       _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
-}
-__attribute__((always_inline)) inline __m256 fold_halves8(__m256 a, __m256 b) {
-  // keys 0 .. 3 of a, then of b: the low halves plus the high halves
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
 // All ones in the lanes below n.
