@@ -224,9 +224,59 @@ void chunk_scores_by_row(const float* queries, int64_t q_stride, const kv_t* con
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// dst[d * dst_stride + k] = src[k * src_stride + d] for an 8 x 8 tile: 8 row loads, three
+// levels of shuffles, 8 column stores.
+__attribute__((always_inline)) inline void transpose_8x8(const float* src, int64_t src_stride,
+                                                         float* dst, int64_t dst_stride) {
+  __m256 r[8], t[8];
+  for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(src + k * src_stride);
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int k = 0; k < 8; k += 4) {
+    r[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm256_storeu_ps(dst + k * dst_stride, _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+    _mm256_storeu_ps(dst + (k + 4) * dst_stride, _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+  }
+}
+#endif
+
+// dst[d * dst_stride + k] = src[k * src_stride + d] for k < n keys and d < head_dim: a run of
+// key rows turned into the columns block_scores_transposed reads. ATen's transpose_mxn does
+// it with vector shuffles on AVX512 only; AVX2 takes 8 x 8 tiles (and scalar edges).
+inline void transpose_keys(const float* src, int64_t src_stride, float* dst, int64_t dst_stride,
+                           int64_t n, int64_t head_dim) {
+#if defined(CPU_CAPABILITY_AVX2)
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    int64_t d = 0;
+    for (; d + 8 <= head_dim; d += 8) {
+      transpose_8x8(src + k * src_stride + d, src_stride, dst + d * dst_stride + k, dst_stride);
+    }
+    for (; d < head_dim; ++d) {
+      for (int i = 0; i < 8; ++i) dst[d * dst_stride + k + i] = src[(k + i) * src_stride + d];
+    }
+  }
+  for (; k < n; ++k) {
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * dst_stride + k] = src[k * src_stride + d];
+  }
+#else
+  at::vec::transpose_mxn<float>(src, src_stride, dst, dst_stride, static_cast<int>(n),
+                                static_cast<int>(head_dim));
+#endif
+}
+
 // The scores of R query rows against KV vectors of keys from the keys transposed
 // (keys_t[d * score_stride + k], the columns of those vectors): q[r][d] broadcast times a
-// vector of keys, no horizontal sums. Used where ATen transposes with vector shuffles (AVX512).
+// vector of keys, no horizontal sums. Used where the keys transpose with vector shuffles
+// (transpose_keys: AVX512 and AVX2).
 template <int KV, int R>
 void block_scores_transposed(const float* queries, int64_t q_stride, const float* keys_t,
                              int64_t head_dim, float* scores, int64_t score_stride) {
@@ -279,7 +329,13 @@ using ValuesFn = void (*)(const float*, int64_t, const kv_t* const*, int64_t, in
                           const float*, float*, int64_t);
 using TransposedScoresFn = void (*)(const float*, int64_t, const float*, int64_t, float*,
                                     int64_t);
-constexpr int kMaxKeyVecs = 4;         // key vectors per call of the transposed scores
+// Key vectors per call of the transposed scores: R * KV accumulators, KV key vectors and a
+// broadcast query value in the vector registers.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kMaxKeyVecs = 4;
+#else
+constexpr int kMaxKeyVecs = 2;
+#endif
 constexpr int kMaxTransposedRows = 6;  // query rows per pass there (R * KV accumulators)
 constexpr int kMaxRowScoreRows = 3;    // query rows per pass of the scores by row
 
@@ -295,6 +351,11 @@ struct BlockOps {
 template <int KV, int... R>
 void fill_transposed(BlockOps<float>& ops, std::integer_sequence<int, R...>) {
   ((ops.transposed[KV - 1][R] = &block_scores_transposed<KV, R + 1>), ...);
+}
+
+template <int... KV>
+void fill_all_transposed(BlockOps<float>& ops, std::integer_sequence<int, KV...>) {
+  (fill_transposed<KV + 1>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{}), ...);
 }
 
 // Rows per register pass of the value sums for a head_dim of num_vecs vectors: the R * NV
@@ -324,10 +385,7 @@ BlockOps<kv_t> make_ops(std::integer_sequence<int, NV...>) {
   BlockOps<kv_t> ops{};
   (fill_rows<kv_t, NV + 1>(ops, std::make_integer_sequence<int, kMaxRows>{}), ...);
   if constexpr (std::is_same_v<kv_t, float>) {
-    fill_transposed<1>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
-    fill_transposed<2>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
-    fill_transposed<3>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
-    fill_transposed<4>(ops, std::make_integer_sequence<int, kMaxTransposedRows>{});
+    fill_all_transposed(ops, std::make_integer_sequence<int, kMaxKeyVecs>{});
   }
   return ops;
 }

@@ -17,7 +17,7 @@
 // the FMAs): per row a running max and sum, the float32 output accumulator rescaled when the
 // max grows. Scores are taken by row (up to 3 rows share each key row's load; a transpose-add
 // tree folds 16 keys' partial sums into one vector), or, for items of kMinTransposedRows+
-// rows (prompt tiles) in AVX512 builds, from a transposed float32 copy of the chunk's keys.
+// rows (prompt tiles) in AVX512 and AVX2 builds, from a transposed float32 copy of the chunk's keys.
 // bfloat16/float16 keys and values are converted in registers when one register pass covers
 // the item's rows (decodes), else into float32 copies once per chunk. The blocks two chunks
 // ahead are prefetched into L2 while one computes, and a thread claims its next item before
@@ -346,9 +346,7 @@ void attend_item(const Shapes& s, const WorkItem& item, const scalar_t* q, const
 #endif
     } else if (transposed) {
       for_each_block_run([&](int64_t t, int64_t n) {  // a constant row stride in a block
-        at::vec::transpose_mxn<float>(buf.key_rows[t], keys_in_place ? D : Dp,
-                                      buf.keys_t.data() + t, CS, static_cast<int>(n),
-                                      static_cast<int>(D));
+        transpose_keys(buf.key_rows[t], keys_in_place ? D : Dp, buf.keys_t.data() + t, CS, n, D);
       });
       for_each_transposed_tile([&](int64_t r0, int64_t n, int64_t j, int64_t kv) {
         ops.transposed[kv - 1][n - 1](buf.queries.data() + r0 * Dp, Dp,
@@ -559,10 +557,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
   s.padded_dim = s.num_vecs * Vec::size();
   s.chunk_keys = std::max<int64_t>(1, kChunkKeys / s.block_size) * s.block_size;
   s.chunk_stride = round_up(s.chunk_keys, Vec::size());
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   s.transposed_scores = !batch_invariant;
 #else
-  s.transposed_scores = false;  // ATen's run-time-size transpose is scalar below AVX512
+  s.transposed_scores = false;  // transpose_keys is scalar below AVX2
 #endif
 
   const int32_t* starts = query_starts.data_ptr<int32_t>();
