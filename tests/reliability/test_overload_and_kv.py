@@ -93,9 +93,11 @@ def test_overload_is_turned_away_at_once_and_admitted_requests_complete(small_se
     for _, response, _ in refused:
         error = assert_openai_error(response, 503, "overloaded")
         assert error["code"] == "server_overloaded" and response.headers["Retry-After"] == "1"
-    # Refusals do not queue behind the work: all came back before the first admitted
-    # request (some 40 model steps) finished.
-    assert max(t for *_, t in refused) < min(t for *_, t in served)
+    # Refusals do not queue behind the work: every 503 came back before any admitted
+    # request that had to wait for a seat (some 80 model steps) finished. The first
+    # seats' requests (some 40 steps) are no bound: the last refusals of the burst
+    # have been seen to trail them by 3-33 ms on a loaded 2-core machine.
+    assert max(t for *_, t in refused) < sorted(t for *_, t in served)[NUM_SEATS]
     assert watcher.max_held <= NUM_SEATS + QUEUE_LIMIT
     wait_idle_and_intact(small_server)
 
