@@ -297,9 +297,9 @@ def test_batch_invariant_rows_do_not_depend_on_the_chunking(kernels, dtype, num_
     """One prompt of 150 queries (keys over three of the kernel's 64-key chunks) attended
     whole, in chunks of 7 (so tiles of 7 and 2 queries), and one query at a time, beside
     another request: with batch_invariant every row is bitwise the same however its prompt
-    was cut (without it, tiles of 4+ rows score transposed keys on AVX-512 builds, another
-    summation order; and the one-query tiles of bfloat16 read keys in place, the others
-    through a float32 copy)."""
+    was cut (without it, tiles of 4+ rows score transposed keys on AVX-512 and AVX2 builds,
+    another summation order; and the one-query tiles of bfloat16 read keys in place, the
+    others through a float32 copy)."""
     seq_len, head_dim = 150, 64
     case = make_case([seq_len, 5], [seq_len, 20], num_heads, num_kv_heads, head_dim, dtype)
     q, cache, tables = case["q"], case["kv_cache"], case["block_tables"]
