@@ -171,7 +171,8 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
     stream = await start(request, engine, requests)
     settings = request.app.state.settings
     stream.max_backlog = settings.max_stream_backlog
-    stream.pause_backlog = settings.stream_pause_backlog or None
+    if streaming:  # flow control follows a client's reads; a whole response is read here
+        stream.pause_backlog = settings.stream_pause_backlog or None
     admission: Admission = request.app.state.admission
     if streaming:
         return EventStreamResponse(_ended(events(stream)),

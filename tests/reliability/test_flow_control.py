@@ -4,8 +4,10 @@ would end them - and a client that reads again gets the rest of its stream, whol
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -130,3 +132,52 @@ def _finished(live, reason: str) -> float:
     with live.http() as http:
         return metric_value(http.get("/metrics").text, "carpool:request_success_total",
                             finished_reason=reason)
+
+
+def test_responses_that_are_not_streamed_are_never_paused(llama_checkpoint, tmp_path):
+    """Flow control is for a client reading a stream. A whole (non-streamed) response is read
+    by the server itself; when a burst keeps its event loop busy, that reader lags too, and
+    pausing on that lag gave seats away to waiting requests: the engine ran more requests
+    than --max-num-seqs once they resumed, and preempted them for blocks. With pausing at
+    every unread output, bursts must still see neither."""
+    flags = ["--max-num-seqs", "4", "--num-kv-blocks", "12", "--block-size", "16",
+             "--max-model-len", "256", "--stream-pause-backlog", "1"]
+    body = {"model": MODEL, "prompt": "x = [", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}  # 3 blocks each: 4 seats fill the 12 blocks exactly
+    with live_server(llama_checkpoint, flags, tmp_path / "server.log") as live:
+        preempted_before = _preemptions(live)
+        seen: list[dict] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            with live.http() as http:
+                while not done.is_set():
+                    seen.append(http.get("/stats").json())
+                    time.sleep(0.005)
+
+        async def bursts() -> list[int]:  # two, one after the other
+            codes = []
+            async with live.async_http() as http:
+                for _ in range(2):
+                    responses = await asyncio.gather(
+                        *(http.post("/v1/completions", json=body) for _ in range(16)))
+                    codes += [r.status_code for r in responses]
+            return codes
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            codes = asyncio.run(bursts())
+        finally:
+            done.set()
+            watcher.join()
+        assert codes == [200] * 32
+        assert max(s["num_paused"] for s in seen) == 0
+        assert max(s["num_running"] for s in seen) <= 4
+        assert _preemptions(live) == preempted_before
+        wait_idle_and_intact(live)
+
+
+def _preemptions(live) -> float:
+    with live.http() as http:
+        return metric_value(http.get("/metrics").text, "carpool:num_preemptions_total")

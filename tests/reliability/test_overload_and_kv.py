@@ -98,6 +98,7 @@ def test_overload_is_turned_away_at_once_and_admitted_requests_complete(small_se
     # seats' requests (some 40 steps) are no bound: the last refusals of the burst
     # have been seen to trail them by 3-33 ms on a loaded 2-core machine.
     assert max(t for *_, t in refused) < sorted(t for *_, t in served)[NUM_SEATS]
+    # (whole responses are never paused, so no request here gives up its seat)
     assert watcher.max_held <= NUM_SEATS + QUEUE_LIMIT
     wait_idle_and_intact(small_server)
 
