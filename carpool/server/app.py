@@ -41,7 +41,7 @@ PROTECTED_PREFIX = "/v1/"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's
-DEFAULT_MAX_STREAM_BACKLOG = 2048  # outputs a response's reader may leave unread
+DEFAULT_MAX_STREAM_BACKLOG = 2048  # outputs a streamed response's reader may leave unread
 DEFAULT_STREAM_PAUSE_BACKLOG = 32  # unread outputs at which a stream's requests pause
 
 

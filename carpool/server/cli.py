@@ -93,8 +93,8 @@ def _add_robustness_arguments(group) -> None:
                             f"(default {DEFAULT_WRITE_TIMEOUT_S:g}).")
     group.add_argument("--max-stream-backlog", type=int, default=DEFAULT_MAX_STREAM_BACKLOG,
                        metavar="OUTPUTS",
-                       help="A response whose reader leaves more outputs than this unread is "
-                            "ended and its requests aborted "
+                       help="A streamed response whose reader leaves more outputs than this "
+                            "unread is ended and its requests aborted "
                             f"(default {DEFAULT_MAX_STREAM_BACKLOG}).")
     group.add_argument("--stream-pause-backlog", type=int, default=DEFAULT_STREAM_PAUSE_BACKLOG,
                        metavar="OUTPUTS",

@@ -170,8 +170,8 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
     """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
     stream = await start(request, engine, requests)
     settings = request.app.state.settings
-    stream.max_backlog = settings.max_stream_backlog
-    if streaming:  # flow control follows a client's reads; a whole response is read here
+    if streaming:  # both follow a client's reads; a whole response is read here, by collect
+        stream.max_backlog = settings.max_stream_backlog
         stream.pause_backlog = settings.stream_pause_backlog or None
     admission: Admission = request.app.state.admission
     if streaming:

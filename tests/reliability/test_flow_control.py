@@ -134,48 +134,73 @@ def _finished(live, reason: str) -> float:
                             finished_reason=reason)
 
 
-def test_responses_that_are_not_streamed_are_never_paused(llama_checkpoint, tmp_path):
-    """Flow control is for a client reading a stream. A whole (non-streamed) response is read
-    by the server itself; when a burst keeps its event loop busy, that reader lags too, and
-    pausing on that lag gave seats away to waiting requests: the engine ran more requests
-    than --max-num-seqs once they resumed, and preempted them for blocks. With pausing at
-    every unread output, bursts must still see neither."""
-    flags = ["--max-num-seqs", "4", "--num-kv-blocks", "12", "--block-size", "16",
-             "--max-model-len", "256", "--stream-pause-backlog", "1"]
+# Whole (non-streamed) responses, with pausing at every unread output and the smallest backlog
+# limit: neither may touch them (below). 3 blocks a request: 4 seats fill the 12 blocks exactly.
+WHOLE_FLAGS = ["--max-num-seqs", "4", "--num-kv-blocks", "12", "--block-size", "16",
+               "--max-model-len", "256", "--stream-pause-backlog", "1", "--max-stream-backlog", "1"]
+
+
+@pytest.fixture(scope="module")
+def whole_server(llama_checkpoint, tmp_path_factory):
+    with live_server(llama_checkpoint, WHOLE_FLAGS,
+                     tmp_path_factory.mktemp("whole") / "server.log") as live:
+        yield live
+
+
+def test_responses_that_are_not_streamed_are_never_paused(whole_server):
+    """Flow control is for a client reading a stream. A whole response is read by the server
+    itself; when a burst keeps its event loop busy, that reader lags too, and pausing on that
+    lag gave seats away to waiting requests: the engine ran more requests than --max-num-seqs
+    once they resumed, and preempted them for blocks. Bursts must see neither."""
     body = {"model": MODEL, "prompt": "x = [", "max_tokens": 40, "temperature": 0,
-            "ignore_eos": True}  # 3 blocks each: 4 seats fill the 12 blocks exactly
-    with live_server(llama_checkpoint, flags, tmp_path / "server.log") as live:
-        preempted_before = _preemptions(live)
-        seen: list[dict] = []
-        done = threading.Event()
+            "ignore_eos": True}
+    preempted_before = _preemptions(whole_server)
+    seen: list[dict] = []
+    done = threading.Event()
 
-        def watch() -> None:
-            with live.http() as http:
-                while not done.is_set():
-                    seen.append(http.get("/stats").json())
-                    time.sleep(0.005)
+    def watch() -> None:
+        with whole_server.http() as http:
+            while not done.is_set():
+                seen.append(http.get("/stats").json())
+                time.sleep(0.005)
 
-        async def bursts() -> list[int]:  # two, one after the other
-            codes = []
-            async with live.async_http() as http:
-                for _ in range(2):
-                    responses = await asyncio.gather(
-                        *(http.post("/v1/completions", json=body) for _ in range(16)))
-                    codes += [r.status_code for r in responses]
-            return codes
+    async def bursts() -> list[int]:  # two, one after the other
+        codes = []
+        async with whole_server.async_http() as http:
+            for _ in range(2):
+                responses = await asyncio.gather(
+                    *(http.post("/v1/completions", json=body) for _ in range(16)))
+                codes += [r.status_code for r in responses]
+        return codes
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            codes = asyncio.run(bursts())
-        finally:
-            done.set()
-            watcher.join()
-        assert codes == [200] * 32
-        assert max(s["num_paused"] for s in seen) == 0
-        assert max(s["num_running"] for s in seen) <= 4
-        assert _preemptions(live) == preempted_before
-        wait_idle_and_intact(live)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        codes = asyncio.run(bursts())
+    finally:
+        done.set()
+        watcher.join()
+    assert codes == [200] * 32
+    assert max(s["num_paused"] for s in seen) == 0
+    assert max(s["num_running"] for s in seen) <= 4
+    assert _preemptions(whole_server) == preempted_before
+    wait_idle_and_intact(whole_server)
+
+
+def test_responses_that_are_not_streamed_are_not_cut_off_by_the_stream_backlog(whole_server):
+    """--max-stream-backlog ends a stream whose client stopped reading. A whole response's
+    n choices put n outputs a step, read by the server's own loop: with a limit of 1 it was
+    ended at its first step."""
+    with whole_server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": "def f(x):", "n": 4, "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["length"] * 4
+    assert len({c["text"] for c in choices}) == 1  # greedy: the same text four times
+    assert response.json()["usage"]["completion_tokens"] == 4 * 30
+    wait_idle_and_intact(whole_server)
 
 
 def _preemptions(live) -> float:
