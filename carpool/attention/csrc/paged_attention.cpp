@@ -130,16 +130,19 @@ struct Scratch {
 
 // Asks for the cache lines of `bytes` bytes at `p` ahead of use, into L2 (a chunk of float32
 // keys and values fills L1 alone): blocks sit anywhere in the cache, so the hardware
-// prefetcher cannot guess the next one.
-inline void prefetch(const void* p, int64_t bytes) {
+// prefetcher cannot guess the next one. Forced inline, as prefetch_keys: GCC drops the calls
+// to a function that only prefetches when it does not inline them (see decode_common.h).
+__attribute__((always_inline)) inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
 // The keys [begin, end) of one request and kv head, from the cache into L2.
 template <typename scalar_t>
-void prefetch_keys(const Shapes& s, const int32_t* table, const scalar_t* key_head,
-                   const scalar_t* value_head, int64_t begin, int64_t end) {
+__attribute__((always_inline)) inline void prefetch_keys(const Shapes& s, const int32_t* table,
+                                                        const scalar_t* key_head,
+                                                        const scalar_t* value_head,
+                                                        int64_t begin, int64_t end) {
   const int64_t BS = s.block_size, D = s.head_dim;
   for (int64_t b = begin / BS; b * BS < end; ++b) {
     const int64_t block = table[b];
