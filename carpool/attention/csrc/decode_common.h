@@ -115,6 +115,48 @@ __attribute__((always_inline)) inline void prefetch_first_block(const DecodeArgs
   prefetch_block_l1(a.value_head + offset, n * D * sizeof(elem_t));
 }
 
+// With l2_ahead (prefetch_block_after_next: AMD), block b + 2 of `a` into L2 while block b
+// is attended.
+template <typename elem_t>
+__attribute__((always_inline)) inline void prefetch_far_block_l2(const DecodeArgs<elem_t>& a,
+                                                                int64_t b, int64_t end_block,
+                                                                bool l2_ahead) {
+  if (!l2_ahead || b + 2 >= end_block) return;
+  const int64_t far = a.table[b + 2];  // an id outside the cache raises when it is reached
+  if (far >= 0 && far < a.num_cache_blocks) {
+    const int64_t rows = a.block_size * a.head_dim;
+    prefetch_block_l2(a.key_head + far * rows, a.value_head + far * rows, rows * sizeof(elem_t));
+  }
+}
+
+// Block b + 1 of `a` for the one-pass loops, which prefetch its rows into L1 a few lines at a
+// time while block b is attended: its id (-1: b is the last) and its key and value rows.
+template <typename elem_t>
+struct NextBlock {
+  int64_t id = -1;
+  const elem_t* keys = nullptr;
+  const elem_t* values = nullptr;
+};
+
+// Before block b is attended: block b + 1 (checked), block b + 2 into L2 on AMD, and at the
+// last block the first block of the thread's next item (if any) into L1.
+template <typename elem_t>
+__attribute__((always_inline)) inline NextBlock<elem_t> look_ahead(
+    const DecodeArgs<elem_t>& a, int64_t b, int64_t end_block, bool l2_ahead,
+    const DecodeArgs<elem_t>* next_item) {
+  const int64_t rows = a.block_size * a.head_dim;
+  NextBlock<elem_t> next;
+  if (b + 1 < end_block) {
+    next.id = checked_block(a, b + 1);
+    next.keys = a.key_head + next.id * rows;
+    next.values = a.value_head + next.id * rows;
+  } else if (next_item != nullptr) {
+    prefetch_first_block(*next_item);
+  }
+  prefetch_far_block_l2(a, b, end_block, l2_ahead);
+  return next;
+}
+
 // The output rows' element type for store_scaled.
 inline float* output_row(float* p) { return p; }
 inline at::BFloat16* output_row(uint16_t* p) { return reinterpret_cast<at::BFloat16*>(p); }

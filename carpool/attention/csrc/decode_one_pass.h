@@ -330,23 +330,7 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
   const bool l2_ahead = prefetch_block_after_next();
   int64_t block = checked_block(a, first_block);
   for (int64_t b = first_block; b < end_block; ++b) {
-    int64_t next = -1;  // the next block's id
-    const elem_t* next_keys = nullptr;  // its rows, prefetched while this block is attended
-    const elem_t* next_values = nullptr;
-    if (b + 1 < end_block) {
-      next = checked_block(a, b + 1);
-      next_keys = a.key_head + next * BS * D;
-      next_values = a.value_head + next * BS * D;
-    } else if (next_item != nullptr) {
-      prefetch_first_block(*next_item);
-    }
-    if (l2_ahead && b + 2 < end_block) {  // an id outside the cache raises when reached
-      const int64_t far = a.table[b + 2];
-      if (far >= 0 && far < a.num_cache_blocks) {
-        prefetch_block_l2(a.key_head + far * BS * D, a.value_head + far * BS * D,
-                          BS * D * sizeof(elem_t));
-      }
-    }
+    const NextBlock<elem_t> next = look_ahead(a, b, end_block, l2_ahead, next_item);
     const int64_t lo = std::max(a.key_begin, b * BS), hi = std::min(a.key_end, (b + 1) * BS);
     for (int64_t t0 = lo; t0 < hi; t0 += kDecodeGroup) {
       const int64_t n = std::min(kDecodeGroup, hi - t0);
@@ -382,10 +366,10 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
       const int64_t ahead = (t0 - lo) * D;
       group_values_rows<elem_t, NL>(buf.probs.data(), a.value_head + offset, n, acc, G,
                                     std::make_integer_sequence<int, rows_per_pass(D / 16)>{},
-                                    next_keys != nullptr ? next_keys + ahead : nullptr,
-                                    next_values != nullptr ? next_values + ahead : nullptr);
+                                    next.keys != nullptr ? next.keys + ahead : nullptr,
+                                    next.values != nullptr ? next.values + ahead : nullptr);
     }
-    block = next;
+    block = next.id;
   }
   for (int64_t r = 0; r < G; ++r) {
     to_column_order<NL>(acc + r * D, a.value_head);

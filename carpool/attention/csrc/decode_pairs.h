@@ -87,13 +87,7 @@ void attend_pairs_rows(const DecodeArgs<uint16_t>& a, int64_t r0) {
       prefetch_block_l1(a.key_head + next * BS * kPairDim, block_bytes);
       prefetch_block_l1(a.value_head + next * BS * kPairDim, block_bytes);
     }
-    if (l2_ahead && b + 2 < end_block) {  // an id outside the cache raises when reached
-      const int64_t far = a.table[b + 2];
-      if (far >= 0 && far < a.num_cache_blocks) {
-        prefetch_block_l2(a.key_head + far * BS * kPairDim, a.value_head + far * BS * kPairDim,
-                          block_bytes);
-      }
-    }
+    prefetch_far_block_l2(a, b, end_block, l2_ahead);
     const int64_t lo = std::max(a.key_begin, b * BS), hi = std::min(a.key_end, (b + 1) * BS);
     for (int64_t t0 = lo; t0 < hi; t0 += kDecodeGroup) {
       const int64_t n = std::min(kDecodeGroup, hi - t0);
