@@ -169,12 +169,13 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
                   build: Callable[[list[Choice]], dict]) -> Response:
     """Start the requests, then stream `events(stream)` or answer `build(choices)` whole."""
     stream = await start(request, engine, requests)
-    settings = request.app.state.settings
-    if streaming:  # both follow a client's reads; a whole response is read here, by collect
-        stream.max_backlog = settings.max_stream_backlog
-        stream.pause_backlog = settings.stream_pause_backlog or None
     admission: Admission = request.app.state.admission
     if streaming:
+        # Flow control and the backlog limit follow a client's reads; a whole response is
+        # read here, by collect, and is neither paused nor cut off.
+        settings = request.app.state.settings
+        stream.max_backlog = settings.max_stream_backlog
+        stream.pause_backlog = settings.stream_pause_backlog or None
         return EventStreamResponse(_ended(events(stream)),
                                    on_close=lambda: admission.release(stream))
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,27 @@ def _environ(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def watching_stats(live: Live, interval: float = 0.005) -> Iterator[list[dict]]:
+    """Polls /stats from a thread while the block runs; yields the list the snapshots go to."""
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with live.http() as http:
+            while not done.is_set():
+                seen.append(http.get("/stats").json())
+                time.sleep(interval)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        poller.join()
 
 
 def greedy_texts(llm, prompts: list[str], max_tokens: int) -> list[str]:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from urllib.parse import urlsplit
 
 import h11
 import pytest
 
-from tests.reliability.live import API_KEY, MODEL, live_server, wait_idle_and_intact
+from tests.reliability.live import (API_KEY, MODEL, live_server, wait_idle_and_intact,
+                                    watching_stats)
 from tests.server.live import metric_value
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
@@ -155,14 +155,6 @@ def test_responses_that_are_not_streamed_are_never_paused(whole_server):
     body = {"model": MODEL, "prompt": "x = [", "max_tokens": 40, "temperature": 0,
             "ignore_eos": True}
     preempted_before = _preemptions(whole_server)
-    seen: list[dict] = []
-    done = threading.Event()
-
-    def watch() -> None:
-        with whole_server.http() as http:
-            while not done.is_set():
-                seen.append(http.get("/stats").json())
-                time.sleep(0.005)
 
     async def bursts() -> list[int]:  # two, one after the other
         codes = []
@@ -173,13 +165,8 @@ def test_responses_that_are_not_streamed_are_never_paused(whole_server):
                 codes += [r.status_code for r in responses]
         return codes
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
+    with watching_stats(whole_server) as seen:
         codes = asyncio.run(bursts())
-    finally:
-        done.set()
-        watcher.join()
     assert codes == [200] * 32
     assert max(s["num_paused"] for s in seen) == 0
     assert max(s["num_running"] for s in seen) <= 4

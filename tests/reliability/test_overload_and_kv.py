@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
 
 from tests.reliability.live import (MODEL, assert_openai_error, greedy_texts, live_server,
-                                        metric_value, sse_payloads, wait_idle_and_intact)
+                                        metric_value, sse_payloads, wait_idle_and_intact,
+                                        watching_stats)
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
@@ -42,21 +42,6 @@ def _completion(prompt: str, max_tokens: int, **extra) -> dict:
             "ignore_eos": True, **extra}
 
 
-class _QueueWatcher(threading.Thread):
-    """Polls /stats while the burst runs and keeps the most requests the engine held at once."""
-
-    def __init__(self, live) -> None:
-        super().__init__(daemon=True)
-        self.live, self.max_held, self.stop = live, 0, threading.Event()
-
-    def run(self) -> None:
-        with self.live.http() as http:
-            while not self.stop.is_set():
-                stats = http.get("/stats").json()
-                self.max_held = max(self.max_held, stats["num_waiting"] + stats["num_running"])
-                time.sleep(0.01)
-
-
 def test_overload_is_turned_away_at_once_and_admitted_requests_complete(small_server,
                                                                         reference_llm):
     num_clients = 5 * (NUM_SEATS + QUEUE_LIMIT)
@@ -72,13 +57,8 @@ def test_overload_is_turned_away_at_once_and_admitted_requests_complete(small_se
             started = time.monotonic()
             return await asyncio.gather(*(one(http, i, started) for i in range(num_clients)))
 
-    watcher = _QueueWatcher(small_server)
-    watcher.start()
-    try:
+    with watching_stats(small_server) as seen:
         results = asyncio.run(burst())
-    finally:
-        watcher.stop.set()
-        watcher.join()
     expected = greedy_texts(reference_llm, PROMPTS, max_tokens)
     served = [(i, r, t) for i, r, t in results if r.status_code == 200]
     refused = [(i, r, t) for i, r, t in results if r.status_code != 200]
@@ -99,7 +79,7 @@ def test_overload_is_turned_away_at_once_and_admitted_requests_complete(small_se
     # have been seen to trail them by 3-33 ms on a loaded 2-core machine.
     assert max(t for *_, t in refused) < sorted(t for *_, t in served)[NUM_SEATS]
     # (whole responses are never paused, so no request here gives up its seat)
-    assert watcher.max_held <= NUM_SEATS + QUEUE_LIMIT
+    assert max(s["num_waiting"] + s["num_running"] for s in seen) <= NUM_SEATS + QUEUE_LIMIT
     wait_idle_and_intact(small_server)
 
 
