@@ -21,8 +21,10 @@ MESSAGES = [{"role": "user", "content": "Describe a city as JSON."}]
 
 
 class City(pydantic.BaseModel):
+    # Every field bounded, so a document ends within max_tokens whatever the sampled stream
+    # (unbounded, CUDA's seeded stream once sampled digits past max_tokens: 'length').
     name: str = pydantic.Field(max_length=16)
-    population: int = pydantic.Field(ge=0)
+    population: int = pydantic.Field(ge=0, le=10**9)
     coastal: bool
 
 
