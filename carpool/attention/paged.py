@@ -6,7 +6,8 @@ Each step, the scheduled requests are split three ways (`split_step`):
   nothing read from the cache and no padding (not with a sliding window, whose
   mask the causal fast paths do not apply);
 - decodes (one query each), sorted by context length and cut into groups, so a
-  long context does not pad every short one up to its length;
+  long context does not pad every short one up to its length (on CPU; a backend on a
+  GPU, where each group's launches cost more than the padding, asks for one group);
 - chunks that continue a prompt (several queries, history in the cache), one group.
 
 Per group, every request's keys and values are gathered from its block table into
@@ -59,23 +60,28 @@ def fresh_mask(layout: StepLayout, fresh_fast_path: bool) -> np.ndarray:
     return (layout.num_computed == 0) & (layout.query_lens > 1) & fresh_fast_path
 
 
-def split_step(layout: StepLayout, fresh_fast_path: bool) -> StepSplit:
-    """Fresh prompts (if `fresh_fast_path`), decode groups, and the remaining chunks."""
+def split_step(layout: StepLayout, fresh_fast_path: bool,
+               max_decode_groups: int = MAX_DECODE_GROUPS) -> StepSplit:
+    """Fresh prompts (if `fresh_fast_path`), up to `max_decode_groups` decode groups, and the
+    remaining chunks."""
+    if max_decode_groups < 1:
+        raise ValueError(f"max_decode_groups must be >= 1, got {max_decode_groups}")
     is_fresh = fresh_mask(layout, fresh_fast_path)
     is_decode = layout.query_lens == 1
     decodes = np.flatnonzero(is_decode)
-    return StepSplit(fresh=np.flatnonzero(is_fresh),
-                     decode_groups=_length_buckets(decodes, layout) if len(decodes) else (),
+    groups = _length_buckets(decodes, layout, max_decode_groups) if len(decodes) else ()
+    return StepSplit(fresh=np.flatnonzero(is_fresh), decode_groups=groups,
                      chunks=np.flatnonzero(~is_fresh & ~is_decode))
 
 
-def _length_buckets(decodes: np.ndarray, layout: StepLayout) -> tuple[np.ndarray, ...]:
-    """Decodes sorted by context length, cut into up to MAX_DECODE_GROUPS equal-count groups.
+def _length_buckets(decodes: np.ndarray, layout: StepLayout,
+                    max_groups: int) -> tuple[np.ndarray, ...]:
+    """Decodes sorted by context length, cut into up to `max_groups` equal-count groups.
 
     Each group costs a few more small ops per layer, hence at least
     MIN_ROWS_PER_DECODE_GROUP rows per group.
     """
-    num_groups = max(1, min(MAX_DECODE_GROUPS, len(decodes) // MIN_ROWS_PER_DECODE_GROUP))
+    num_groups = max(1, min(max_groups, len(decodes) // MIN_ROWS_PER_DECODE_GROUP))
     if num_groups == 1:
         return (decodes,)
     lengths = layout.num_computed[decodes]

@@ -4,16 +4,21 @@ What CUDA runs (SDPA picks its fused kernels there), and runnable on CPU so that
 CI checks the same lines. Fresh prompts take SDPA's causal path over this
 step's k/v; decode groups and continuing chunks take SDPA with a boolean mask
 over keys and values gathered from their block tables.
+
+On CUDA every decode is in one group: each group is a handful of kernel launches per
+layer, and a decode step there is bound by the host issuing launches, not by the
+padding a group of mixed context lengths adds (BENCHMARKS.md §35).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from carpool.attention import paged
-from carpool.attention.base import AttentionBackend, StepLayout
+from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,14 @@ class SdpaMetadata:
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
+    def __init__(self, shape: AttentionShape, device: torch.device,
+                 kernels: ModuleType | None = None) -> None:
+        super().__init__(shape, device, kernels)
+        self.max_decode_groups = 1 if device.type == "cuda" else paged.MAX_DECODE_GROUPS
+
     def build_metadata(self, layout: StepLayout) -> SdpaMetadata:
-        split = paged.split_step(layout, fresh_fast_path=self.shape.sliding_window is None)
+        split = paged.split_step(layout, fresh_fast_path=self.shape.sliding_window is None,
+                                 max_decode_groups=self.max_decode_groups)
         groups = [paged.build_group(layout, rows, self.shape, self.device)
                   for rows in split.decode_groups + (split.chunks,) if len(rows)]
         slots = torch.as_tensor(layout.slot_mapping, device=self.device, dtype=torch.int64)

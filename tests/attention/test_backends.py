@@ -164,6 +164,30 @@ def test_decodes_are_grouped_by_context_length_and_each_appears_once():
     assert all(a.max() <= b.min() for a, b in zip(lengths, lengths[1:]))  # sorted by context
 
 
+def test_sdpa_on_cuda_attends_every_decode_in_one_group():
+    """On a GPU each group is launches on the host's critical path (BENCHMARKS.md §35)."""
+    shape = AttentionShape(HEADS, KV_HEADS, HEAD_DIM)
+    assert create_backend("sdpa", shape, torch.device("cuda")).max_decode_groups == 1
+    assert create_backend("sdpa", shape, CPU).max_decode_groups == paged.MAX_DECODE_GROUPS
+    step = Step(_mixed_shapes(random.Random(0)))
+    layout = step.batch.layout
+    (group,) = paged.split_step(layout, fresh_fast_path=True, max_decode_groups=1).decode_groups
+    assert sorted(group) == sorted(np.flatnonzero(layout.query_lens == 1))
+    with pytest.raises(ValueError, match="max_decode_groups"):
+        paged.split_step(layout, fresh_fast_path=True, max_decode_groups=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sdpa_with_one_decode_group_matches_the_reference(window):
+    step = Step(_mixed_shapes(random.Random(1)))
+    backend = make_backend("sdpa", AttentionShape(HEADS, KV_HEADS, HEAD_DIM, window))
+    backend.max_decode_groups = 1  # what it is on CUDA
+    meta = backend.build_metadata(step.batch.layout)
+    assert len(meta.groups) == 2  # every decode, then the chunks
+    out = backend.forward(step.q, step.k, step.v, step.cache.clone(), meta, HEAD_DIM ** -0.5)
+    step.assert_matches_reference(out, window)
+
+
 def test_fresh_prompts_take_the_causal_path_unless_there_is_a_window():
     step = Step(_mixed_shapes(random.Random(0)))
     layout = step.batch.layout
