@@ -1,5 +1,6 @@
 """Wall time of a decode step at N running requests, the sdpa backend's decode groups
-8 against 1, alternated in one process; optionally a torch.profiler table of 10 steps.
+8 against 1, alternated in one process; optionally cuDNN's SDPA on against off (CUDA),
+and a torch.profiler table of 10 steps.
 
 Why: on CUDA a decode step is bound by the host issuing launches, and each decode group
 is a handful of launches per layer (BENCHMARKS.md §35). Runs on any device.
@@ -27,6 +28,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=4, help="alternating 8 and 1 groups")
+    parser.add_argument("--compare-cudnn", action="store_true",
+                        help="then, at the backend's own groups, alternate rounds with torch's "
+                             "cuDNN SDPA allowed and not (torch.backends.cuda.enable_cudnn_sdp)")
     parser.add_argument("--profile", action="store_true",
                         help="then profile 10 steps with the backend's own setting")
     args = parser.parse_args()
@@ -44,7 +48,7 @@ def main() -> int:
     own = attention.max_decode_groups
     on_cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    budget = args.rounds * (args.steps + 2) + 20
+    budget = (1 + args.compare_cudnn) * args.rounds * (args.steps + 2) + 20
     params = SamplingParams(max_tokens=budget, min_tokens=budget, ignore_eos=True,
                             temperature=0.0)
     for i in range(args.num_running):
@@ -57,10 +61,7 @@ def main() -> int:
             break
     for _ in range(5):
         engine.step()
-    times: dict[int, list[float]] = {8: [], 1: []}
-    for round_ in range(args.rounds):
-        groups = (8, 1)[round_ % 2]
-        attention.max_decode_groups = groups
+    def timed_round() -> float:
         engine.step()
         engine.step()
         sync()
@@ -68,11 +69,29 @@ def main() -> int:
         for _ in range(args.steps):
             engine.step()
         sync()
-        times[groups].append(1000 * (time.perf_counter() - start) / args.steps)
+        return 1000 * (time.perf_counter() - start) / args.steps
+
+    times: dict[int, list[float]] = {8: [], 1: []}
+    for round_ in range(args.rounds):
+        groups = (8, 1)[round_ % 2]
+        attention.max_decode_groups = groups
+        times[groups].append(timed_round())
     for groups, values in times.items():
         print(f"{args.num_running} running, {groups} decode group(s): "
               f"{' / '.join(f'{v:.2f}' for v in values)} ms per decode step")
     attention.max_decode_groups = own
+    if args.compare_cudnn and on_cuda:
+        allowed = torch.backends.cuda.cudnn_sdp_enabled()
+        cudnn_times: dict[bool, list[float]] = {True: [], False: []}
+        for round_ in range(args.rounds):
+            enabled = round_ % 2 == 0
+            torch.backends.cuda.enable_cudnn_sdp(enabled)
+            cudnn_times[enabled].append(timed_round())
+        torch.backends.cuda.enable_cudnn_sdp(allowed)
+        for enabled, values in cudnn_times.items():
+            print(f"{args.num_running} running, {own} decode group(s), cuDNN SDPA "
+                  f"{'allowed' if enabled else 'off'}: "
+                  f"{' / '.join(f'{v:.2f}' for v in values)} ms per decode step")
     if args.profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if on_cuda:

@@ -30,8 +30,17 @@ void boom() {{ TORCH_CHECK(false, "boom"); }}
 void boom_parallel() {{
   at::parallel_for(0, 64, 1, [&](int64_t b, int64_t e) {{ TORCH_CHECK(b < 0, "boom"); }});
 }}
+// A frame the compiler must realign to 64 bytes (as AVX-512 spills make it in the kernels),
+// thrown from after a call that keeps the buffer live.
+__attribute__((noinline)) void touch(float* p) {{ p[0] += 1.0f; }}
+void boom_aligned(int64_t n) {{
+  alignas(64) float buffer[64] = {{}};
+  touch(buffer);
+  TORCH_CHECK(n < 0, "boom ", buffer[0]);
+}}
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
   m.def("boom", &boom);
+  m.def("boom_aligned", &boom_aligned, py::call_guard<py::gil_scoped_release>());
   m.def("boom_parallel", &boom_parallel);
   m.def("boom_released", &boom, py::call_guard<py::gil_scoped_release>());  // as carpool's
 }}
@@ -69,6 +78,8 @@ CASES = {
     "one-file extension, GIL released (py::call_guard)": "inline_module().boom_released()",
     "one-file extension, carpool's ISA flags, GIL released":
         "inline_module(carpool_flags=True).boom_released()",
+    "one-file extension, carpool's ISA flags, a 64-byte-aligned frame":
+        "inline_module(carpool_flags=True).boom_aligned(1)",
     "carpool argmax_rows, int32 logits": "carpool_argmax_rows_bad_dtype()",
     "carpool paged_attention, native build": "carpool_paged_attention_bad_block_table(None)",
     "carpool paged_attention, AVX2 build": "carpool_paged_attention_bad_block_table('AVX2')",

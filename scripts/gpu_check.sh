@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The CUDA checks, for a session that is lent a GPU: one prepared run, ~4 minutes on an H200
+# The CUDA checks, for a session that is lent a GPU: one prepared run, ~5 minutes on an H200
 # with 16 cores, every stage under its own time limit (BENCHMARKS.md §35):
 #   1. the CUDA tests: the runner on CUDA against the CPU reference, the CUDA start-up,
 #      the HF-equivalence suite on CUDA (sdpa), the live-server and structured-output
 #      tests (their servers take --device auto, so cuda), spread over 8 xdist workers;
 #   2. the 135M bf16 model on CUDA: a decode step at 256 running with 8 decode groups
-#      against 1, and vs_vllm.py's 200-request workload (carpool alone);
+#      against 1 and with cuDNN's SDPA allowed against off, what SDPA costs at a new
+#      shape by backend, and vs_vllm.py's 200-request workload (carpool alone);
 #   3. whether the compiled CPU kernels' errors reach Python on that machine.
 # Runs from the repository root without installing. The GPU image has torch, transformers,
 # tokenizers, safetensors, pytest and pytest-xdist, but not fastapi, starlette, uvicorn,
@@ -34,8 +35,9 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --carpool-device 
   2>&1 | tee "$OUT/cuda_tests.log" | tail -25
 mark "135M bf16 on CUDA"
 python3 benchmarks/make_vs_vllm_checkpoints.py /tmp/vs-vllm --models 135M --dtypes bfloat16 | tail -1
-timeout 60 python3 benchmarks/decode_step_groups.py --model /tmp/vs-vllm/135m-bfloat16 \
-  --num-running 256 --device cuda 2>&1 | grep running
+timeout 90 python3 benchmarks/decode_step_groups.py --model /tmp/vs-vllm/135m-bfloat16 \
+  --num-running 256 --device cuda --compare-cudnn 2>&1 | grep running
+timeout 60 python3 benchmarks/sdpa_new_shapes.py --device cuda --dtype bfloat16 2>&1 | grep ms
 timeout 90 python3 benchmarks/vs_vllm.py --models 135M --dtypes bfloat16 --engines carpool \
   --carpool-device cuda --workloads 200 --repeats 1 --threads 4 --kv-cache-gib 16 \
   --result-file "$OUT/vs_vllm_135m_cuda.json" 2>&1 | tail -3
