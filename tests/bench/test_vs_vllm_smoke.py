@@ -110,3 +110,20 @@ def test_profile_steps_splits_the_run_into_phases_and_profiles_one(make_checkpoi
     assert 0 < result["decode_step_p50_ms"] <= 1000 * result["decode_s"]
     out = capsys.readouterr().out
     assert "4 requests" in out and "Self CPU time total" in out
+
+
+def test_carpool_device_reaches_the_carpool_job_only(monkeypatch, tmp_path):
+    jobs = {}
+
+    def fake_worker(engine, job, *args, **kwargs):
+        jobs[engine] = job
+        return {"startup_s": 0.0, "workloads": {}}
+
+    monkeypatch.setattr(vs_vllm, "run_worker", fake_worker)
+    assert vs_vllm.parse_args(["--carpool-device", "cuda"]).carpool_device == "cuda"
+    vs_vllm.compare_case("m", tmp_path, "bfloat16", {}, ["carpool", "vllm"],
+                         {"carpool": "python", "vllm": "python"}, 1, 1, tmp_path, 1.0,
+                         carpool_device="cuda")
+    assert {e: j.device for e, j in jobs.items()} == {"carpool": "cuda", "vllm": "cpu"}
+    jobs["carpool"].save(str(tmp_path / "job.json"))
+    assert vs_vllm.Job.load(str(tmp_path / "job.json")).device == "cuda"
