@@ -91,7 +91,7 @@ def test_fused_silu_and_mul_gives_eagers_nan_of_two_in_float32(kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,dim", [(1, 576), (40, 576), (700, 64), (5, 37)])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (40, 576), (700, 64), (9, 80), (5, 37)])
 def test_fused_rms_norm_adds_bitwise_and_normalises_like_rms_norm(kernels, dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows * dim)
     eager = RMSNorm(dim, 1e-5)
@@ -111,6 +111,18 @@ def test_fused_rms_norm_adds_bitwise_and_normalises_like_rms_norm(kernels, dtype
     assert (out != expected_out).float().mean() < 0.01  # differs in a last bit, rarely
     alone = fused(x)
     assert ((alone.float() - eager(x).float()).abs() <= ulp * eager(x).float().abs()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_rms_norm_adds_nans_and_infinities_as_eager(kernels, dtype):
+    # 80 columns: two 32-wide AVX-512 steps and one 16-wide one, every lane pattern.
+    specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-40,
+                             3e38, -3e38, 0.0, -0.0, 1.0])
+    x = specials.repeat(8 * 10)[: 8 * 80].view(8, 80).to(dtype)
+    residual = specials.roll(3).repeat(8 * 10)[: 8 * 80].view(8, 80).to(dtype)
+    eager = RMSNorm(80, 1e-5).to(dtype)
+    _, summed = FusedRMSNorm(eager, kernels)(x, residual)
+    assert torch.equal(bits(summed), bits(eager(x, residual)[1]))
 
 
 def test_fused_rms_norm_keeps_eager_float32(kernels):
