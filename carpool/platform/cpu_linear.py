@@ -17,6 +17,14 @@ a layer only ever sees `len(ROW_BUCKETS)` shapes, whatever the batch sizes,
 and memory stops growing once they have all been seen. Padding costs at most
 7 rows per call up to 128 rows, 15 above.
 
+Where oneDNN's matmul has no bfloat16 kernel (AVX2 CPUs: it needs AVX512BW/VL/DQ or
+AVX-NE-CONVERT), torch runs a bfloat16 `F.linear` on its own GEMM, which on an AMD EPYC of
+the first Zen generation (2 threads, the 135M model's layer shapes) took 4-7x the time of
+oneDNN's packed float32 matmul from 8 rows on. There a bfloat16 weight is packed as float32
+(`onednn_dtype`; twice the weight's bytes), each call's rows are converted to float32 and its
+result rounded to bfloat16 once: a bfloat16 matmul's arithmetic (float32 sums of exact
+products), in another summation order (BENCHMARKS §37).
+
 A call of exactly `full_rows` rows (the step token budget, which every prefill-heavy step
 fills) is the one exception: it runs as a single oneDNN call of that many rows, one more
 shape per layer. On the 135M bfloat16 model's layers, 2048 rows in one call took
@@ -142,7 +150,13 @@ class PackedLinear(nn.Module):
                                  and torch.cpu._is_amx_tile_supported())
         self.weight = linear.weight  # kept: tied embeddings, inspection
         self.bias = linear.bias
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        # What oneDNN multiplies in: float32 for a bfloat16 weight where its matmul has no
+        # bfloat16 (AVX2 CPUs), rows converted on the way in and the result on the way out.
+        self._onednn_dtype = onednn_dtype(linear.weight.dtype)
+        self._onednn_bias = None if linear.bias is None else linear.bias.detach().to(
+            self._onednn_dtype)
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach().to(self._onednn_dtype))
         self._small_gemm = self._small_packed = None
         self._small_max_rows = 0
         dtype = linear.weight.dtype
@@ -190,17 +204,29 @@ class PackedLinear(nn.Module):
 
     def packed_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, in] -> [n, out] in one oneDNN call of exactly n rows."""
-        return torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none", [], "")
+        if rows.dtype == self._onednn_dtype:
+            return torch.ops.mkldnn._linear_pointwise(rows, self._packed, self.bias, "none",
+                                                      [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows.to(self._onednn_dtype), self._packed,
+                                                 self._onednn_bias, "none", [], "")
+        return out.to(rows.dtype)
+
+
+def onednn_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype oneDNN multiplies a `dtype` weight in here: float32 for bfloat16 where its
+    matmul has no bfloat16 kernel (a CPU without AVX512BW/VL/DQ or AVX-NE-CONVERT), else the
+    weight's own."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return dtype
 
 
 def can_pack(model: nn.Module) -> bool:
-    """float32 (or bfloat16, where oneDNN supports it) weights on CPU, oneDNN available."""
+    """float32 or bfloat16 weights on CPU, oneDNN available."""
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if param.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return param.dtype == torch.float32
+    return param.dtype in (torch.float32, torch.bfloat16)
 
 
 def pack_linears(model: nn.Module, kernels: ModuleType | None = None,
