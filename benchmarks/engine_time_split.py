@@ -145,9 +145,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.bf16_small_max_rows is not None:
         cpu_linear.SMALL_GEMM_MAX_ROWS = cpu_linear.SMALL_GEMM_AMX_MAX_ROWS = \
-            args.bf16_small_max_rows
+            cpu_linear.SMALL_GEMM_AVX2_MAX_ROWS = args.bf16_small_max_rows
     if args.f32_small_max_rows is not None:
         cpu_linear.SMALL_GEMM_F32_MAX_ROWS = cpu_linear.SMALL_GEMM_F32_AMX_MAX_ROWS = \
+            cpu_linear.SMALL_GEMM_F32_ZEN4_MAX_ROWS = cpu_linear.SMALL_GEMM_F32_AVX2_MAX_ROWS = \
             args.f32_small_max_rows
     timer = KernelTimer()
     if args.kernel_times:

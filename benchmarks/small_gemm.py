@@ -102,7 +102,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     kernels = cpu_kernels.load()
-    has_gemm = kernels is not None and (kernels.has_bf16_gemm() if dtype == torch.bfloat16
+    has_gemm = kernels is not None and (kernels.has_small_gemm_bf16() if dtype == torch.bfloat16
                                         else kernels.has_f32_gemm())
     if not has_gemm:
         sys.exit(f"no compiled kernels with a small {args.dtype} GEMM on this machine")

@@ -5,7 +5,9 @@ One extension holds every kernel of `csrc/` (bound in `bindings.cpp`): paged att
 (`prefill_attention.cpp`, the same arguments less the sliding window), the few-row
 bfloat16 and float32 linears (`small_gemm.cpp`) and a decoder layer's fused elementwise passes
 (`fused_ops.cpp`: RoPE, residual add + RMSNorm, SiLU x up, the KV write). Callers check
-`has_bf16_gemm()` before the AVX512-BF16 ones, `has_f32_gemm()` before the float32 GEMM.
+`has_bf16_gemm()` before the AVX512-BF16 ones, `has_small_gemm_bf16()` before the bfloat16
+small GEMM (AVX512-BF16, or AVX2 builds in float32 FMAs), `has_f32_gemm()` before the float32
+one.
 
 `paged_attention` in `csrc/paged_attention.cpp` reads keys and values in place through the
 block table (the PyTorch decode path gathers the keys into a padded copy first). It is

@@ -23,7 +23,13 @@ the first Zen generation (2 threads, the 135M model's layer shapes) took 4-7x th
 oneDNN's packed float32 matmul from 8 rows on. There a bfloat16 weight is packed as float32
 (`onednn_dtype`; twice the weight's bytes), each call's rows are converted to float32 and its
 result rounded to bfloat16 once: a bfloat16 matmul's arithmetic (float32 sums of exact
-products), in another summation order (BENCHMARKS §37).
+products), in another summation order (BENCHMARKS §37). Its few-row calls (at most
+`SMALL_GEMM_AVX2_MAX_ROWS`) take the AVX2 build's `small_gemm_bf16` instead, which reads the
+bfloat16 weight itself (half the bytes) and widens it in registers: on that EPYC's 135M
+layers, weights streamed from memory, it took 0.37x oneDNN's float32 time at 1 row, 0.51x
+at 4, 0.69-0.71x at 8-12, 0.94x at 16 and 1.09-1.31x at 24-64 (2 threads); the AVX2
+`small_gemm_f32` took 0.59-0.78x at 1-4 rows, 0.85-0.91x at 8-12 and 1.16x at 16
+(`SMALL_GEMM_F32_AVX2_MAX_ROWS`).
 
 A call of exactly `full_rows` rows (the step token budget, which every prefill-heavy step
 fills) is the one exception: it runs as a single oneDNN call of that many rows, one more
@@ -103,6 +109,9 @@ SMALL_GEMM_AMX_TILE_MAX_ROWS = 2 * MAX_ROWS
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
 SMALL_GEMM_F32_AMX_MAX_ROWS = 64  # the same on the AMX-generation Intel cores measured
 SMALL_GEMM_F32_ZEN4_MAX_ROWS = 128  # the same on AMD Zen 4 (`cpu_kernels.is_zen4`)
+# The cuts of AVX2 builds (CPUs without AVX-512): their small GEMMs run float32 FMAs
+SMALL_GEMM_AVX2_MAX_ROWS = 16  # bfloat16: the weight read as bfloat16, widened in registers
+SMALL_GEMM_F32_AVX2_MAX_ROWS = 8
 
 
 def padded_rows(rows: int) -> int:
@@ -114,10 +123,15 @@ def padded_rows(rows: int) -> int:
 
 
 def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None,
-                        zen4: bool | None = None) -> int:
+                        zen4: bool | None = None, avx2: bool | None = None) -> int:
     """The most rows a `dtype` call sends to the compiled small GEMM rather than oneDNN, on
     this CPU (amx: whether oneDNN has AMX tiles; None: ask torch; zen4: whether the core is
-    AMD Zen 4; None: ask /proc/cpuinfo)."""
+    AMD Zen 4; None: ask /proc/cpuinfo; avx2: whether torch and the kernels run their AVX2
+    code, no AVX-512; None: ask torch)."""
+    if avx2 is None:
+        avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
+    if avx2:
+        return SMALL_GEMM_F32_AVX2_MAX_ROWS if dtype == torch.float32 else SMALL_GEMM_AVX2_MAX_ROWS
     if amx is None:
         amx = torch.cpu._is_amx_tile_supported()
     if dtype == torch.float32:
@@ -161,7 +175,7 @@ class PackedLinear(nn.Module):
         self._small_max_rows = 0
         dtype = linear.weight.dtype
         if (kernels is not None and dtype == torch.bfloat16
-                and linear.in_features % 2 == 0 and kernels.has_bf16_gemm()):
+                and linear.in_features % 2 == 0 and kernels.has_small_gemm_bf16()):
             self._small_packed = kernels.pack_bf16_weight(linear.weight.detach())
             if small_amx is None:
                 small_amx = kernels.has_amx() and linear.in_features % 32 == 0

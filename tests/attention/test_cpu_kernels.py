@@ -12,22 +12,12 @@ import torch
 
 from carpool.attention import cpu_kernels
 from carpool.attention.cpu_kernels import paged_attention_reference
+from tests.kernel_builds import build_id, kernel_builds
 
 UNTOUCHED = 7.0  # what out holds before the call; rows no request covers must keep it
 
 
-def _builds() -> list[str | None]:
-    """The builds every kernel test runs on: this CPU's (None), and on an AVX512 CPU also the
-    AVX2 build, whose loops (decode_one_pass_avx2.h among them) laptops and older servers run
-    and CI would otherwise never execute."""
-    builds: list[str | None] = [None]
-    if (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and "avx2" in cpu_kernels._cpu_flags()):
-        builds.append("AVX2")
-    return builds
-
-
-@pytest.fixture(scope="module", params=_builds(), ids=lambda b: (b or "native").lower())
+@pytest.fixture(scope="module", params=kernel_builds(), ids=build_id)
 def kernels(request):
     module = cpu_kernels.load(capability=request.param)
     if module is None:

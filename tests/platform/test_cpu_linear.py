@@ -14,7 +14,9 @@ from carpool.platform.cpu_linear import (
     ROW_BUCKETS,
     SMALL_GEMM_AMX_MAX_ROWS,
     SMALL_GEMM_AMX_TILE_MAX_ROWS,
+    SMALL_GEMM_AVX2_MAX_ROWS,
     SMALL_GEMM_F32_AMX_MAX_ROWS,
+    SMALL_GEMM_F32_AVX2_MAX_ROWS,
     SMALL_GEMM_F32_MAX_ROWS,
     SMALL_GEMM_F32_ZEN4_MAX_ROWS,
     SMALL_GEMM_MAX_ROWS,
@@ -24,6 +26,8 @@ from carpool.platform.cpu_linear import (
     padded_rows,
     small_gemm_max_rows,
 )
+
+from tests.kernel_builds import build_id, kernel_builds
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -42,11 +46,13 @@ def test_packed_linear_matches_linear(bias, rows, dtype):
         assert PackedLinear(linear)(x.view(1, rows, 96)).shape == (1, rows, 160)
 
 
-@pytest.fixture(scope="module")
-def bf16_kernels():
-    kernels = cpu_kernels.load()
-    if kernels is None or not kernels.has_bf16_gemm():
-        pytest.skip("no compiled kernels or no AVX512-BF16 on this CPU")
+@pytest.fixture(scope="module", params=kernel_builds(), ids=build_id)
+def bf16_kernels(request):
+    """The builds with a bfloat16 small GEMM here: AVX512-BF16 CPUs, and AVX2 builds (float32
+    FMAs from the bfloat16 weight)."""
+    kernels = cpu_kernels.load(capability=request.param)
+    if kernels is None or not kernels.has_small_gemm_bf16():
+        pytest.skip("no compiled kernels or no bfloat16 small GEMM in this build on this CPU")
     return kernels
 
 
@@ -100,11 +106,11 @@ def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_featu
         == small_gemm_max_rows(torch.bfloat16)  # K not in 32s: the AVX512-BF16 GEMM
 
 
-@pytest.fixture(scope="module")
-def f32_kernels():
-    kernels = cpu_kernels.load()
+@pytest.fixture(scope="module", params=kernel_builds(), ids=build_id)
+def f32_kernels(request):
+    kernels = cpu_kernels.load(capability=request.param)
     if kernels is None or not kernels.has_f32_gemm():
-        pytest.skip("no compiled kernels or no AVX-512 build on this CPU")
+        pytest.skip("no compiled kernels or no float32 small GEMM in this build")
     return kernels
 
 
@@ -161,16 +167,22 @@ def test_zen4_is_told_from_cpuinfo(monkeypatch, vendor, family, flags, zen4):
     assert cpu_kernels.is_zen4() is zen4
 
 
-def test_bf16_small_gemm_cut_follows_amx():
-    assert small_gemm_max_rows(torch.bfloat16, amx=False) == SMALL_GEMM_MAX_ROWS
-    assert small_gemm_max_rows(torch.bfloat16, amx=True) == SMALL_GEMM_AMX_MAX_ROWS
-    assert small_gemm_max_rows(torch.float32, amx=False, zen4=False) == SMALL_GEMM_F32_MAX_ROWS
-    assert small_gemm_max_rows(torch.float32, amx=False, zen4=True) == SMALL_GEMM_F32_ZEN4_MAX_ROWS
-    assert small_gemm_max_rows(torch.float32, amx=True) == SMALL_GEMM_F32_AMX_MAX_ROWS
-    assert small_gemm_max_rows(torch.float32, amx=False) == small_gemm_max_rows(
-        torch.float32, amx=False, zen4=cpu_kernels.is_zen4())
+def test_small_gemm_cut_follows_the_cpu():
+    def cut(dtype, **cpu):
+        return small_gemm_max_rows(dtype, **{"avx2": False, **cpu})
+
+    assert cut(torch.bfloat16, amx=False) == SMALL_GEMM_MAX_ROWS
+    assert cut(torch.bfloat16, amx=True) == SMALL_GEMM_AMX_MAX_ROWS
+    assert cut(torch.float32, amx=False, zen4=False) == SMALL_GEMM_F32_MAX_ROWS
+    assert cut(torch.float32, amx=False, zen4=True) == SMALL_GEMM_F32_ZEN4_MAX_ROWS
+    assert cut(torch.float32, amx=True) == SMALL_GEMM_F32_AMX_MAX_ROWS
+    assert cut(torch.bfloat16, avx2=True) == SMALL_GEMM_AVX2_MAX_ROWS
+    assert cut(torch.float32, avx2=True) == SMALL_GEMM_F32_AVX2_MAX_ROWS
+    assert cut(torch.float32, amx=False) == cut(torch.float32, amx=False,
+                                                zen4=cpu_kernels.is_zen4())
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
     assert small_gemm_max_rows(torch.bfloat16) == small_gemm_max_rows(
-        torch.bfloat16, amx=torch.cpu._is_amx_tile_supported())
+        torch.bfloat16, amx=torch.cpu._is_amx_tile_supported(), avx2=avx2)
 
 
 def test_bf16_calls_above_the_cut_go_to_onednn(bf16_kernels, monkeypatch):

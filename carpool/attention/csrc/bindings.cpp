@@ -33,6 +33,7 @@ int64_t parallel_width() {
 
 namespace carpool_gemm {  // small_gemm.cpp
 bool has_bf16_gemm();
+bool has_small_gemm_bf16();
 at::Tensor pack_bf16_weight(const at::Tensor& weight);
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                            const c10::optional<at::Tensor>& bias, bool amx);
@@ -99,6 +100,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_gemm", &carpool_gemm::has_bf16_gemm,
         "Whether this CPU runs small_gemm_bf16 (AVX512-BF16).");
+  m.def("has_small_gemm_bf16", &carpool_gemm::has_small_gemm_bf16,
+        "Whether this build and CPU run small_gemm_bf16 (AVX512-BF16, or AVX2 builds in "
+        "float32 FMAs).");
   m.def("has_amx", &amx_usable,
         "Whether this build and CPU run AMX tiles: small_gemm_bf16 and "
         "prefill_attention_bf16 take amx=True.");
@@ -110,7 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::arg("amx") = false, py::call_guard<py::gil_scoped_release>());
   m.def("has_f32_gemm", &carpool_gemm::has_f32_gemm,
-        "Whether this build runs small_gemm_f32 (AVX-512).");
+        "Whether this build runs small_gemm_f32 (AVX-512 or AVX2).");
   m.def("pack_f32_weight", &carpool_gemm::pack_f32_weight,
         "weight [N, K] float32 -> the layout small_gemm_f32 reads.", py::arg("weight"));
   m.def("small_gemm_f32", &carpool_gemm::small_gemm_f32,

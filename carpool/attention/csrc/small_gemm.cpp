@@ -21,12 +21,16 @@
 // weight feeds the AMX tile unit instead: its blocks of (k, k + 1) pairs are exactly the
 // unit's B tiles. Threads split the columns there too.
 //
-// Needs AVX512-BF16 at run time (`has_bf16_gemm()`; the functions carry it as a target
-// attribute, so the rest of the extension still runs on AVX512 CPUs without it). Elsewhere
-// the callers keep oneDNN.
+// AVX512 builds need AVX512-BF16 at run time for the bfloat16 one (`has_bf16_gemm()`; the
+// functions carry it as a target attribute, so the rest of the extension still runs on AVX512
+// CPUs without it); elsewhere the callers keep oneDNN. AVX2 builds run both from the same
+// packed weights in float32 FMAs (`has_small_gemm_bf16()`): there oneDNN has no bfloat16
+// matmul and multiplies a float32 copy, so reading the bfloat16 weight itself halves the bytes
+// a few-row call streams.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -36,6 +40,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include <immintrin.h>
 
 #include "amx_tiles.h"
 #include "bf16_dot.h"
@@ -57,7 +63,7 @@ constexpr int64_t kChunk = 8;   // k steps between a tile's prefetches of the ne
 // prefetcher keeps up with; prefetching ahead as well slowed 1 row by 3-7% (§30).
 constexpr int64_t kMinPrefetchRows = 3;
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // The cache lines of the next column group's weight that one tile prefetches into L2 as it
 // runs: a thread's groups then find their weight in L2 instead of waiting on memory in
 // their first row tile (the weight streams from memory once a step; see for_each_tile).
@@ -75,6 +81,9 @@ struct NextWeight {
   }
 };
 
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
 // Rows [0, R) of x times blocks [0, B) starting at `w` (block stride `block_stride`), into
 // y columns [col0, col0 + B * 16) clipped at n.
 // Never inlined: inlined into the dispatch, one shape (7 x 2) once lost its registers and
@@ -152,6 +161,110 @@ __attribute__((noinline)) void tile_f32(const float* x, int64_t x_stride, const 
   }
 }
 
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX2 (no vdpbf16ps, 16 vector registers): the same packed layouts, each 16-column block as
+// two 8-float halves, the products in float32 FMAs. A bfloat16 pair register (8 columns of
+// (k, k + 1)) widens by a shift (k) and a mask (k + 1), and the two products are summed in
+// that order; x's rows come as float32 (widened once per call), broadcast from memory. A
+// tile of R rows x one block keeps 2R accumulators, the weight's two halves and a broadcast.
+struct Avx2Tile { static constexpr int kRows = 6, kBlocks = 1; };
+
+inline __m256 bias_half(const float* bias, int half) {
+  return bias == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(bias + half * 8);
+}
+
+// Rows [0, R) of x (float32) times one packed bfloat16 block at `w`, into y columns
+// [col0, col0 + 16) clipped at n, rounded to bfloat16 as ATen rounds (nearest even).
+template <int R, int B>
+__attribute__((noinline)) void tile_avx2_bf16(
+    const float* x, int64_t x_stride, const uint16_t* w, int64_t pairs, const float* bias,
+    uint16_t* y, int64_t y_stride, int64_t col0, int64_t n, NextWeight next) {
+  static_assert(B == 1, "one block of 16 columns per AVX2 tile");
+  __m256 acc[R][2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256 init = bias_half(bias, h);
+    for (int r = 0; r < R; ++r) acc[r][h] = init;
+  }
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t chunks = next.count == 0 ? 1 : (pairs + kChunk - 1) / kChunk;
+  const int64_t chunk = next.count == 0 ? pairs : kChunk;
+  const int64_t per_chunk = (next.count + chunks - 1) / chunks;
+  for (int64_t c = 0; c < chunks; ++c) {
+    next.issue(per_chunk);
+    for (int64_t p = c * chunk, stop = std::min(pairs, p + chunk); p < stop; ++p) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(w + p * 2 * kBlock + h * kBlock));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        for (int r = 0; r < R; ++r) {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * x_stride + 2 * p), even,
+                                      acc[r][h]);
+        }
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int r = 0; r < R; ++r) {
+          acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * x_stride + 2 * p + 1), odd,
+                                      acc[r][h]);
+        }
+      }
+    }
+  }
+  using Vec = at::vec::Vectorized<float>;
+  for (int r = 0; r < R; ++r) {
+    const auto out = at::vec::convert_from_float<at::BFloat16>(Vec(acc[r][0]), Vec(acc[r][1]));
+    uint16_t* dst = y + r * y_stride + col0;
+    if (col0 + kBlock <= n) {
+      out.store(dst);
+    } else if (col0 < n) {
+      out.store(dst, static_cast<int>(n - col0));
+    }
+  }
+}
+
+// Rows [0, R) of x times one packed float32 block ([K][16]) at `w`, into y columns
+// [col0, col0 + 16) clipped at n.
+template <int R, int B>
+__attribute__((noinline)) void tile_avx2_f32(const float* x, int64_t x_stride, const float* w,
+                                             int64_t k, const float* bias, float* y,
+                                             int64_t y_stride, int64_t col0, int64_t n,
+                                             NextWeight next) {
+  static_assert(B == 1, "one block of 16 columns per AVX2 tile");
+  __m256 acc[R][2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256 init = bias_half(bias, h);
+    for (int r = 0; r < R; ++r) acc[r][h] = init;
+  }
+  const int64_t chunks = next.count == 0 ? 1 : (k + kChunk - 1) / kChunk;
+  const int64_t chunk = next.count == 0 ? k : kChunk;
+  const int64_t per_chunk = (next.count + chunks - 1) / chunks;
+  for (int64_t c = 0; c < chunks; ++c) {
+    next.issue(per_chunk);
+    for (int64_t p = c * chunk, stop = std::min(k, p + chunk); p < stop; ++p) {
+      const __m256 w0 = _mm256_loadu_ps(w + p * kBlock), w1 = _mm256_loadu_ps(w + p * kBlock + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + p);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* dst = y + r * y_stride + col0;
+    if (col0 + kBlock <= n) {
+      _mm256_storeu_ps(dst, acc[r][0]);
+      _mm256_storeu_ps(dst + 8, acc[r][1]);
+    } else if (col0 < n) {
+      alignas(32) float tail[kBlock];
+      _mm256_store_ps(tail, acc[r][0]);
+      _mm256_store_ps(tail + 8, acc[r][1]);
+      std::memcpy(dst, tail, (n - col0) * sizeof(float));
+    }
+  }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // Calls f.template operator()<R, B>() with R == rows (1 <= rows <= MaxR) and B == nb
 // (1 <= nb <= MaxB): the tile function instantiated for this tile's height and width.
 template <int MaxR, int MaxB, typename F>
@@ -196,6 +309,9 @@ void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes
   });
 }
 
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
 // for_each_tile with the tile shape for m rows.
 template <typename Tile>
 void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes,
@@ -332,6 +448,16 @@ bool has_bf16_gemm() {
 #endif
 }
 
+bool has_small_gemm_bf16() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return has_bf16_gemm();
+#elif defined(CPU_CAPABILITY_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor pack_bf16_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kBFloat16 &&
                   weight.dim() == 2 && weight.size(1) % 2 == 0,
@@ -358,7 +484,8 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight) {
 
 at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                            const c10::optional<at::Tensor>& bias, bool amx) {
-  TORCH_CHECK(has_bf16_gemm(), "small_gemm_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(has_small_gemm_bf16(),
+              "small_gemm_bf16: this build has neither AVX2 nor a CPU with AVX512-BF16");
   TORCH_CHECK(!amx || (amx_usable() && x.size(1) % 32 == 0),
               "small_gemm_bf16: amx needs a build and CPU with AMX (has_amx) and K a "
               "multiple of 32");
@@ -396,12 +523,25 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
                bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock, n,
                next);
   });
+#elif defined(CPU_CAPABILITY_AVX2)
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();  // widened once, broadcast per tile
+  const float* xd = x32.const_data_ptr<float>();
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.const_data_ptr());
+  const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  uint16_t* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t k = x.size(1), block_stride = pairs * 2 * kBlock;
+  for_each_tile<Avx2Tile>(m, blocks, wd, block_stride * 2,
+                          [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
+    tile_avx2_bf16<R, B>(xd + r0 * k, k, wd + blk * block_stride, pairs,
+                         bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n,
+                         blk * kBlock, n, next);
+  });
 #endif
   return y;
 }
 
 bool has_f32_gemm() {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   return true;
 #else
   return false;
@@ -430,7 +570,7 @@ at::Tensor pack_f32_weight(const at::Tensor& weight) {
 
 at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                           const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(has_f32_gemm(), "small_gemm_f32: this build has no AVX-512");
+  TORCH_CHECK(has_f32_gemm(), "small_gemm_f32: this build has neither AVX-512 nor AVX2");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
                   x.stride(1) == 1,
               "small_gemm_f32: x must be a float32 CPU [M, K] tensor with contiguous rows");
@@ -453,6 +593,18 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
     tile_f32<R, B>(xd + r0 * x_stride, x_stride, wd + blk * block_stride, k, block_stride,
                    bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n, blk * kBlock,
                    n, next);
+  });
+#elif defined(CPU_CAPABILITY_AVX2)
+  const float* xd = x.const_data_ptr<float>();
+  const float* wd = packed.const_data_ptr<float>();
+  const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  float* yd = y.data_ptr<float>();
+  const int64_t x_stride = x.stride(0), block_stride = k * kBlock;
+  for_each_tile<Avx2Tile>(m, blocks, wd, block_stride * 4,
+                          [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
+    tile_avx2_f32<R, B>(xd + r0 * x_stride, x_stride, wd + blk * block_stride, k,
+                        bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n,
+                        blk * kBlock, n, next);
   });
 #endif
   return y;
