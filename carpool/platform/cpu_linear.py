@@ -146,7 +146,8 @@ def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None,
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight (and,
     given the compiled kernels, a bfloat16 weight's few-row calls by `small_gemm_bf16`'s
-    packed copy on an AVX512-BF16 CPU, a float32 weight's by `small_gemm_f32`'s on AVX-512)."""
+    packed copy on an AVX512-BF16 CPU or an AVX2 build, a float32 weight's by
+    `small_gemm_f32`'s on AVX-512 or AVX2 builds)."""
 
     def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None,
                  full_rows: int = 0, small_max_rows: int | None = None,
