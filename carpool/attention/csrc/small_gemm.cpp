@@ -589,12 +589,14 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
   const at::Tensor bias_f = padded_bias(bias, n, blocks, x.options(), "small_gemm_f32");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   const float* xd = x.const_data_ptr<float>();
   const float* wd = packed.const_data_ptr<float>();
   const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   float* yd = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), block_stride = k * kBlock;
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
   for_each_tile(m, blocks, wd, block_stride * 4,
                 [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
     tile_f32<R, B>(xd + r0 * x_stride, x_stride, wd + blk * block_stride, k, block_stride,
@@ -602,11 +604,6 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
                    n, next);
   });
 #elif defined(CPU_CAPABILITY_AVX2)
-  const float* xd = x.const_data_ptr<float>();
-  const float* wd = packed.const_data_ptr<float>();
-  const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-  float* yd = y.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), block_stride = k * kBlock;
   for_each_tile<Avx2Tile>(m, blocks, wd, block_stride * 4,
                           [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
     tile_avx2_f32<R, B>(xd + r0 * x_stride, x_stride, wd + blk * block_stride, k,
