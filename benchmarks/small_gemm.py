@@ -39,6 +39,9 @@ from cpu_attention_kernel import load_other_kernels  # noqa: E402
 SHAPES = {
     "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],
     "tiny": [(256, 512), (256, 256), (256, 1376), (688, 256), (256, 4096)],  # the built-in model
+    # vs_vllm.py's tiny model and §18's 0.3M model, LM head last
+    "vs-tiny": [(256, 512), (256, 256), (256, 1536), (768, 256), (256, 4096)],
+    "0.3M": [(64, 128), (64, 64), (64, 512), (256, 64), (64, 1024)],
 }
 
 

@@ -168,21 +168,36 @@ __attribute__((noinline)) void tile_f32(const float* x, int64_t x_stride, const 
 // two 8-float halves, the products in float32 FMAs. A bfloat16 pair register (8 columns of
 // (k, k + 1)) widens by a shift (k) and a mask (k + 1), and the two products are summed in
 // that order; x's rows come as float32 (widened once per call), broadcast from memory. A
-// tile of R rows x one block keeps 2R accumulators, the weight's two halves and a broadcast.
+// float32 tile of R rows x one block keeps 2R sums, the weight's two halves and a broadcast
+// (6 rows); a bfloat16 one also keeps both halves' widened pairs and the mask, and takes 5
+// rows (a k step widens the block once, then runs row by row).
 struct Avx2Tile { static constexpr int kRows = 6, kBlocks = 1; };
+struct Avx2Bf16Tile { static constexpr int kRows = 5, kBlocks = 1; };
 
-// Calls steps(begin, end) over [0, count) in chunks of kChunk, issuing an even share of
+// An AVX2 tile's sums: R rows x the block's two 8-column halves.
+template <int R>
+struct Avx2Sums {
+  __m256 v[R][2];
+};
+
+// Calls steps(sums, begin, end) over [0, count) in chunks of kChunk, issuing an even share of
 // `next`'s prefetches before each (one chunk when there is nothing to prefetch): the same k
-// order as one pass. Forced inline, so the tile's accumulators stay in its registers.
-template <typename Steps>
+// order as one pass. Each chunk works on a local copy of `sums`: a lambda that updated the
+// tile's own array (its address taken by the capture, and __m256 may alias the float loads
+// of x) had GCC store all 2R sums back after every k step, 2R stores a step, which held the
+// float32 tile to a third of its FMA rate (BENCHMARKS §38). Forced inline, so the copy lives
+// in registers.
+template <int R, typename Steps>
 __attribute__((always_inline)) inline void in_chunks(int64_t count, NextWeight next,
-                                                     const Steps& steps) {
+                                                     Avx2Sums<R>& sums, const Steps& steps) {
   const int64_t chunks = next.count == 0 ? 1 : (count + kChunk - 1) / kChunk;
   const int64_t chunk = next.count == 0 ? count : kChunk;
   const int64_t per_chunk = (next.count + chunks - 1) / chunks;
   for (int64_t c = 0; c < chunks; ++c) {
     next.issue(per_chunk);
-    steps(c * chunk, std::min(count, (c + 1) * chunk));
+    Avx2Sums<R> local = sums;
+    steps(local, c * chunk, std::min(count, (c + 1) * chunk));
+    sums = local;
   }
 }
 
@@ -197,33 +212,35 @@ __attribute__((noinline)) void tile_avx2_bf16(
     const float* x, int64_t x_stride, const uint16_t* w, int64_t pairs, const float* bias,
     uint16_t* y, int64_t y_stride, int64_t col0, int64_t n, NextWeight next) {
   static_assert(B == 1, "one block of 16 columns per AVX2 tile");
-  __m256 acc[R][2];
+  Avx2Sums<R> sums;
   for (int h = 0; h < 2; ++h) {
     const __m256 init = bias_half(bias, h);
-    for (int r = 0; r < R; ++r) acc[r][h] = init;
+    for (int r = 0; r < R; ++r) sums.v[r][h] = init;
   }
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
-  in_chunks(pairs, next, [&](int64_t begin, int64_t end) {
+  in_chunks<R>(pairs, next, sums, [&](Avx2Sums<R>& chunk, int64_t begin, int64_t end) {
+    auto& acc = chunk.v;
     for (int64_t p = begin; p < end; ++p) {
+      __m256 even[2], odd[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(w + p * 2 * kBlock + h * kBlock));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        for (int r = 0; r < R; ++r) {
-          acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * x_stride + 2 * p), even,
-                                      acc[r][h]);
-        }
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        for (int r = 0; r < R; ++r) {
-          acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * x_stride + 2 * p + 1), odd,
-                                      acc[r][h]);
+        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 xe = _mm256_broadcast_ss(x + r * x_stride + 2 * p);
+        const __m256 xo = _mm256_broadcast_ss(x + r * x_stride + 2 * p + 1);
+        for (int h = 0; h < 2; ++h) {
+          acc[r][h] = _mm256_fmadd_ps(xo, odd[h], _mm256_fmadd_ps(xe, even[h], acc[r][h]));
         }
       }
     }
   });
   using Vec = at::vec::Vectorized<float>;
   for (int r = 0; r < R; ++r) {
-    const auto out = at::vec::convert_from_float<at::BFloat16>(Vec(acc[r][0]), Vec(acc[r][1]));
+    const auto out =
+        at::vec::convert_from_float<at::BFloat16>(Vec(sums.v[r][0]), Vec(sums.v[r][1]));
     uint16_t* dst = y + r * y_stride + col0;
     if (col0 + kBlock <= n) {
       out.store(dst);
@@ -241,12 +258,13 @@ __attribute__((noinline)) void tile_avx2_f32(const float* x, int64_t x_stride, c
                                              int64_t y_stride, int64_t col0, int64_t n,
                                              NextWeight next) {
   static_assert(B == 1, "one block of 16 columns per AVX2 tile");
-  __m256 acc[R][2];
+  Avx2Sums<R> sums;
   for (int h = 0; h < 2; ++h) {
     const __m256 init = bias_half(bias, h);
-    for (int r = 0; r < R; ++r) acc[r][h] = init;
+    for (int r = 0; r < R; ++r) sums.v[r][h] = init;
   }
-  in_chunks(k, next, [&](int64_t begin, int64_t end) {
+  in_chunks<R>(k, next, sums, [&](Avx2Sums<R>& chunk, int64_t begin, int64_t end) {
+    auto& acc = chunk.v;
     for (int64_t p = begin; p < end; ++p) {
       const __m256 w0 = _mm256_loadu_ps(w + p * kBlock), w1 = _mm256_loadu_ps(w + p * kBlock + 8);
       for (int r = 0; r < R; ++r) {
@@ -259,12 +277,12 @@ __attribute__((noinline)) void tile_avx2_f32(const float* x, int64_t x_stride, c
   for (int r = 0; r < R; ++r) {
     float* dst = y + r * y_stride + col0;
     if (col0 + kBlock <= n) {
-      _mm256_storeu_ps(dst, acc[r][0]);
-      _mm256_storeu_ps(dst + 8, acc[r][1]);
+      _mm256_storeu_ps(dst, sums.v[r][0]);
+      _mm256_storeu_ps(dst + 8, sums.v[r][1]);
     } else if (col0 < n) {
       alignas(32) float tail[kBlock];
-      _mm256_store_ps(tail, acc[r][0]);
-      _mm256_store_ps(tail + 8, acc[r][1]);
+      _mm256_store_ps(tail, sums.v[r][0]);
+      _mm256_store_ps(tail + 8, sums.v[r][1]);
       std::memcpy(dst, tail, (n - col0) * sizeof(float));
     }
   }
@@ -537,8 +555,8 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_
   const float* bd = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   uint16_t* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t k = x.size(1), block_stride = pairs * 2 * kBlock;
-  for_each_tile<Avx2Tile>(m, blocks, wd, block_stride * 2,
-                          [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
+  for_each_tile<Avx2Bf16Tile>(m, blocks, wd, block_stride * 2,
+                              [&]<int R, int B>(int64_t blk, int64_t r0, NextWeight next) {
     tile_avx2_bf16<R, B>(xd + r0 * k, k, wd + blk * block_stride, pairs,
                          bd == nullptr ? nullptr : bd + blk * kBlock, yd + r0 * n, n,
                          blk * kBlock, n, next);
