@@ -127,8 +127,10 @@ void group_scores_rows8(const float* q, const elem_t* keys, int64_t n, float sca
 
 // acc[r][c .. c + 15] += sum_t probs[r][t] * values[t][c .. c + 15] for R rows and the n
 // value rows at values + t * D (the accumulators in load_chunk's layout); with kPrefetch,
-// the next block's rows t into L1 as they go (a block's prefetches spread over the loop, as
-// in decode_one_pass.h).
+// the next block's rows t into L1 as they go, each chunk the lines its own columns start (a
+// block's prefetches spread over the loop, as in decode_one_pass.h). Prefetching a row's
+// whole lines in the first chunk alone had GCC store all 2R sums to the stack after every
+// value row of that chunk (objdump), which cost the loop its stores (BENCHMARKS §38).
 template <typename elem_t, int R, bool kPrefetch>
 __attribute__((always_inline)) inline void chunk_values8(
     const float* probs, const elem_t* values, int64_t n, int64_t D, int64_t c, float* acc,
@@ -140,9 +142,9 @@ __attribute__((always_inline)) inline void chunk_values8(
   }
   for (int64_t t = 0; t < n; ++t) {
     if constexpr (kPrefetch) {
-      for (int64_t i = 0; i < D * static_cast<int64_t>(sizeof(elem_t)); i += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D) + i, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D) + i, _MM_HINT_T0);
+      if (c * static_cast<int64_t>(sizeof(elem_t)) % 64 == 0) {  // the chunk starts a line
+        _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D + c), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D + c), _MM_HINT_T0);
       }
     }
     __m256 va, vb;
@@ -162,13 +164,14 @@ __attribute__((always_inline)) inline void chunk_values8(
 template <typename elem_t, int R>
 void group_values8(const float* probs, const elem_t* values, int64_t n, int64_t D, float* acc,
                    const elem_t* next_keys, const elem_t* next_values) {
-  int64_t c = 0;
   if (next_keys != nullptr) {
-    chunk_values8<elem_t, R, true>(probs, values, n, D, c, acc, next_keys, next_values);
-    c += kChunk;
-  }
-  for (; c < D; c += kChunk) {
-    chunk_values8<elem_t, R, false>(probs, values, n, D, c, acc, nullptr, nullptr);
+    for (int64_t c = 0; c < D; c += kChunk) {
+      chunk_values8<elem_t, R, true>(probs, values, n, D, c, acc, next_keys, next_values);
+    }
+  } else {
+    for (int64_t c = 0; c < D; c += kChunk) {
+      chunk_values8<elem_t, R, false>(probs, values, n, D, c, acc, nullptr, nullptr);
+    }
   }
 }
 
