@@ -26,10 +26,11 @@ result rounded to bfloat16 once: a bfloat16 matmul's arithmetic (float32 sums of
 products), in another summation order (BENCHMARKS §37). Its few-row calls (at most
 `SMALL_GEMM_AVX2_MAX_ROWS`) take the AVX2 build's `small_gemm_bf16` instead, which reads the
 bfloat16 weight itself (half the bytes) and widens it in registers: on that EPYC's 135M
-layers, weights streamed from memory, it took 0.37x oneDNN's float32 time at 1 row, 0.51x
-at 4, 0.69-0.71x at 8-12, 0.94x at 16 and 1.09-1.31x at 24-64 (2 threads); the AVX2
-`small_gemm_f32` took 0.59-0.78x at 1-4 rows, 0.85-0.91x at 8-12 and 1.16x at 16
-(`SMALL_GEMM_F32_AVX2_MAX_ROWS`).
+layers, weights streamed from memory, it took 0.37x oneDNN's float32 time at 1-4 rows,
+0.53x at 8, 0.67x at 16, 0.84-0.91x at 24-32 and 1.01x at 64 (2 threads); the AVX2
+`small_gemm_f32` took 0.55-0.65x at 1-8 rows, 0.75x at 16, 0.85-0.90x at 24-32 and 0.94x
+at 64 (`SMALL_GEMM_F32_AVX2_MAX_ROWS`). At 32 rows on 1 thread the two were level with
+oneDNN (0.97-1.02x), hence both cuts at 32 (BENCHMARKS §38).
 
 A call of exactly `full_rows` rows (the step token budget, which every prefill-heavy step
 fills) is the one exception: it runs as a single oneDNN call of that many rows, one more
@@ -110,8 +111,8 @@ SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gem
 SMALL_GEMM_F32_AMX_MAX_ROWS = 64  # the same on the AMX-generation Intel cores measured
 SMALL_GEMM_F32_ZEN4_MAX_ROWS = 128  # the same on AMD Zen 4 (`cpu_kernels.is_zen4`)
 # The cuts of AVX2 builds (CPUs without AVX-512): their small GEMMs run float32 FMAs
-SMALL_GEMM_AVX2_MAX_ROWS = 16  # bfloat16: the weight read as bfloat16, widened in registers
-SMALL_GEMM_F32_AVX2_MAX_ROWS = 8
+SMALL_GEMM_AVX2_MAX_ROWS = 32  # bfloat16: the weight read as bfloat16, widened in registers
+SMALL_GEMM_F32_AVX2_MAX_ROWS = 32
 
 
 def padded_rows(rows: int) -> int:
