@@ -182,23 +182,23 @@ struct Avx2Sums {
 
 // Calls steps(sums, begin, end) over [0, count) in chunks of kChunk, issuing an even share of
 // `next`'s prefetches before each (one chunk when there is nothing to prefetch): the same k
-// order as one pass. Each chunk works on a local copy of `sums`: a lambda that updated the
+// order as one pass. The chunks work on one local copy of `sums`: a lambda that updated the
 // tile's own array (its address taken by the capture, and __m256 may alias the float loads
 // of x) had GCC store all 2R sums back after every k step, 2R stores a step, which held the
-// float32 tile to a third of its FMA rate (BENCHMARKS §38). Forced inline, so the copy lives
-// in registers.
+// float32 tile to a third of its FMA rate; a copy per chunk still stored and reloaded them
+// between chunks (BENCHMARKS §38). Forced inline, so the copy lives in registers.
 template <int R, typename Steps>
 __attribute__((always_inline)) inline void in_chunks(int64_t count, NextWeight next,
                                                      Avx2Sums<R>& sums, const Steps& steps) {
   const int64_t chunks = next.count == 0 ? 1 : (count + kChunk - 1) / kChunk;
   const int64_t chunk = next.count == 0 ? count : kChunk;
   const int64_t per_chunk = (next.count + chunks - 1) / chunks;
+  Avx2Sums<R> local = sums;
   for (int64_t c = 0; c < chunks; ++c) {
     next.issue(per_chunk);
-    Avx2Sums<R> local = sums;
     steps(local, c * chunk, std::min(count, (c + 1) * chunk));
-    sums = local;
   }
+  sums = local;
 }
 
 inline __m256 bias_half(const float* bias, int half) {
