@@ -9,7 +9,9 @@ pattern allows these cores; the kernel's rate below it is time spent not reading
 caches sit on transparent huge pages as the engine's do (`--no-huge-pages`: 4 KiB pages).
 
 `--headers DIR` builds the kernel from another checkout's `carpool/attention/csrc`, for
-before/after comparisons; both are compiled here with `torch.utils.cpp_extension`.
+before/after comparisons; both are compiled here with `torch.utils.cpp_extension`. On a CPU
+with AVX512-BF16 this times `decode_one_pass.h`; on one without AVX-512 (AVX2 builds) it times
+`decode_one_pass_avx2.h` and reads with 256-bit loads.
 
     python3 benchmarks/decode_read_rate.py --threads 2 --run 4
 """
@@ -35,7 +37,13 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
+#if defined(CPU_CAPABILITY_AVX512)
 #include "decode_one_pass.h"
+#define CARPOOL_ATTEND_DECODE attend_decode_one_pass
+#else
+#include "decode_one_pass_avx2.h"
+#define CARPOOL_ATTEND_DECODE attend_single_query
+#endif
 using namespace carpool_cpu;
 
 // One work item per (request, kv head), claimed as the engine's paged_attention claims them.
@@ -70,7 +78,7 @@ void decode(torch::Tensor q, torch::Tensor cache, torch::Tensor tables, torch::T
   };
   for_items(items, [&](int64_t i, int64_t j, DecodeScratch& buf) {
     const DecodeArgs<uint16_t> next = j < items ? args(j) : DecodeArgs<uint16_t>{};
-    attend_decode_one_pass(args(i), j < items ? &next : nullptr, buf);
+    CARPOOL_ATTEND_DECODE(args(i), j < items ? &next : nullptr, buf);
   });
 }
 
@@ -84,30 +92,55 @@ double read_only(torch::Tensor cache, torch::Tensor tables, torch::Tensor lens) 
   std::atomic<int64_t> sink{0};
   for_items(items, [&](int64_t i, int64_t, DecodeScratch&) {
     const int64_t s = i / H, h = i % H;
+#if defined(CPU_CAPABILITY_AVX512)
     __m512 acc = _mm512_setzero_ps();
+#else
+    __m256 acc = _mm256_setzero_ps();
+#endif
     for (int64_t b = 0; b * BS < l[s]; ++b) {
       const int64_t n = std::min<int64_t>(BS, l[s] - b * BS) * D;
       const uint16_t* k = c + (h * NB + t[s * width + b]) * BS * D;
       const uint16_t* v = c + ((H + h) * NB + t[s * width + b]) * BS * D;
+#if defined(CPU_CAPABILITY_AVX512)
       for (int64_t x = 0; x < n; x += 32) {
         acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_loadu_si512(k + x)));
         acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_loadu_si512(v + x)));
       }
+#else
+      for (int64_t x = 0; x < n; x += 16) {
+        acc = _mm256_add_ps(acc, _mm256_castsi256_ps(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(k + x))));
+        acc = _mm256_add_ps(acc, _mm256_castsi256_ps(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(v + x))));
+      }
+#endif
     }
+#if defined(CPU_CAPABILITY_AVX512)
     sink += static_cast<int64_t>(_mm512_reduce_add_ps(acc) != 0.f);
+#else
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    sink += static_cast<int64_t>(lanes[0] != 0.f);
+#endif
   });
   return static_cast<double>(sink.load());
 }
 """
 
 
-def build(headers: Path):
-    """The two functions, compiled against `headers`' decode_one_pass.h (named by its text)."""
-    text = "".join((headers / name).read_text() for name in ("decode_one_pass.h", "block_ops.h"))
-    name = "decode_read_rate_" + hashlib.sha1(text.encode()).hexdigest()[:12]
+def build(headers: Path, avx512: bool):
+    """The two functions, compiled against `headers`' decode loop (named by its text and the
+    build): the AVX512-BF16 one, else the AVX2 one."""
+    names = ("decode_one_pass.h" if avx512 else "decode_one_pass_avx2.h", "decode_common.h",
+             "block_ops.h")
+    text = "".join((headers / name).read_text() for name in names)
+    name = ("decode_read_rate_" + ("" if avx512 else "avx2_")
+            + hashlib.sha1(text.encode()).hexdigest()[:12])
     flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
              "-mavx512bf16", "-DCARPOOL_AVX512_BF16", "-DCPU_CAPABILITY=AVX512",
-             "-DCPU_CAPABILITY_AVX512"]
+             "-DCPU_CAPABILITY_AVX512"] if avx512 else [
+             "-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
+             "-DCPU_CAPABILITY_AVX2"]
     return load_inline(name, cpp_sources=_SOURCE, functions=["decode", "read_only"],
                        extra_include_paths=[str(headers)], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"])
@@ -172,14 +205,16 @@ def main() -> None:
     parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                         help="the caches on transparent huge pages, as the engine's")
     args = parser.parse_args()
-    if not torch.cpu._is_avx512_bf16_supported():
-        raise SystemExit("the bfloat16 decode kernel needs AVX512-BF16")
+    avx512 = bool(torch.cpu._is_avx512_bf16_supported())
+    if not avx512 and not torch.cpu._is_avx2_supported():
+        raise SystemExit("the bfloat16 decode loops need AVX512-BF16 or AVX2")
     torch.set_num_threads(args.threads)
-    module = build(args.headers)
+    module = build(args.headers, avx512)
     q, caches, tables, lens, out, _ = make_case(6, 100, 1, args.run, args.huge_pages)
     module.decode(q, caches[0], tables, lens, out, GROUP, SCALE)
     error = (out.float() - reference(q, caches[0], tables, lens)).abs().max().item()
-    print(f"{args.headers}: {args.threads} threads, runs of {args.run} blocks, huge pages "
+    print(f"{args.headers} ({'AVX512' if avx512 else 'AVX2'}): {args.threads} threads, "
+          f"runs of {args.run} blocks, huge pages "
           f"{'on' if args.huge_pages else 'off'}; "
           f"max abs diff to float32 {error:.1e}")
     print(f"{'case':34} {'kernel ms':>9} {'GB/s':>6} {'read-only ms':>12} {'GB/s':>6}")
