@@ -11,7 +11,7 @@ caches sit on transparent huge pages as the engine's do (`--no-huge-pages`: 4 Ki
 `--headers DIR` builds the kernel from another checkout's `carpool/attention/csrc`, for
 before/after comparisons; both are compiled here with `torch.utils.cpp_extension`. On a CPU
 with AVX512-BF16 this times `decode_one_pass.h`; on one without AVX-512 (AVX2 builds) it times
-`decode_one_pass_avx2.h` and reads with 256-bit loads.
+`decode_one_pass_avx2.h`; the read-only loop loads a vector of the build's width.
 
     python3 benchmarks/decode_read_rate.py --threads 2 --run 4
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from carpool.attention.cpu_kernels import paged_attention_reference
+from carpool.attention.cpu_kernels import _CAPABILITY_FLAGS, paged_attention_reference
 from carpool.platform.cpu_huge_pages import zeros_on_huge_pages
 
 HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16
@@ -37,6 +37,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <atomic>
+#include <ATen/cpu/vec/vec.h>
 #if defined(CPU_CAPABILITY_AVX512)
 #include "decode_one_pass.h"
 #define CARPOOL_ATTEND_DECODE attend_decode_one_pass
@@ -92,36 +93,20 @@ double read_only(torch::Tensor cache, torch::Tensor tables, torch::Tensor lens) 
   std::atomic<int64_t> sink{0};
   for_items(items, [&](int64_t i, int64_t, DecodeScratch&) {
     const int64_t s = i / H, h = i % H;
-#if defined(CPU_CAPABILITY_AVX512)
-    __m512 acc = _mm512_setzero_ps();
-#else
-    __m256 acc = _mm256_setzero_ps();
-#endif
+    using Vec = at::vec::Vectorized<float>;  // the build's width: 256 or 512 bits a load
+    constexpr int64_t kStep = 2 * Vec::size();  // bfloat16 values a load
+    Vec acc(0.f);
     for (int64_t b = 0; b * BS < l[s]; ++b) {
       const int64_t n = std::min<int64_t>(BS, l[s] - b * BS) * D;
       const uint16_t* k = c + (h * NB + t[s * width + b]) * BS * D;
       const uint16_t* v = c + ((H + h) * NB + t[s * width + b]) * BS * D;
-#if defined(CPU_CAPABILITY_AVX512)
-      for (int64_t x = 0; x < n; x += 32) {
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_loadu_si512(k + x)));
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_loadu_si512(v + x)));
+      for (int64_t x = 0; x < n; x += kStep) {
+        acc = acc + Vec::loadu(k + x) + Vec::loadu(v + x);
       }
-#else
-      for (int64_t x = 0; x < n; x += 16) {
-        acc = _mm256_add_ps(acc, _mm256_castsi256_ps(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(k + x))));
-        acc = _mm256_add_ps(acc, _mm256_castsi256_ps(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(v + x))));
-      }
-#endif
     }
-#if defined(CPU_CAPABILITY_AVX512)
-    sink += static_cast<int64_t>(_mm512_reduce_add_ps(acc) != 0.f);
-#else
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
+    float lanes[Vec::size()];
+    acc.store(lanes);
     sink += static_cast<int64_t>(lanes[0] != 0.f);
-#endif
   });
   return static_cast<double>(sink.load());
 }
@@ -136,11 +121,9 @@ def build(headers: Path, avx512: bool):
     text = "".join((headers / name).read_text() for name in names)
     name = ("decode_read_rate_" + ("" if avx512 else "avx2_")
             + hashlib.sha1(text.encode()).hexdigest()[:12])
-    flags = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
-             "-mavx512bf16", "-DCARPOOL_AVX512_BF16", "-DCPU_CAPABILITY=AVX512",
-             "-DCPU_CAPABILITY_AVX512"] if avx512 else [
-             "-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
-             "-DCPU_CAPABILITY_AVX2"]
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS["AVX512" if avx512 else "AVX2"]]
+    if avx512:
+        flags += ["-mavx512bf16", "-DCARPOOL_AVX512_BF16"]
     return load_inline(name, cpp_sources=_SOURCE, functions=["decode", "read_only"],
                        extra_include_paths=[str(headers)], extra_cflags=flags,
                        extra_ldflags=["-fopenmp"])
