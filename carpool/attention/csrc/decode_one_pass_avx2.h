@@ -17,8 +17,9 @@
 //   stay float32.
 // - A softmax step is a group of 8 keys (one vector of scores, three levels of the
 //   transpose-add tree, block_ops.h's fold_keys8 and the next two).
-// - Scores: each key chunk is loaded (and split) once for up to kScoreRows8 query rows, whose
-//   query operands come from L1. Values: column chunk by column chunk, the accumulators of up
+// - Scores: keys in pairs, each key chunk loaded (and split) once for up to kScoreRows8
+//   query rows and each query chunk (from L1) once for the pair; the softmax step follows
+//   in registers (softmax_step8). Values: column chunk by column chunk, the accumulators of up
 //   to kValueRows8 rows stay in registers across the group's keys, so each value chunk is
 //   loaded and split once for all of them.
 // Keys outside [key_begin, key_end) are never read (the cache holds anything there).
@@ -73,22 +74,87 @@ __attribute__((always_inline)) inline float reduce_add8(__m256 x) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The running state of a decode's softmax, per query row: max, 8 partial sums of the
+// probabilities, and the value accumulators (D floats a row).
+struct SoftmaxRows8 {
+  float* row_max;
+  float* row_sum;
+  float* acc;
+  int64_t D;
+};
+
+// One softmax step of R rows' scores s (lanes past the group's keys -inf), in registers:
+// decode_one_pass.h's lazy max (a row's max and its sums rescale only when a score passes
+// it by kMaxSlack), then the probabilities into probs[r * 8 ...] and the row sums. Written
+// for R rows at once so that their exps, independent, overlap (a row at a time, through
+// memory, they ran one after the other: BENCHMARKS §39).
+template <int R>
+__attribute__((always_inline)) inline void softmax_step8(const __m256 (&s)[R], __m256 valid,
+                                                         const SoftmaxRows8& st, float* probs) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  int over = 0;
+  for (int r = 0; r < R; ++r) {
+    over |= _mm256_movemask_ps(
+        _mm256_cmp_ps(s[r], _mm256_set1_ps(st.row_max[r] + kMaxSlack), _CMP_GT_OQ));
+  }
+  if (over) {
+    for (int r = 0; r < R; ++r) {
+      float& m = st.row_max[r];
+      if (!_mm256_movemask_ps(_mm256_cmp_ps(s[r], _mm256_set1_ps(m + kMaxSlack), _CMP_GT_OQ))) {
+        continue;
+      }
+      const float group_max = reduce_max8(s[r]);
+      const __m256 cv = _mm256_set1_ps(m == kNegInf ? 0.f : std::exp(m - group_max));
+      float* acc = st.acc + r * st.D;
+      for (int64_t d = 0; d < st.D; d += 8) {
+        _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), cv));
+      }
+      float* sum = st.row_sum + r * kGroup8;
+      _mm256_storeu_ps(sum, _mm256_mul_ps(_mm256_loadu_ps(sum), cv));
+      m = group_max;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 p = _mm256_and_ps(
+        valid, at::vec::Vectorized<float>(_mm256_sub_ps(s[r], _mm256_set1_ps(st.row_max[r])))
+                   .exp_u20());
+    float* sum = st.row_sum + r * kGroup8;
+    _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), p));
+    _mm256_storeu_ps(probs + r * kGroup8, p);
+  }
+}
+
 // Scores of R query rows (row r at q + r * D, float32 in load_chunk's layout) against the
-// n <= 8 key rows at keys + t * D, scaled, into scores[r * 8 ...]; lanes from n on are -inf.
-// Each key chunk is loaded once for all R rows; key rows past n are not read.
+// n <= 8 key rows at keys + t * D, scaled (lanes from n on -inf), and their softmax step
+// (softmax_step8): the probabilities into probs[r * 8 ...]. Each key chunk is loaded once for
+// all R rows; key rows past n are not read.
 template <typename elem_t, int NC, int R>
-void group_scores8(const float* q, const elem_t* keys, int64_t n, float scale, float* scores) {
+void group_probs8(const float* q, const elem_t* keys, int64_t n, float scale,
+                  const SoftmaxRows8& st, float* probs) {
   constexpr int64_t D = kChunk * NC;
-  auto partials = [&](int t, __m256 (&part)[R]) {
-    const elem_t* key = keys + std::min<int64_t>(t, n - 1) * D;
+  // Keys t and t + 1 together: each query chunk is loaded once for both (the loads, not the
+  // FMAs, bounded a key at a time: 2 loads a cycle on Zen 1, BENCHMARKS §39). Each key's
+  // partial sums keep their order: chunk by chunk, even values then odd.
+  auto partials = [&](int t, __m256 (&even)[R], __m256 (&odd)[R]) {
+    const elem_t* key0 = keys + std::min<int64_t>(t, n - 1) * D;
+    const elem_t* key1 = keys + std::min<int64_t>(t + 1, n - 1) * D;
+    // The query rows are the same for every pair, and GCC, seeing that, loaded all 2R * NC of
+    // their vectors once per call and spilled them to the stack (objdump): 24 stores and
+    // reloads a group for nothing. The empty asm makes q opaque to it, so each pair loads
+    // them from q itself (-4 to -5% time, BENCHMARKS §39).
+    const float* qt = q;
+    asm("" : "+r"(qt));
     for (int c = 0; c < NC; ++c) {
-      __m256 ka, kb;
-      load_chunk(key + kChunk * c, ka, kb);
+      __m256 ka0, kb0, ka1, kb1;
+      load_chunk(key0 + kChunk * c, ka0, kb0);
+      load_chunk(key1 + kChunk * c, ka1, kb1);
       for (int r = 0; r < R; ++r) {
-        const float* qr = q + r * D + kChunk * c;
-        const __m256 x = c == 0 ? _mm256_mul_ps(_mm256_loadu_ps(qr), ka)
-                                : _mm256_fmadd_ps(_mm256_loadu_ps(qr), ka, part[r]);
-        part[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8), kb, x);
+        const float* qr = qt + r * D + kChunk * c;
+        const __m256 qa = _mm256_loadu_ps(qr), qb = _mm256_loadu_ps(qr + 8);
+        const __m256 x0 = c == 0 ? _mm256_mul_ps(qa, ka0) : _mm256_fmadd_ps(qa, ka0, even[r]);
+        const __m256 x1 = c == 0 ? _mm256_mul_ps(qa, ka1) : _mm256_fmadd_ps(qa, ka1, odd[r]);
+        even[r] = _mm256_fmadd_ps(qb, kb0, x0);
+        odd[r] = _mm256_fmadd_ps(qb, kb1, x1);
       }
     }
   };
@@ -96,32 +162,34 @@ void group_scores8(const float* q, const elem_t* keys, int64_t n, float scale, f
   for (int h = 0; h < 2; ++h) {
     __m256 pair[2][R];
     for (int i = 0; i < 2; ++i) {
-      const int t = 4 * h + 2 * i;
       __m256 even[R], odd[R];
-      partials(t, even);
-      partials(t + 1, odd);
+      partials(4 * h + 2 * i, even, odd);
       for (int r = 0; r < R; ++r) pair[i][r] = fold_keys8(even[r], odd[r]);
     }
     for (int r = 0; r < R; ++r) quad[h][r] = fold_pairs8(pair[0][r], pair[1][r]);
   }
   const __m256 valid = first_lanes(n);
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 s[R];
   for (int r = 0; r < R; ++r) {
-    const __m256 s = _mm256_mul_ps(fold_halves8(quad[0][r], quad[1][r]), _mm256_set1_ps(scale));
-    _mm256_storeu_ps(scores + r * kGroup8, _mm256_blendv_ps(neg_inf, s, valid));
+    const __m256 x = _mm256_mul_ps(fold_halves8(quad[0][r], quad[1][r]), _mm256_set1_ps(scale));
+    s[r] = _mm256_blendv_ps(neg_inf, x, valid);
   }
+  softmax_step8<R>(s, valid, st, probs);
 }
 
-// group_scores8 for `rows` query rows, in passes of kScoreRows8.
+// group_probs8 for `rows` query rows, in passes of kScoreRows8.
 template <typename elem_t, int NC, int... R>
-void group_scores_rows8(const float* q, const elem_t* keys, int64_t n, float scale,
-                        float* scores, int64_t rows, std::integer_sequence<int, R...>) {
-  using Fn = void (*)(const float*, const elem_t*, int64_t, float, float*);
-  static constexpr Fn fns[] = {&group_scores8<elem_t, NC, R + 1>...};
+void group_probs_rows8(const float* q, const elem_t* keys, int64_t n, float scale,
+                       const SoftmaxRows8& st, float* probs, int64_t rows,
+                       std::integer_sequence<int, R...>) {
+  using Fn = void (*)(const float*, const elem_t*, int64_t, float, const SoftmaxRows8&, float*);
+  static constexpr Fn fns[] = {&group_probs8<elem_t, NC, R + 1>...};
   constexpr int64_t D = kChunk * NC;
   for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows8) {
     const int64_t m = std::min<int64_t>(kScoreRows8, rows - r0);
-    fns[m - 1](q + r0 * D, keys, n, scale, scores + r0 * kGroup8);
+    const SoftmaxRows8 part{st.row_max + r0, st.row_sum + r0 * kGroup8, st.acc + r0 * D, D};
+    fns[m - 1](q + r0 * D, keys, n, scale, part, probs + r0 * kGroup8);
   }
 }
 
@@ -218,6 +286,7 @@ void attend_decode8(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_
   std::fill(acc, acc + G * D, 0.f);
   std::fill(buf.row_max.begin(), buf.row_max.begin() + G, kNegInf);
   std::fill(buf.row_sum.begin(), buf.row_sum.begin() + G * kGroup8, 0.f);
+  const SoftmaxRows8 state{buf.row_max.data(), buf.row_sum.data(), acc, D};
   for (int64_t r = 0; r < G; ++r) {  // the query rows in load_chunk's layout
     for (int64_t c = 0; c < D; c += kChunk) {
       __m256 x, y;
@@ -235,28 +304,9 @@ void attend_decode8(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_
     for (int64_t t0 = lo; t0 < hi; t0 += kGroup8) {
       const int64_t n = std::min(kGroup8, hi - t0);
       const int64_t offset = (block * BS + t0 - b * BS) * D;
-      const __m256 valid = first_lanes(n);
-      group_scores_rows8<elem_t, NC>(query, a.key_head + offset, n, a.scale, buf.scores.data(),
-                                     G, std::make_integer_sequence<int, kScoreRows8>{});
-      for (int64_t r = 0; r < G; ++r) {
-        const __m256 s = _mm256_loadu_ps(buf.scores.data() + r * kGroup8);
-        float* sum = buf.row_sum.data() + r * kGroup8;  // a vector of partial sums
-        float& m = buf.row_max[r];
-        // decode_one_pass.h's lazy max: rescale only when a score passes m by kMaxSlack
-        if (_mm256_movemask_ps(_mm256_cmp_ps(s, _mm256_set1_ps(m + kMaxSlack), _CMP_GT_OQ))) {
-          const float group_max = reduce_max8(s);
-          const __m256 cv = _mm256_set1_ps(m == kNegInf ? 0.f : std::exp(m - group_max));
-          for (int64_t d = 0; d < D; d += 8) {
-            _mm256_storeu_ps(acc + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + d), cv));
-          }
-          _mm256_storeu_ps(sum, _mm256_mul_ps(_mm256_loadu_ps(sum), cv));
-          m = group_max;
-        }
-        const __m256 p = _mm256_and_ps(
-            valid, at::vec::Vectorized<float>(_mm256_sub_ps(s, _mm256_set1_ps(m))).exp_u20());
-        _mm256_storeu_ps(sum, _mm256_add_ps(_mm256_loadu_ps(sum), p));
-        _mm256_storeu_ps(buf.probs.data() + r * kGroup8, p);
-      }
+      group_probs_rows8<elem_t, NC>(query, a.key_head + offset, n, a.scale, state,
+                                    buf.probs.data(), G,
+                                    std::make_integer_sequence<int, kScoreRows8>{});
       // The next block's rows t0 - lo ... t0 - lo + n - 1 with this group's value rows.
       const int64_t ahead = (t0 - lo) * D;
       group_values_rows8<elem_t>(buf.probs.data(), a.value_head + offset, n, D, acc, G,
