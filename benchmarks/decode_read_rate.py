@@ -8,12 +8,16 @@ blocks). Three cases: a few decodes hot in L2, 200 decodes over one layer's cach
 pattern allows these cores; the kernel's rate below it is time spent not reading. The
 caches sit on transparent huge pages as the engine's do (`--no-huge-pages`: 4 KiB pages).
 
-`--headers DIR` builds the kernel from another checkout's `carpool/attention/csrc`, for
-before/after comparisons; both are compiled here with `torch.utils.cpp_extension`. On a CPU
+`--headers DIR` builds the kernel from another checkout's `carpool/attention/csrc`;
+`--against DIR` times that build and this one's alternated, sample by sample, and gives the
+median ratio of their times (this / that) and whether their outputs are bitwise equal. Both
+are compiled here with `torch.utils.cpp_extension`. On a CPU
 with AVX512-BF16 this times `decode_one_pass.h`; on one without AVX-512 (AVX2 builds) it times
 `decode_one_pass_avx2.h`; the read-only loop loads a vector of the build's width.
 
     python3 benchmarks/decode_read_rate.py --threads 2 --run 4
+    python3 benchmarks/decode_read_rate.py --threads 1 --samples 15 \
+        --against /tmp/base/carpool/attention/csrc
 """
 
 from __future__ import annotations
@@ -184,6 +188,8 @@ def main() -> None:
     parser.add_argument("--headers", type=Path,
                         default=Path(__file__).resolve().parent.parent / "carpool" / "attention"
                         / "csrc", help="the csrc folder whose decode_one_pass.h is timed")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another csrc folder: time both decode loops, alternated")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                         help="the caches on transparent huge pages, as the engine's")
@@ -200,11 +206,19 @@ def main() -> None:
           f"runs of {args.run} blocks, huge pages "
           f"{'on' if args.huge_pages else 'off'}; "
           f"max abs diff to float32 {error:.1e}")
+    cases = [("8 decodes at 128 (L2)", 8, 128, 1, 2000),
+             ("200 decodes, 1 layer (L3)", 200, None, 1, 30),
+             ("200 decodes, 12 layers (memory)", 200, None, 12, 6)]
+    if args.against is not None:
+        other = build(args.against, avx512)
+        print(f"against {args.against}: kernel time per layer, {args.samples} alternated samples")
+        print(f"{'case':34} {'that ms':>9} {'this ms':>9} {'this/that':>9} {'bitwise':>8}")
+        for label, num, context, layers, repeats in cases:
+            case = make_case(num, context, layers, args.run, args.huge_pages)
+            compare_case(other, module, label, case, max(1, repeats // 10), args.samples)
+        return
     print(f"{'case':34} {'kernel ms':>9} {'GB/s':>6} {'read-only ms':>12} {'GB/s':>6}")
-    for label, num, context, layers, repeats in [
-            ("8 decodes at 128 (L2)", 8, 128, 1, 2000),
-            ("200 decodes, 1 layer (L3)", 200, None, 1, 30),
-            ("200 decodes, 12 layers (memory)", 200, None, 12, 6)]:
+    for label, num, context, layers, repeats in cases:
         case = make_case(num, context, layers, args.run, args.huge_pages)
         time_case(module, label, case, repeats, args.samples)
 
@@ -218,6 +232,24 @@ def time_case(module, label: str, case: tuple, repeats: int, samples: int) -> No
                              samples)
     print(f"{label:34} {kernel * 1e3:9.3f} {kv_bytes / kernel / 1e9:6.1f} "
           f"{read * 1e3:12.3f} {kv_bytes / read / 1e9:6.1f}")
+
+def compare_case(that, this, label: str, case: tuple, repeats: int, samples: int) -> None:
+    """One row of `--against`: both builds' kernel time per layer, sample by sample in turn."""
+    q, caches, tables, lens, out, _ = case
+    outs, times = [], ([], [])
+    for module in (that, this):
+        module.decode(q, caches[0], tables, lens, out, GROUP, SCALE)
+        outs.append(out.clone())
+    for _ in range(samples):
+        for module, spent in zip((that, this), times):
+            spent.append(seconds_per_layer(
+                lambda c, m=module: m.decode(q, c, tables, lens, out, GROUP, SCALE),
+                caches, repeats, 1))
+    ratio = statistics.median(b / a for a, b in zip(*times))
+    print(f"{label:34} {statistics.median(times[0]) * 1e3:9.3f} "
+          f"{statistics.median(times[1]) * 1e3:9.3f} {ratio:9.3f} "
+          f"{str(torch.equal(outs[0], outs[1])):>8}")
+
 
 if __name__ == "__main__":
     main()
