@@ -56,6 +56,17 @@ __attribute__((always_inline)) inline void load_chunk(const uint16_t* p, __m256&
   b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 
+// Half h of load_chunk(p): the first (h = 0) or the second of its two vectors.
+__attribute__((always_inline)) inline __m256 load_half(const float* p, int h) {
+  return _mm256_loadu_ps(p + 8 * h);
+}
+__attribute__((always_inline)) inline __m256 load_half(const uint16_t* p, int h) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(x, 16)
+                                    : _mm256_and_si256(x, _mm256_set1_epi32(
+                                                              static_cast<int>(0xffff0000u))));
+}
+
 // All ones in the lanes below n.
 __attribute__((always_inline)) inline __m256 first_lanes(int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
@@ -132,39 +143,45 @@ template <typename elem_t, int NC, int R>
 void group_probs8(const float* q, const elem_t* keys, int64_t n, float scale,
                   const SoftmaxRows8& st, float* probs) {
   constexpr int64_t D = kChunk * NC;
-  // Keys t and t + 1 together: each query chunk is loaded once for both (the loads, not the
-  // FMAs, bounded a key at a time: 2 loads a cycle on Zen 1, BENCHMARKS §39). Each key's
-  // partial sums keep their order: chunk by chunk, even values then odd.
-  auto partials = [&](int t, __m256 (&even)[R], __m256 (&odd)[R]) {
-    const elem_t* key0 = keys + std::min<int64_t>(t, n - 1) * D;
-    const elem_t* key1 = keys + std::min<int64_t>(t + 1, n - 1) * D;
-    // The query rows are the same for every pair, and GCC, seeing that, loaded all 2R * NC of
-    // their vectors once per call and spilled them to the stack (objdump): 24 stores and
-    // reloads a group for nothing. The empty asm makes q opaque to it, so each pair loads
+  // K keys at a time: each query vector is loaded once for all K (the loads, not the FMAs,
+  // bounded a key at a time: 2 loads a cycle on Zen 1), and R * K sums are in flight, so
+  // their FMAs' latency hides behind each other (with 1 or 2 rows and 2 keys it did not).
+  // K: 2 for 3 rows (6 sums, a chunk half of 2 keys, a query vector: 9 of 16 registers; 4
+  // keys would take 17), 4 for fewer. Each key's partial sums keep one order: chunk by
+  // chunk, the first half then the second.
+  constexpr int K = R >= 3 ? 2 : 4;
+  auto partials = [&](int t, __m256 (&part)[K][R]) {
+    const elem_t* key[K];
+    for (int k = 0; k < K; ++k) key[k] = keys + std::min<int64_t>(t + k, n - 1) * D;
+    // The query rows are the same for every call, and GCC, seeing that, loaded all 2R * NC
+    // of their vectors once per group and spilled them to the stack (objdump): 24 stores and
+    // reloads a group for nothing. The empty asm makes q opaque to it, so each call loads
     // them from q itself (-4 to -5% time, BENCHMARKS §39).
     const float* qt = q;
     asm("" : "+r"(qt));
     for (int c = 0; c < NC; ++c) {
-      __m256 ka0, kb0, ka1, kb1;
-      load_chunk(key0 + kChunk * c, ka0, kb0);
-      load_chunk(key1 + kChunk * c, ka1, kb1);
-      for (int r = 0; r < R; ++r) {
-        const float* qr = qt + r * D + kChunk * c;
-        const __m256 qa = _mm256_loadu_ps(qr), qb = _mm256_loadu_ps(qr + 8);
-        const __m256 x0 = c == 0 ? _mm256_mul_ps(qa, ka0) : _mm256_fmadd_ps(qa, ka0, even[r]);
-        const __m256 x1 = c == 0 ? _mm256_mul_ps(qa, ka1) : _mm256_fmadd_ps(qa, ka1, odd[r]);
-        even[r] = _mm256_fmadd_ps(qb, kb0, x0);
-        odd[r] = _mm256_fmadd_ps(qb, kb1, x1);
+      for (int h = 0; h < 2; ++h) {
+        __m256 kv[K];
+        for (int k = 0; k < K; ++k) kv[k] = load_half(key[k] + kChunk * c, h);
+        for (int r = 0; r < R; ++r) {
+          const __m256 qv = _mm256_loadu_ps(qt + r * D + kChunk * c + 8 * h);
+          for (int k = 0; k < K; ++k) {
+            part[k][r] = c == 0 && h == 0 ? _mm256_mul_ps(qv, kv[k])
+                                          : _mm256_fmadd_ps(qv, kv[k], part[k][r]);
+          }
+        }
       }
     }
   };
   __m256 quad[2][R];
   for (int h = 0; h < 2; ++h) {
     __m256 pair[2][R];
-    for (int i = 0; i < 2; ++i) {
-      __m256 even[R], odd[R];
-      partials(4 * h + 2 * i, even, odd);
-      for (int r = 0; r < R; ++r) pair[i][r] = fold_keys8(even[r], odd[r]);
+    for (int i = 0; i < 4; i += K) {
+      __m256 part[K][R];
+      partials(4 * h + i, part);
+      for (int k = 0; k < K; k += 2) {
+        for (int r = 0; r < R; ++r) pair[(i + k) / 2][r] = fold_keys8(part[k][r], part[k + 1][r]);
+      }
     }
     for (int r = 0; r < R; ++r) quad[h][r] = fold_pairs8(pair[0][r], pair[1][r]);
   }
@@ -193,39 +210,59 @@ void group_probs_rows8(const float* q, const elem_t* keys, int64_t n, float scal
   }
 }
 
-// acc[r][c .. c + 15] += sum_t probs[r][t] * values[t][c .. c + 15] for R rows and the n
-// value rows at values + t * D (the accumulators in load_chunk's layout); with kPrefetch,
-// the next block's rows t into L1 as they go, each chunk the lines its own columns start (a
-// block's prefetches spread over the loop, as in decode_one_pass.h). Prefetching a row's
-// whole lines in the first chunk alone had GCC store all 2R sums to the stack after every
-// value row of that chunk (objdump), which cost the loop its stores (BENCHMARKS §38).
-template <typename elem_t, int R, bool kPrefetch>
+// acc[r][c .. c + 16 CH - 1] += sum_t probs[r][t] * values[t][c .. c + 16 CH - 1] for R rows,
+// CH chunks, and the n value rows at values + t * D (the accumulators in load_chunk's
+// layout); with kPrefetch, the next block's rows t into L1 as they go, each chunk the lines
+// its own columns start (a block's prefetches spread over the loop, as in decode_one_pass.h).
+// Prefetching a row's whole lines in the first chunk alone had GCC store all 2R sums to the
+// stack after every value row of that chunk (objdump), which cost the loop its stores
+// (BENCHMARKS §38).
+template <typename elem_t, int R, int CH, bool kPrefetch>
 __attribute__((always_inline)) inline void chunk_values8(
     const float* probs, const elem_t* values, int64_t n, int64_t D, int64_t c, float* acc,
     const elem_t* next_keys, const elem_t* next_values) {
-  __m256 a[R][2];
+  __m256 a[R][2 * CH];
   for (int r = 0; r < R; ++r) {
-    a[r][0] = _mm256_loadu_ps(acc + r * D + c);
-    a[r][1] = _mm256_loadu_ps(acc + r * D + c + 8);
+    for (int j = 0; j < 2 * CH; ++j) a[r][j] = _mm256_loadu_ps(acc + r * D + c + 8 * j);
   }
   for (int64_t t = 0; t < n; ++t) {
-    if constexpr (kPrefetch) {
-      if (c * static_cast<int64_t>(sizeof(elem_t)) % 64 == 0) {  // the chunk starts a line
-        _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D + c), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D + c), _MM_HINT_T0);
+    __m256 v[2 * CH];
+    for (int ch = 0; ch < CH; ++ch) {
+      const int64_t col = c + kChunk * ch;
+      if constexpr (kPrefetch) {
+        if (col * static_cast<int64_t>(sizeof(elem_t)) % 64 == 0) {  // the chunk starts a line
+          _mm_prefetch(reinterpret_cast<const char*>(next_keys + t * D + col), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_values + t * D + col), _MM_HINT_T0);
+        }
       }
+      load_chunk(values + t * D + col, v[2 * ch], v[2 * ch + 1]);
     }
-    __m256 va, vb;
-    load_chunk(values + t * D + c, va, vb);
     for (int r = 0; r < R; ++r) {
       const __m256 p = _mm256_broadcast_ss(probs + r * kGroup8 + t);
-      a[r][0] = _mm256_fmadd_ps(p, va, a[r][0]);
-      a[r][1] = _mm256_fmadd_ps(p, vb, a[r][1]);
+      for (int j = 0; j < 2 * CH; ++j) a[r][j] = _mm256_fmadd_ps(p, v[j], a[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc + r * D + c, a[r][0]);
-    _mm256_storeu_ps(acc + r * D + c + 8, a[r][1]);
+    for (int j = 0; j < 2 * CH; ++j) _mm256_storeu_ps(acc + r * D + c + 8 * j, a[r][j]);
+  }
+}
+
+// Chunks per chunk_values8 pass for R rows: 2 for one or two rows, so that each value row
+// feeds 4R FMAs (2R sums, one FMA a row each, sat on their 5-cycle latency); with 3 rows
+// and up, 1 (2 chunks would take 4R + 4 + 1 registers of 16).
+constexpr int value_chunks_per_pass(int R) { return R <= 2 ? 2 : 1; }
+
+template <typename elem_t, int R, bool kPrefetch>
+inline void group_values8_pass(const float* probs, const elem_t* values, int64_t n, int64_t D,
+                               float* acc, const elem_t* next_keys, const elem_t* next_values) {
+  constexpr int CH = value_chunks_per_pass(R);
+  int64_t c = 0;
+  for (; c + CH * kChunk <= D; c += CH * kChunk) {
+    chunk_values8<elem_t, R, CH, kPrefetch>(probs, values, n, D, c, acc, next_keys,
+                                            next_values);
+  }
+  for (; c < D; c += kChunk) {  // an odd last chunk
+    chunk_values8<elem_t, R, 1, kPrefetch>(probs, values, n, D, c, acc, next_keys, next_values);
   }
 }
 
@@ -233,13 +270,9 @@ template <typename elem_t, int R>
 void group_values8(const float* probs, const elem_t* values, int64_t n, int64_t D, float* acc,
                    const elem_t* next_keys, const elem_t* next_values) {
   if (next_keys != nullptr) {
-    for (int64_t c = 0; c < D; c += kChunk) {
-      chunk_values8<elem_t, R, true>(probs, values, n, D, c, acc, next_keys, next_values);
-    }
+    group_values8_pass<elem_t, R, true>(probs, values, n, D, acc, next_keys, next_values);
   } else {
-    for (int64_t c = 0; c < D; c += kChunk) {
-      chunk_values8<elem_t, R, false>(probs, values, n, D, c, acc, nullptr, nullptr);
-    }
+    group_values8_pass<elem_t, R, false>(probs, values, n, D, acc, nullptr, nullptr);
   }
 }
 
