@@ -17,9 +17,9 @@
 //   stay float32.
 // - A softmax step is a group of 8 keys (one vector of scores, three levels of the
 //   transpose-add tree, block_ops.h's fold_keys8 and the next two).
-// - Scores: keys in pairs, each key chunk loaded (and split) once for up to kScoreRows8
-//   query rows and each query chunk (from L1) once for the pair; the softmax step follows
-//   in registers (softmax_step8). Values: column chunk by column chunk, the accumulators of up
+// - Scores: keys 2 at a time (4 for one or two query rows), each key chunk loaded (and
+//   split) once for up to kScoreRows8 query rows and each query chunk (from L1) once for
+//   those keys; the softmax step follows in registers (softmax_step8). Values: column chunk by column chunk, the accumulators of up
 //   to kValueRows8 rows stay in registers across the group's keys, so each value chunk is
 //   loaded and split once for all of them.
 // Keys outside [key_begin, key_end) are never read (the cache holds anything there).
@@ -44,19 +44,8 @@ constexpr int64_t kMaxDecodeDim = 128;
 constexpr int kScoreRows8 = 3;    // query rows per pass over a group's keys
 constexpr int kValueRows8 = 6;    // rows of accumulators (2 vectors each) per value pass
 
-// The 16 values at p as two float32 vectors: float32 in order, bfloat16 as values 0, 2, ...,
-// 14 and 1, 3, ..., 15.
-__attribute__((always_inline)) inline void load_chunk(const float* p, __m256& a, __m256& b) {
-  a = _mm256_loadu_ps(p);
-  b = _mm256_loadu_ps(p + 8);
-}
-__attribute__((always_inline)) inline void load_chunk(const uint16_t* p, __m256& a, __m256& b) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
-  b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-
-// Half h of load_chunk(p): the first (h = 0) or the second of its two vectors.
+// Half h of the 16 values at p as a float32 vector: float32 values 8h .. 8h + 7, bfloat16
+// values h, h + 2, ..., h + 14.
 __attribute__((always_inline)) inline __m256 load_half(const float* p, int h) {
   return _mm256_loadu_ps(p + 8 * h);
 }
@@ -65,6 +54,13 @@ __attribute__((always_inline)) inline __m256 load_half(const uint16_t* p, int h)
   return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(x, 16)
                                     : _mm256_and_si256(x, _mm256_set1_epi32(
                                                               static_cast<int>(0xffff0000u))));
+}
+
+// The 16 values at p as two float32 vectors (load_half's two halves).
+template <typename elem_t>
+__attribute__((always_inline)) inline void load_chunk(const elem_t* p, __m256& a, __m256& b) {
+  a = load_half(p, 0);
+  b = load_half(p, 1);
 }
 
 // All ones in the lanes below n.
@@ -103,17 +99,16 @@ template <int R>
 __attribute__((always_inline)) inline void softmax_step8(const __m256 (&s)[R], __m256 valid,
                                                          const SoftmaxRows8& st, float* probs) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  int over = 0;
+  int passes[R], any = 0;  // per row: lanes whose score passes its max by the slack
   for (int r = 0; r < R; ++r) {
-    over |= _mm256_movemask_ps(
+    passes[r] = _mm256_movemask_ps(
         _mm256_cmp_ps(s[r], _mm256_set1_ps(st.row_max[r] + kMaxSlack), _CMP_GT_OQ));
+    any |= passes[r];
   }
-  if (over) {
+  if (any) {
     for (int r = 0; r < R; ++r) {
+      if (!passes[r]) continue;
       float& m = st.row_max[r];
-      if (!_mm256_movemask_ps(_mm256_cmp_ps(s[r], _mm256_set1_ps(m + kMaxSlack), _CMP_GT_OQ))) {
-        continue;
-      }
       const float group_max = reduce_max8(s[r]);
       const __m256 cv = _mm256_set1_ps(m == kNegInf ? 0.f : std::exp(m - group_max));
       float* acc = st.acc + r * st.D;
