@@ -8,10 +8,11 @@ overhead (a bfloat16 `F.rms_norm` alone is six ATen ops; 61 norms a step on the
 
 - `FusedRotary`: `apply_rope`'s results to the bit, in every dtype.
 - `FusedSiluAndMul`: the eager `F.silu(gate) * up` to the bit, in every dtype.
-- `FusedRMSNorm`: reduced precision only (the residual add and the norm in one pass;
-  `F.rms_norm`'s results up to the last bit of some rows, as its sum of squares runs in
-  another order; the add is eager's to the bit except for which NaN a NaN sum carries);
-  float32 keeps Hugging Face's eager ops, bitwise.
+- `FusedRMSNorm`: in reduced precision the residual add and the norm in one pass
+  (`F.rms_norm`'s results up to the last bit of some rows, as its sum of squares runs in
+  another order; the add is eager's to the bit except for which NaN a NaN sum carries); in
+  float32 Hugging Face's eager ops to the bit, in one call (the row means by the same
+  `mean`, the add, squares and products in two passes around it).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class FusedSiluAndMul(SiluAndMul):
 
 
 class FusedRMSNorm(RMSNorm):
-    """An `RMSNorm` (same weight, same eps) whose reduced-precision calls take the kernel."""
+    """An `RMSNorm` (same weight, same eps) whose 2-D calls take the kernel."""
 
     def __init__(self, norm: RMSNorm, kernels: ModuleType) -> None:
         nn.Module.__init__(self)
@@ -55,7 +56,8 @@ class FusedRMSNorm(RMSNorm):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.dtype == torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+        if x.dim() != 2 or x.stride(-1) != 1 or (
+                residual is not None and residual.stride(-1) != 1):
             return super().forward(x, residual)
         out, summed = self.kernels.rms_norm(x, residual, self.weight, self.eps)
         return out if residual is None else (out, summed)

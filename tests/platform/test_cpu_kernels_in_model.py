@@ -1,7 +1,8 @@
 """The CPU platform's compiled kernels: fused RoPE and SiLU x up give the eager ops' bits,
-the fused residual add + RMSNorm gives the eager add's bits and F.rms_norm's up to a last
-bit, the KV write equals `index_copy_`'s, the platform swaps them into the model only when
-the kernels are on, and the switch is a flag."""
+the fused residual add + RMSNorm gives the eager ops' bits in float32 and, in reduced
+precision, the eager add's bits and F.rms_norm's up to a last bit; the KV write equals
+`index_copy_`'s, the platform swaps them into the model only when the kernels are on, and
+the switch is a flag."""
 
 from __future__ import annotations
 
@@ -131,14 +132,51 @@ def test_fused_rms_norm_adds_special_values_as_eager(kernels, dtype):
     assert torch.equal(bits(summed)[~nan], bits(expected)[~nan])
 
 
-def test_fused_rms_norm_keeps_eager_float32(kernels):
-    eager = RMSNorm(16, 1e-6)
-    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (40, 256), (700, 64), (5, 37), (3, 8)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_rms_norm_float32_is_eager_bitwise(kernels, rows, dim, threads):
+    gen = torch.Generator().manual_seed(rows * dim)
+    eager = RMSNorm(dim, 1e-6)
+    with torch.no_grad():
+        eager.weight.copy_(torch.randn(dim, generator=gen))
     fused = FusedRMSNorm(eager, kernels)
-    for got, expected in zip(fused(x, residual), eager(x, residual)):
-        assert torch.equal(got, expected)
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
-        kernels.rms_norm(x, None, eager.weight, 1e-6)
+    x = (torch.randn(rows, dim + 5, generator=gen) * 7)[:, :dim]  # rows with a stride
+    residual = torch.randn(rows, dim, generator=gen) * 3
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, summed = fused(x, residual)
+        expected_out, expected_sum = eager(x, residual)
+        alone, expected_alone = fused(x), eager(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(bits(summed), bits(expected_sum))
+    assert torch.equal(bits(out), bits(expected_out))
+    assert torch.equal(bits(alone), bits(expected_alone))
+
+
+def test_fused_rms_norm_float32_special_values_as_eager(kernels):
+    # Every pair of special values in the add, 100 columns (vectors and a scalar tail), and
+    # rows whose squares overflow or vanish: the eager ops' bits, NaN payloads included.
+    specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-40,
+                             3e38, -3e38, 0.0, -0.0, 1.0])
+    x_row, residual_row = specials.repeat_interleave(10), specials.repeat(10)
+    x = torch.stack([x_row, x_row.flip(0), torch.full((100,), 2e20), torch.full((100,), 1e-30)])
+    residual = torch.stack([residual_row, residual_row.flip(0), torch.zeros(100),
+                            torch.zeros(100)])
+    eager = RMSNorm(100, 1e-5)
+    for got, expected in zip(FusedRMSNorm(eager, kernels)(x, residual), eager(x, residual)):
+        assert torch.equal(bits(got), bits(expected))
+
+
+def test_fused_rms_norm_rejects_other_dtypes_and_layouts(kernels):
+    weight = torch.ones(16)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        kernels.rms_norm(torch.zeros(3, 16, dtype=torch.float64), None, weight.double(), 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.rms_norm(torch.zeros(16, 3).t(), None, weight, 1e-6)
+    with pytest.raises(RuntimeError, match="residual must match x"):
+        kernels.rms_norm(torch.zeros(3, 16), torch.zeros(2, 16), weight, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

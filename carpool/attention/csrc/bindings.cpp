@@ -88,7 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &carpool_fused::rms_norm,
         "(x + residual or x) normalised, times weight; returns (out, x + residual or None). "
-        "bfloat16/float16 rows only.",
+        "float32 rows give Hugging Face's eager ops' bits; bfloat16/float16 F.rms_norm's up "
+        "to a last bit.",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &carpool_fused::silu_and_mul,

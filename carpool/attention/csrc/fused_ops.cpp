@@ -16,7 +16,10 @@
 // (its sum of squares runs in another order, so the last bit may differ). Two passes over a
 // row (the sum, stored, and its squares; then the scaled output from the stored sum) instead
 // of the eager add plus F.rms_norm's upcast, pow, mean, add, rsqrt, two products and
-// downcast. float32 keeps Hugging Face's eager ops (bitwise HF).
+// downcast. For float32, Hugging Face's eager ops to the bit in one call: s = residual + x
+// (or x) and s * s in one pass, the row means by at::mean (the op eager runs, so the same sums
+// in the same order), then weight * (s * (1 / sqrt(mean + eps))) in a second pass, each
+// product rounded as eager rounds it: three passes and a mean for eager's seven ops.
 //
 // silu_and_mul(gate_up) -> out: out = silu(gate) * up for gate_up = [gate | up] [T, 2I],
 // rounded after the silu and after the product as eager rounds, eager's bits in every dtype
@@ -37,6 +40,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mean.h>
 #include <c10/util/Exception.h>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -274,6 +278,62 @@ void rms_norm_rows(const at::Tensor& x, const scalar_t* residual, int64_t residu
   });
 }
 
+// float32 rows as Hugging Face's eager RMSNorm computes them, every op's rounding and operand
+// order kept (x + y and x * y are exact IEEE operations, so vector and scalar lanes agree):
+// s = residual + x, kept as the new residual (or s = x), squares = s * s (pow(2) is
+// base * base); mean = at::mean(squares) over each row; out = weight * (s * rstd) with
+// rstd = 1 / sqrt(mean + eps) (torch.rsqrt's formula, eps rounded to float as eager's scalar).
+void rms_norm_rows_f32(const at::Tensor& x, const at::Tensor* residual, at::Tensor& summed,
+                       const float* weight, float* out, float eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  at::Tensor squares = at::empty({rows, dim}, x.options());
+  const float* s_data = residual != nullptr ? summed.const_data_ptr<float>()
+                                            : x.const_data_ptr<float>();
+  const int64_t s_stride = residual != nullptr ? dim : x.stride(0);
+  float* sq = squares.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x.const_data_ptr<float>() + r * x.stride(0);
+      float* q = sq + r * dim;
+      int64_t i = 0;
+      if (residual != nullptr) {
+        const float* rr = residual->const_data_ptr<float>() + r * residual->stride(0);
+        float* so = summed.data_ptr<float>() + r * dim;
+        for (; i + Vec::size() <= dim; i += Vec::size()) {
+          const Vec sum = Vec::loadu(rr + i) + Vec::loadu(xr + i);
+          sum.store(so + i);
+          (sum * sum).store(q + i);
+        }
+        for (; i < dim; ++i) {
+          so[i] = rr[i] + xr[i];
+          q[i] = so[i] * so[i];
+        }
+      } else {
+        for (; i + Vec::size() <= dim; i += Vec::size()) {
+          const Vec v = Vec::loadu(xr + i);
+          (v * v).store(q + i);
+        }
+        for (; i < dim; ++i) q[i] = xr[i] * xr[i];
+      }
+    }
+  });
+  const at::Tensor means = at::mean(squares, {1}, /*keepdim=*/true);
+  const float* mean = means.const_data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float rstd = 1.f / std::sqrt(mean[r] + eps);
+      const float* sr = s_data + r * s_stride;
+      float* o = out + r * dim;
+      const Vec scale(rstd);
+      int64_t i = 0;
+      for (; i + Vec::size() <= dim; i += Vec::size()) {
+        (Vec::loadu(weight + i) * (Vec::loadu(sr + i) * scale)).store(o + i);
+      }
+      for (; i < dim; ++i) o[i] = weight[i] * (sr[i] * rstd);
+    }
+  });
+}
+
 // silu(g) = g / (1 + exp(-g)) rounded to scalar_t, as ATen's vector loop computes it.
 template <typename scalar_t>
 inline Vec silu_formula(const Vec& g) {
@@ -378,13 +438,12 @@ void silu_and_mul_rows(const at::Tensor& gate_up, scalar_t* out) {
   });
 }
 
-void check_rows(const at::Tensor& t, const char* op, const char* name, bool float32_too) {
+void check_rows(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
               " must be a CPU tensor [rows, n] with contiguous rows");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf ||
-                  (float32_too && t.scalar_type() == at::kFloat),
-              op, ": ", name, float32_too ? " must be float32, bfloat16 or float16"
-                                          : " must be bfloat16 or float16 (float32 keeps the eager ops)");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kHalf,
+              op, ": ", name, " must be float32, bfloat16 or float16");
 }
 
 }  // namespace
@@ -392,17 +451,23 @@ void check_rows(const at::Tensor& t, const char* op, const char* name, bool floa
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
                                             const c10::optional<at::Tensor>& residual,
                                             const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm", "x", false);
+  check_rows(x, "rms_norm", "x");
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
               "rms_norm: weight must be a contiguous [dim] tensor of x's dtype");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   at::Tensor residual_out;
   if (residual.has_value()) {
-    check_rows(*residual, "rms_norm", "residual", false);
+    check_rows(*residual, "rms_norm", "residual");
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
                 "rms_norm: residual must match x");
     residual_out = at::empty_like(out);
+  }
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows_f32(x, residual.has_value() ? &*residual : nullptr, residual_out,
+                      weight.const_data_ptr<float>(), out.data_ptr<float>(),
+                      static_cast<float>(eps));
+    return {out, residual_out};
   }
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(
@@ -415,7 +480,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_and_mul", "gate_up", true);
+  check_rows(gate_up, "silu_and_mul", "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up must have an even width");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   switch (gate_up.scalar_type()) {
