@@ -11,8 +11,8 @@ overhead (a bfloat16 `F.rms_norm` alone is six ATen ops; 61 norms a step on the
 - `FusedRMSNorm`: in reduced precision the residual add and the norm in one pass
   (`F.rms_norm`'s results up to the last bit of some rows, as its sum of squares runs in
   another order; the add is eager's to the bit except for which NaN a NaN sum carries); in
-  float32 Hugging Face's eager ops to the bit, in one call (the row means by the same
-  `mean`, the add, squares and products in two passes around it).
+  float32 Hugging Face's eager ops to the bit, in one call (the row sums by the `sum` that
+  eager's `mean` runs, the add, squares and products in two passes around it).
 """
 
 from __future__ import annotations

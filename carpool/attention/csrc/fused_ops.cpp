@@ -17,9 +17,9 @@
 // row (the sum, stored, and its squares; then the scaled output from the stored sum) instead
 // of the eager add plus F.rms_norm's upcast, pow, mean, add, rsqrt, two products and
 // downcast. For float32, Hugging Face's eager ops to the bit in one call: s = residual + x
-// (or x) and s * s in one pass, the row means by at::mean (the op eager runs, so the same sums
-// in the same order), then weight * (s * (1 / sqrt(mean + eps))) in a second pass, each
-// product rounded as eager rounds it: three passes and a mean for eager's seven ops.
+// (or x) and s * s in one pass, the row sums by at::sum (what eager's mean runs, so the same
+// sums in the same order), then weight * (s * (1 / sqrt(sum / dim + eps))) in a second pass,
+// each operation rounded as eager rounds it: two passes and a sum for eager's seven ops.
 //
 // silu_and_mul(gate_up) -> out: out = silu(gate) * up for gate_up = [gate | up] [T, 2I],
 // rounded after the silu and after the product as eager rounds, eager's bits in every dtype
@@ -40,7 +40,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/mean.h>
+#include <ATen/ops/sum.h>
 #include <c10/util/Exception.h>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -281,7 +281,8 @@ void rms_norm_rows(const at::Tensor& x, const scalar_t* residual, int64_t residu
 // float32 rows as Hugging Face's eager RMSNorm computes them, every op's rounding and operand
 // order kept (x + y and x * y are exact IEEE operations, so vector and scalar lanes agree):
 // s = residual + x, kept as the new residual (or s = x), squares = s * s (pow(2) is
-// base * base); mean = at::mean(squares) over each row; out = weight * (s * rstd) with
+// base * base); mean = at::sum(squares) over each row / dim (ATen's CPU mean is sum_out, then
+// div_ by the count; at::mean itself would cost a second op); out = weight * (s * rstd) with
 // rstd = 1 / sqrt(mean + eps) (torch.rsqrt's formula, eps rounded to float as eager's scalar).
 void rms_norm_rows_f32(const at::Tensor& x, const at::Tensor* residual, at::Tensor& summed,
                        const float* weight, float* out, float eps) {
@@ -317,11 +318,12 @@ void rms_norm_rows_f32(const at::Tensor& x, const at::Tensor* residual, at::Tens
       }
     }
   });
-  const at::Tensor means = at::mean(squares, {1}, /*keepdim=*/true);
-  const float* mean = means.const_data_ptr<float>();
+  const at::Tensor sums = at::sum(squares, {1}, /*keepdim=*/true);
+  const float* sum = sums.const_data_ptr<float>();
+  const float count = static_cast<float>(dim);
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float rstd = 1.f / std::sqrt(mean[r] + eps);
+      const float rstd = 1.f / std::sqrt(sum[r] / count + eps);
       const float* sr = s_data + r * s_stride;
       float* o = out + r * dim;
       const Vec scale(rstd);
