@@ -11,8 +11,9 @@ overhead (a bfloat16 `F.rms_norm` alone is six ATen ops; 61 norms a step on the
 - `FusedRMSNorm`: in reduced precision the residual add and the norm in one pass
   (`F.rms_norm`'s results up to the last bit of some rows, as its sum of squares runs in
   another order; the add is eager's to the bit except for which NaN a NaN sum carries); in
-  float32 Hugging Face's eager ops to the bit, in one call (the row sums by the `sum` that
-  eager's `mean` runs, the add, squares and products in two passes around it).
+  float32 Hugging Face's eager ops to the bit (again except for which NaN a NaN sum
+  carries), in one call (the row sums by the `sum` that eager's `mean` runs, the add,
+  squares and products in two passes around it).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class FusedSiluAndMul(SiluAndMul):
 
 
 class FusedRMSNorm(RMSNorm):
-    """An `RMSNorm` (same weight, same eps) whose 2-D calls take the kernel."""
+    """An `RMSNorm` (same weight, same eps) whose calls take the kernel: rows [T, dim] with or
+    without a residual, and heads [T, H, dim] (the per-head q and k norms) without."""
 
     def __init__(self, norm: RMSNorm, kernels: ModuleType) -> None:
         nn.Module.__init__(self)
@@ -56,7 +58,7 @@ class FusedRMSNorm(RMSNorm):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.dim() != 2 or x.stride(-1) != 1 or (
+        if x.stride(-1) != 1 or not (x.dim() == 2 or (x.dim() == 3 and residual is None)) or (
                 residual is not None and residual.stride(-1) != 1):
             return super().forward(x, residual)
         out, summed = self.kernels.rms_norm(x, residual, self.weight, self.eps)

@@ -10,7 +10,8 @@
 // negation, two products and a sum per tensor; the eager path's bits in every dtype. The
 // eager `apply_rope` stays the oracle.
 //
-// rms_norm(x, residual, weight, eps) -> (out, residual_out): for bfloat16/float16 rows.
+// rms_norm(x, residual, weight, eps) -> (out, residual_out): x [rows, dim], or x [T, H, dim]
+// (each head a row, no residual: Qwen3's per-head q and k norms on the projection's views).
 // With a residual, s = x + residual rounded to the dtype (the eager add), else s = x; then
 // out = s * rsqrt(mean(s^2) + eps) * weight in float32, rounded once, as F.rms_norm does
 // (its sum of squares runs in another order, so the last bit may differ). Two passes over a
@@ -226,17 +227,35 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor
 
 namespace {
 
+// The rows an RMSNorm normalises: those of x [rows, dim], or each head of x [T, H, dim] (q and
+// k in a strided projection output, for the per-head norms): row r at
+// data + (r / heads) * outer + (r % heads) * inner.
+template <typename scalar_t>
+struct NormRows {
+  const scalar_t* data;
+  int64_t count, dim, heads, outer, inner;
+
+  explicit NormRows(const at::Tensor& x)
+      : data(x.const_data_ptr<scalar_t>()),
+        count(x.dim() == 2 ? x.size(0) : x.size(0) * x.size(1)),
+        dim(x.size(-1)),
+        heads(x.dim() == 2 ? 1 : x.size(1)),
+        outer(x.stride(0)),
+        inner(x.dim() == 2 ? 0 : x.stride(1)) {}
+
+  const scalar_t* row(int64_t r) const { return data + (r / heads) * outer + (r % heads) * inner; }
+};
+
 // Per row: s = round(x + residual) stored as the new residual (or s = x), its sum of squares
 // accumulated in the same pass (16 lanes, then the lanes summed, then the tail in order), then
 // out = round(s * rstd * weight) from s re-read in the dtype (exact). Two passes, no buffer.
 template <typename scalar_t>
-void rms_norm_rows(const at::Tensor& x, const scalar_t* residual, int64_t residual_stride,
+void rms_norm_rows(const NormRows<scalar_t>& x, const scalar_t* residual, int64_t residual_stride,
                    scalar_t* residual_out, const scalar_t* weight, scalar_t* out, float eps) {
-  const int64_t rows = x.size(0), dim = x.size(1), x_stride = x.stride(0);
-  const scalar_t* x_data = x.const_data_ptr<scalar_t>();
+  const int64_t rows = x.count, dim = x.dim;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x_data + r * x_stride;
+      const scalar_t* xr = x.row(r);
       const scalar_t* s = xr;
       Vec acc(0.f);
       int64_t i = 0;
@@ -279,22 +298,20 @@ void rms_norm_rows(const at::Tensor& x, const scalar_t* residual, int64_t residu
 }
 
 // float32 rows as Hugging Face's eager RMSNorm computes them, every op's rounding and operand
-// order kept (x + y and x * y are exact IEEE operations, so vector and scalar lanes agree):
+// order kept (x + y and x * y are exact IEEE operations, so vector and scalar lanes agree; only
+// which NaN a NaN + NaN carries may differ, as the compiler may swap a scalar add's operands):
 // s = residual + x, kept as the new residual (or s = x), squares = s * s (pow(2) is
 // base * base); mean = at::sum(squares) over each row / dim (ATen's CPU mean is sum_out, then
 // div_ by the count; at::mean itself would cost a second op); out = weight * (s * rstd) with
 // rstd = 1 / sqrt(mean + eps) (torch.rsqrt's formula, eps rounded to float as eager's scalar).
-void rms_norm_rows_f32(const at::Tensor& x, const at::Tensor* residual, at::Tensor& summed,
-                       const float* weight, float* out, float eps) {
-  const int64_t rows = x.size(0), dim = x.size(1);
-  at::Tensor squares = at::empty({rows, dim}, x.options());
-  const float* s_data = residual != nullptr ? summed.const_data_ptr<float>()
-                                            : x.const_data_ptr<float>();
-  const int64_t s_stride = residual != nullptr ? dim : x.stride(0);
+void rms_norm_rows_f32(const NormRows<float>& x, const at::Tensor* residual,
+                       at::Tensor& summed, const float* weight, float* out, float eps) {
+  const int64_t rows = x.count, dim = x.dim;
+  at::Tensor squares = at::empty({rows, dim}, at::kFloat);
   float* sq = squares.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x.const_data_ptr<float>() + r * x.stride(0);
+      const float* xr = x.row(r);
       float* q = sq + r * dim;
       int64_t i = 0;
       if (residual != nullptr) {
@@ -324,7 +341,7 @@ void rms_norm_rows_f32(const at::Tensor& x, const at::Tensor* residual, at::Tens
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float rstd = 1.f / std::sqrt(sum[r] / count + eps);
-      const float* sr = s_data + r * s_stride;
+      const float* sr = residual != nullptr ? summed.const_data_ptr<float>() + r * dim : x.row(r);
       float* o = out + r * dim;
       const Vec scale(rstd);
       int64_t i = 0;
@@ -440,12 +457,16 @@ void silu_and_mul_rows(const at::Tensor& gate_up, scalar_t* out) {
   });
 }
 
-void check_rows(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
-              " must be a CPU tensor [rows, n] with contiguous rows");
+void check_dtype(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
                   t.scalar_type() == at::kHalf,
               op, ": ", name, " must be float32, bfloat16 or float16");
+}
+
+void check_rows(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
+              " must be a CPU tensor [rows, n] with contiguous rows");
+  check_dtype(t, op, name);
 }
 
 }  // namespace
@@ -453,11 +474,18 @@ void check_rows(const at::Tensor& t, const char* op, const char* name) {
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
                                             const c10::optional<at::Tensor>& residual,
                                             const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm", "x");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+  if (x.dim() == 3) {  // each head a row: no residual
+    TORCH_CHECK(x.device().is_cpu() && x.stride(2) == 1, "rms_norm: x [T, H, D] must be a CPU "
+                "tensor with contiguous heads");
+    check_dtype(x, "rms_norm", "x");
+    TORCH_CHECK(!residual.has_value(), "rms_norm: a residual needs x [rows, dim]");
+  } else {
+    check_rows(x, "rms_norm", "x");
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1) &&
                   weight.scalar_type() == x.scalar_type(),
               "rms_norm: weight must be a contiguous [dim] tensor of x's dtype");
-  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  at::Tensor out = at::empty(x.sizes(), x.options());
   at::Tensor residual_out;
   if (residual.has_value()) {
     check_rows(*residual, "rms_norm", "residual");
@@ -466,14 +494,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
     residual_out = at::empty_like(out);
   }
   if (x.scalar_type() == at::kFloat) {
-    rms_norm_rows_f32(x, residual.has_value() ? &*residual : nullptr, residual_out,
+    rms_norm_rows_f32(NormRows<float>(x), residual.has_value() ? &*residual : nullptr,
+                      residual_out,
                       weight.const_data_ptr<float>(), out.data_ptr<float>(),
                       static_cast<float>(eps));
     return {out, residual_out};
   }
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(
-        x, residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr,
+        NormRows<scalar_t>(x), residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr,
         residual.has_value() ? residual->stride(0) : 0,
         residual.has_value() ? residual_out.data_ptr<scalar_t>() : nullptr,
         weight.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), static_cast<float>(eps));
