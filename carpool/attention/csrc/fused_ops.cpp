@@ -495,14 +495,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
   }
   if (x.scalar_type() == at::kFloat) {
     rms_norm_rows_f32(NormRows<float>(x), residual.has_value() ? &*residual : nullptr,
-                      residual_out,
-                      weight.const_data_ptr<float>(), out.data_ptr<float>(),
+                      residual_out, weight.const_data_ptr<float>(), out.data_ptr<float>(),
                       static_cast<float>(eps));
     return {out, residual_out};
   }
   AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(
-        NormRows<scalar_t>(x), residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr,
+        NormRows<scalar_t>(x),
+        residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr,
         residual.has_value() ? residual->stride(0) : 0,
         residual.has_value() ? residual_out.data_ptr<scalar_t>() : nullptr,
         weight.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), static_cast<float>(eps));
