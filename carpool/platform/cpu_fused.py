@@ -58,8 +58,17 @@ class FusedRMSNorm(RMSNorm):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.stride(-1) != 1 or not (x.dim() == 2 or (x.dim() == 3 and residual is None)) or (
-                residual is not None and residual.stride(-1) != 1):
+        if not self.kernel_takes(x, residual):
             return super().forward(x, residual)
         out, summed = self.kernels.rms_norm(x, residual, self.weight, self.eps)
         return out if residual is None else (out, summed)
+
+    @staticmethod
+    def kernel_takes(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Rows [T, dim] with or without a residual, heads [T, H, dim] without; each with its
+        last dim contiguous."""
+        if x.stride(-1) != 1:
+            return False
+        if residual is None:
+            return x.dim() in (2, 3)
+        return x.dim() == 2 and residual.stride(-1) == 1
