@@ -90,15 +90,21 @@ def test_fused_silu_and_mul_gives_eagers_nan_of_two_in_float32(kernels):
     assert torch.equal(bits(FusedSiluAndMul(kernels)(gate_up)), bits(SiluAndMul()(gate_up)))
 
 
+def norm_pair(kernels, dim: int, eps: float, dtype: torch.dtype,
+              gen: torch.Generator) -> tuple[RMSNorm, FusedRMSNorm]:
+    """An eager RMSNorm with a random weight in `dtype`, and the fused one sharing it."""
+    eager = RMSNorm(dim, eps)
+    with torch.no_grad():
+        eager.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+    eager = eager.to(dtype)
+    return eager, FusedRMSNorm(eager, kernels)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,dim", [(1, 576), (40, 576), (700, 64), (5, 37)])
 def test_fused_rms_norm_adds_bitwise_and_normalises_like_rms_norm(kernels, dtype, rows, dim):
     gen = torch.Generator().manual_seed(rows * dim)
-    eager = RMSNorm(dim, 1e-5)
-    with torch.no_grad():
-        eager.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
-    eager = eager.to(dtype)
-    fused = FusedRMSNorm(eager, kernels)
+    eager, fused = norm_pair(kernels, dim, 1e-5, dtype, gen)
     # x is a view with a row stride, as a projection's output slice would be.
     x = torch.randn(rows, dim + 3, generator=gen).to(dtype)[:, :dim]
     residual = torch.randn(rows, dim, generator=gen).to(dtype)
@@ -135,10 +141,7 @@ def test_fused_rms_norm_adds_special_values_as_eager(kernels, dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_rms_norm_float32_is_eager_bitwise(kernels, rows, dim, threads):
     gen = torch.Generator().manual_seed(rows * dim)
-    eager = RMSNorm(dim, 1e-6)
-    with torch.no_grad():
-        eager.weight.copy_(torch.randn(dim, generator=gen))
-    fused = FusedRMSNorm(eager, kernels)
+    eager, fused = norm_pair(kernels, dim, 1e-6, torch.float32, gen)
     x = (torch.randn(rows, dim + 5, generator=gen) * 7)[:, :dim]  # rows with a stride
     residual = torch.randn(rows, dim, generator=gen) * 3
     before = torch.get_num_threads()
@@ -178,11 +181,7 @@ def test_fused_rms_norm_float32_special_values_as_eager(kernels):
 def test_fused_rms_norm_of_heads_as_eager(kernels, dtype, tokens, heads, kv_heads, head_dim):
     # Qwen3's q and k norms: each head of the projection's strided [T, H, D] views a row.
     gen = torch.Generator().manual_seed(tokens * head_dim)
-    eager = RMSNorm(head_dim, 1e-6)
-    with torch.no_grad():
-        eager.weight.copy_(torch.rand(head_dim, generator=gen) + 0.5)
-    eager = eager.to(dtype)
-    fused = FusedRMSNorm(eager, kernels)
+    eager, fused = norm_pair(kernels, head_dim, 1e-6, dtype, gen)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen) * 5).to(dtype)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     for x in (q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)):

@@ -309,14 +309,17 @@ void rms_norm_rows_f32(const NormRows<float>& x, const at::Tensor* residual,
   const int64_t rows = x.count, dim = x.dim;
   at::Tensor squares = at::empty({rows, dim}, at::kFloat);
   float* sq = squares.data_ptr<float>();
+  const float* res = residual != nullptr ? residual->const_data_ptr<float>() : nullptr;
+  const int64_t res_stride = residual != nullptr ? residual->stride(0) : 0;
+  float* s_out = residual != nullptr ? summed.data_ptr<float>() : nullptr;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = x.row(r);
       float* q = sq + r * dim;
       int64_t i = 0;
-      if (residual != nullptr) {
-        const float* rr = residual->const_data_ptr<float>() + r * residual->stride(0);
-        float* so = summed.data_ptr<float>() + r * dim;
+      if (res != nullptr) {
+        const float* rr = res + r * res_stride;
+        float* so = s_out + r * dim;
         for (; i + Vec::size() <= dim; i += Vec::size()) {
           const Vec sum = Vec::loadu(rr + i) + Vec::loadu(xr + i);
           sum.store(so + i);
@@ -341,7 +344,7 @@ void rms_norm_rows_f32(const NormRows<float>& x, const at::Tensor* residual,
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float rstd = 1.f / std::sqrt(sum[r] / count + eps);
-      const float* sr = residual != nullptr ? summed.const_data_ptr<float>() + r * dim : x.row(r);
+      const float* sr = s_out != nullptr ? s_out + r * dim : x.row(r);
       float* o = out + r * dim;
       const Vec scale(rstd);
       int64_t i = 0;
