@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,13 +28,36 @@ class Server:
     checkpoint: Path
 
     def client(self, **kwargs):
+        """The official client; its response models built up front, so threads may share it."""
         import openai
+        prebuild_models(openai.types.Completion, openai.types.chat.ChatCompletion)
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, max_retries=0,
                              timeout=60, **kwargs)
 
     def http(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=60,
                             headers={"Authorization": f"Bearer {API_KEY}"}, **kwargs)
+
+
+def prebuild_models(*models) -> None:
+    """Build each pydantic model reachable from `models` now.
+
+    The openai client defers building its response models to their first use, and
+    two threads parsing their first responses at once can race in that build
+    (pydantic then raises "BaseModel cannot be instantiated directly").
+    """
+    import pydantic
+
+    seen: set[type] = set()
+    todo: list = list(models)
+    while todo:
+        annotation = todo.pop()
+        todo.extend(typing.get_args(annotation))
+        if (isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
+                and annotation not in seen):
+            seen.add(annotation)
+            annotation.model_rebuild()
+            todo.extend(field.annotation for field in annotation.model_fields.values())
 
 
 def wait_until_idle(server: Server, timeout: float = 30.0) -> dict:
