@@ -1,7 +1,7 @@
 // Elementwise passes of a decoder layer fused into one pass each, rounding where PyTorch
 // rounds (each eager op's result is stored in the tensor's dtype; no fused multiply-add in
-// this file, see the pragma). On AVX-512 the rounding float -> bfloat16/float16 -> float is
-// done on one vector (ATen's round-to-nearest-even with NaN -> 0xffff in integer ops for
+// this file, see the pragma). On AVX-512 and AVX2 the rounding float -> bfloat16/float16 ->
+// float is done on one vector (ATen's round-to-nearest-even with NaN -> 0xffff in integer ops for
 // bfloat16, one vcvtps2ph/vcvtph2ps round trip for float16), the same bits as ATen's
 // conversions (checked over all 2^32 floats), instead of two vectors each way.
 //
@@ -44,7 +44,7 @@
 #include <ATen/ops/sum.h>
 #include <c10/util/Exception.h>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -87,6 +87,16 @@ inline __m512i bf16_rounded_bits(const __m512 x) {
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(-1), sum);
 }
 constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ATen's fp16 mode
+#elif defined(CPU_CAPABILITY_AVX2)
+// The same on 8 lanes: ATen's AVX2 cvtfp32_bf16 rounds as its AVX512 one does.
+inline __m256i bf16_rounded_bits(const __m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)), bits);
+  return _mm256_blendv_epi8(_mm256_set1_epi32(-1), sum,
+                            _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
+}
+constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ATen's fp16 mode
 #endif
 
 // round_to on a vector, the same bits as round_to_aten on one vector instead of two each way.
@@ -101,6 +111,13 @@ inline Vec round_to(const Vec& x) {
           _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
     } else {
       return _mm512_cvtph_ps(_mm512_cvtps_ph(x, kRoundNearest));
+    }
+#elif defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      return _mm256_castsi256_ps(
+          _mm256_and_si256(bf16_rounded_bits(x), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    } else {
+      return _mm256_cvtph_ps(_mm256_cvtps_ph(x, kRoundNearest));
     }
 #else
     return round_to_aten<scalar_t>(x);
@@ -135,6 +152,17 @@ inline void store_rounded(const Vec& x, scalar_t* dst) {
       packed = _mm512_cvtps_ph(x, kRoundNearest);
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+#elif defined(CPU_CAPABILITY_AVX2)
+    __m128i packed;
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      // 8 lanes of 16 bits: packus works per 128 bits, so the halves' low quadwords joined
+      const __m256i bits = _mm256_srli_epi32(bf16_rounded_bits(x), 16);
+      packed = _mm256_castsi256_si128(
+          _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), _MM_SHUFFLE(3, 1, 2, 0)));
+    } else {
+      packed = _mm256_cvtps_ph(x, kRoundNearest);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
 #else
     at::vec::convert_from_float<scalar_t>(x, x).store(dst, Vec::size());
 #endif
