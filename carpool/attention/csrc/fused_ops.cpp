@@ -77,26 +77,59 @@ inline Vec round_to_aten(const Vec& x) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#define CARPOOL_ONE_VECTOR_ROUNDING
+constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ATen's fp16 mode
+#endif
+
+// Per vector width: ATen's cvtfp32_bf16 on one vector (round to nearest even: add 0x7fff + the
+// kept lsb; NaN -> 0xffff; the bfloat16 bits in the high half of each lane, the low half
+// garbage), that rounding back in float (bf16_rounded) or packed to 16-bit lanes (bf16_packed),
+// the float16 counterparts by one vcvtps2ph (/ vcvtph2ps), and the packed lanes' store.
 #if defined(CPU_CAPABILITY_AVX512)
-// ATen's cvtfp32_bf16 on one vector: round to nearest even (add 0x7fff + the kept lsb), NaN ->
-// 0xffff. Returns the bfloat16 bits in the high half of each lane (low half garbage).
+using Packed16 = __m256i;
 inline __m512i bf16_rounded_bits(const __m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)), bits);
   return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(-1), sum);
 }
-constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ATen's fp16 mode
+inline __m512 bf16_rounded(const __m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline Packed16 bf16_packed(const __m512 x) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16));
+}
+inline Packed16 half_packed(const __m512 x) { return _mm512_cvtps_ph(x, kRoundNearest); }
+inline __m512 half_rounded(const __m512 x) { return _mm512_cvtph_ps(half_packed(x)); }
+inline void store_packed(const Packed16 packed, void* dst) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+}
 #elif defined(CPU_CAPABILITY_AVX2)
-// The same on 8 lanes: ATen's AVX2 cvtfp32_bf16 rounds as its AVX512 one does.
-inline __m256i bf16_rounded_bits(const __m256 x) {
+using Packed16 = __m128i;
+inline __m256i bf16_rounded_bits(const __m256 x) {  // ATen's AVX2 cvtfp32_bf16 rounds alike
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)), bits);
   return _mm256_blendv_epi8(_mm256_set1_epi32(-1), sum,
                             _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q)));
 }
-constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // ATen's fp16 mode
+inline __m256 bf16_rounded(const __m256 x) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(bf16_rounded_bits(x), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline Packed16 bf16_packed(const __m256 x) {
+  // packus works per 128 bits, so the halves' low quadwords are joined after it
+  const __m256i bits = _mm256_srli_epi32(bf16_rounded_bits(x), 16);
+  return _mm256_castsi256_si128(
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+inline Packed16 half_packed(const __m256 x) { return _mm256_cvtps_ph(x, kRoundNearest); }
+inline __m256 half_rounded(const __m256 x) { return _mm256_cvtph_ps(half_packed(x)); }
+inline void store_packed(const Packed16 packed, void* dst) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+}
 #endif
 
 // round_to on a vector, the same bits as round_to_aten on one vector instead of two each way.
@@ -105,19 +138,11 @@ inline Vec round_to(const Vec& x) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return x;
   } else {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CARPOOL_ONE_VECTOR_ROUNDING)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      return _mm512_castsi512_ps(
-          _mm512_and_si512(bf16_rounded_bits(x), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      return bf16_rounded(x);
     } else {
-      return _mm512_cvtph_ps(_mm512_cvtps_ph(x, kRoundNearest));
-    }
-#elif defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      return _mm256_castsi256_ps(
-          _mm256_and_si256(bf16_rounded_bits(x), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-    } else {
-      return _mm256_cvtph_ps(_mm256_cvtps_ph(x, kRoundNearest));
+      return half_rounded(x);
     }
 #else
     return round_to_aten<scalar_t>(x);
@@ -144,25 +169,12 @@ inline void store_rounded(const Vec& x, scalar_t* dst) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     x.store(dst);
   } else {
-#if defined(CPU_CAPABILITY_AVX512)
-    __m256i packed;
+#if defined(CARPOOL_ONE_VECTOR_ROUNDING)
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      packed = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_bits(x), 16));
+      store_packed(bf16_packed(x), dst);
     } else {
-      packed = _mm512_cvtps_ph(x, kRoundNearest);
+      store_packed(half_packed(x), dst);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
-#elif defined(CPU_CAPABILITY_AVX2)
-    __m128i packed;
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      // 8 lanes of 16 bits: packus works per 128 bits, so the halves' low quadwords joined
-      const __m256i bits = _mm256_srli_epi32(bf16_rounded_bits(x), 16);
-      packed = _mm256_castsi256_si128(
-          _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), _MM_SHUFFLE(3, 1, 2, 0)));
-    } else {
-      packed = _mm256_cvtps_ph(x, kRoundNearest);
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
 #else
     at::vec::convert_from_float<scalar_t>(x, x).store(dst, Vec::size());
 #endif
