@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import random
 import statistics
 import sys
 import time
@@ -153,6 +154,16 @@ def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes:
                 speedup=speedup, max_diff=max_diff)
 
 
+def prefill_step_chunks(tokens: int = 4096, seed: int = 0) -> list[tuple[int, int]]:
+    """Fresh prompts of 16-512 tokens (vs_vllm.py's lengths) filling one `tokens` step, as
+    the engine's prefill phase schedules them (the last one cut to fit)."""
+    gen = random.Random(seed)
+    lens: list[int] = []
+    while sum(lens) < tokens:
+        lens.append(min(gen.randint(16, 512), tokens - sum(lens)))
+    return [(0, n) for n in lens]
+
+
 CASES = [  # (name, decodes, (prefix, new) chunks, decode context[, tokens the chunks share])
     ("40 decodes", 40, [], None),
     ("200 decodes", 200, [], None),
@@ -168,6 +179,8 @@ CASES = [  # (name, decodes, (prefix, new) chunks, decode context[, tokens the c
     ("1 fresh prompt x1024", 0, [(0, 1024)], None),
     ("1 fresh prompt x2048", 0, [(0, 2048)], None),
     ("1 fresh prompt x4096", 0, [(0, 4096)], None),
+    # vs_vllm.py's prefill phase: a full step of fresh prompts of 16-512 tokens
+    ("prefill step: 4096 tok of 16-512", 0, prefill_step_chunks(), None),
 ]
 
 

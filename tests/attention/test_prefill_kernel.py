@@ -79,6 +79,27 @@ def test_prefill_kernel_matches_reference(kernels, num_heads, num_kv_heads, head
     torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512-bf16", "amx"])
+def test_prefill_kernel_running_max_moves_past_its_slack(kernels, amx):
+    """Sharp scores (q x 8) rising along the keys (each block's keys scaled by its place in
+    the table): a row's running max, which moves only when a score passes it by more than a
+    slack, moves in most key chunks, and its sums and output are rescaled each time."""
+    if amx and not kernels.has_amx():
+        pytest.skip("no AMX on this CPU")
+    seq_lens = [300, 90]
+    case = chunk_case([300, 70], seq_lens, 9, 3, 64)
+    case["q"] = case["q"] * 8
+    keys = case["kv_cache"][0]
+    for i, seq_len in enumerate(seq_lens):
+        for b in range(math.ceil(seq_len / 16)):
+            keys[:, case["block_tables"][i, b]] *= 1 + b / 4
+    scale = 64 ** -0.5
+    out, expected = (torch.full_like(case["q"], UNTOUCHED) for _ in range(2))
+    kernels.prefill_attention_bf16(out, **case, scale=scale, amx=amx)
+    paged_attention_reference(expected, **case, scale=scale, sliding_window=0)
+    torch.testing.assert_close(out.float(), expected.float(), atol=3e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("block_size", [4, 32, 48])
 def test_prefill_kernel_reads_any_block_size(kernels, block_size):
     """Keys are packed 16 at a time from one block's consecutive rows where the block size

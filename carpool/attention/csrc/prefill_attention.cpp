@@ -60,6 +60,7 @@ constexpr int64_t kKeyChunk = 64;     // keys per online-softmax step (4 blocks)
 constexpr int kScoreRows = 12;        // rows per score tile (x 2 key blocks)
 constexpr int kValueRows = 6;         // rows per value tile (x 4 head_dim blocks)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kMaxSlack = 8.f;      // how far a score may pass a row's running max
 
 struct Item {
   int64_t request, kv_head, q_begin, q_end, cost;  // queries relative to the request
@@ -124,6 +125,50 @@ CARPOOL_BF16_TARGET void value_rows(const uint16_t* p, const uint16_t* vp, int64
   }
 }
 
+// One row's online-softmax step over a key chunk: its kKeyChunk raw scores at sc (the first
+// `allowed` > 0 attended, the rest masked), scaled, against the row's running max m and its
+// vector of partial sums at sum; the probabilities, rounded to bfloat16 (as bfloat16 SDPA
+// kernels round them for the second product), into pr. Returns the factor the row's output
+// accumulator must be multiplied by first (1: unchanged). The max is lazy, as the decode
+// loop's (decode_one_pass.h): it moves only when a score passes it by more than kMaxSlack, so
+// most chunks skip the horizontal max, the exp of the correction and the rescale (the slack
+// cancels in the final division; probabilities stay below e^kMaxSlack). The scores stay in
+// registers, and the sums in a vector (summed once, at the end): the rounded probabilities,
+// which the value product uses.
+CARPOOL_BF16_TARGET inline float softmax_chunk(const float* sc, int64_t allowed, float scale,
+                                               float& m, float* sum, uint16_t* pr) {
+  constexpr int kVecs = kKeyChunk / kBlock;
+  __m512 x[kVecs];
+  __mmask16 passes = 0;
+  const __m512 threshold = _mm512_set1_ps(m + kMaxSlack);
+  for (int t = 0; t < kVecs; ++t) {
+    const int64_t left = allowed - t * kBlock;
+    const __mmask16 live = left <= 0 ? 0 : left >= kBlock ? 0xFFFF
+                                     : static_cast<__mmask16>((1u << left) - 1);
+    x[t] = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), live, _mm512_loadu_ps(sc + t * kBlock),
+                              _mm512_set1_ps(scale));
+    passes |= _mm512_cmp_ps_mask(x[t], threshold, _CMP_GT_OQ);
+  }
+  float correction = 1.f;
+  if (passes) {  // always while m is -inf: some key is attended
+    const float chunk_max = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+    correction = m == kNegInf ? 1.f : std::exp(m - chunk_max);  // first: all still zero
+    m = chunk_max;  // above m + kMaxSlack
+  }
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 total = _mm512_mul_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(correction));
+  for (int t = 0; t < kVecs; ++t) {
+    // exp(x - max) with x = -inf -> 0
+    const __m512 e = at::vec::Vectorized<float>(_mm512_sub_ps(x[t], shift)).exp_u20();
+    const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + t * kBlock), pb);
+    total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+  }
+  _mm512_storeu_ps(sum, total);
+  return correction;
+}
+
 #if defined(CARPOOL_AMX)
 // AMX (the tile unit of Intel Sapphire Rapids and later): the same two products on 16-row
 // tiles, from the same packed layouts, which are exactly the tile unit's B operands: keys as
@@ -186,7 +231,7 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
   scores.resize(padded_rows * kKeyChunk);
   obuf.assign(padded_rows * D, 0.f);
   row_max.assign(rows, kNegInf);
-  row_sum.assign(rows, 0.f);
+  row_sum.assign(rows * kBlock, 0.f);  // a vector of partial sums a row
   corr.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = start + item.q_begin + r / G, head = item.kv_head * G + r % G;
@@ -224,39 +269,14 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + item.q_begin + r / G;
       const int64_t allowed = std::min<int64_t>(chunk_keys, pos - c0 + 1);  // may be <= 0
-      float* sc = scores.data() + r * kKeyChunk;
       uint16_t* pr = pbuf.data() + r * kKeyChunk;
       if (allowed <= 0) {
         std::memset(pr, 0, kKeyChunk * sizeof(uint16_t));
         corr[r] = 1.f;
         continue;
       }
-      const __m512 scale = _mm512_set1_ps(s.scale);
-      __m512 mx = _mm512_set1_ps(kNegInf);
-      for (int64_t t = 0; t < kKeyChunk; t += kBlock) {
-        const __mmask16 live = t >= allowed ? 0 : (allowed - t >= 16 ? 0xFFFF : (__mmask16)((1u << (allowed - t)) - 1));
-        __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), live, _mm512_loadu_ps(sc + t), scale);
-        _mm512_storeu_ps(sc + t, x);
-        mx = _mm512_max_ps(mx, x);
-      }
-      const float chunk_max = _mm512_reduce_max_ps(mx);
-      const float new_max = std::max(row_max[r], chunk_max);
-      // exp(0) is exactly 1: a row whose max holds (most chunks after the first few) skips
-      // the exp here and the rescale of its accumulator below
-      corr[r] = row_max[r] == kNegInf ? 0.f
-                : new_max == row_max[r] ? 1.f : std::exp(row_max[r] - new_max);
-      row_max[r] = new_max;
-      __m512 sum = _mm512_setzero_ps();
-      const __m512 shift = _mm512_set1_ps(new_max);
-      for (int64_t t = 0; t < kKeyChunk; t += kBlock) {
-        // exp(x - max) with x = -inf -> 0; the bf16 probabilities feed the value product.
-        const __m512 e = at::vec::Vectorized<float>(_mm512_sub_ps(_mm512_loadu_ps(sc + t), shift)).exp_u20();
-        const __m256i pb = (__m256i)_mm512_cvtneps_pbh(e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + t), pb);
-        // the sum of what the value product uses: the rounded probabilities
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
-      }
-      row_sum[r] = row_sum[r] * corr[r] + _mm512_reduce_add_ps(sum);
+      corr[r] = softmax_chunk(scores.data() + r * kKeyChunk, allowed, s.scale, row_max[r],
+                              row_sum.data() + r * kBlock, pr);
     }
     const int64_t key_pairs = (nblocks * kBlock) / 2;
 #if defined(CARPOOL_AMX)
@@ -288,7 +308,7 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t tok = start + item.q_begin + r / G, head = item.kv_head * G + r % G;
     uint16_t* dst = out + tok * o_tok + head * o_head;
-    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum.data() + r * kBlock)));
     for (int64_t d = 0; d < D; d += kBlock) {
       const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(obuf.data() + r * D + d), inv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)v);
