@@ -450,12 +450,20 @@ inline float silu_scalar(float g) {
   return round_to<scalar_t>(g / (1.f + std::exp(-g)));
 }
 
+// Whether the table lookups run as AVX-512 gathers (16 a vpgatherdd) or one by one. On Intel
+// (Emerald Rapids) the gathers took 0.68-0.76x the scalar loop's time for the whole call; on
+// the AMD EPYC measured first, 1.7x (BENCHMARKS §42).
+inline bool lookups_by_gather() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 // Eager's loop shapes: F.silu steps two Vectorized<scalar_t> (64 bfloat16 on AVX-512), the
 // product 32 elements, each finishing its row scalar; the scalar silu differs
 // from the vector one (libm's exp) and scalar rounding keeps NaN as 0x7fc0, not 0xffff, so
 // each part of a row is computed the way eager computes it there. For bfloat16 the vector
-// silu is a lookup (the gate has 65536 values), done in a scalar pass into a float buffer
-// (AVX-512 gathers measured slower), then the product vectorised. float16 keeps the formula:
+// silu is a lookup (the gate has 65536 values), done in a pass of gathers or scalar loads
+// into a float buffer (lookups_by_gather), then the product vectorised. float16 keeps the formula:
 // its gates spread over ~8x more table entries than bfloat16's and the lookup measured slower.
 template <typename scalar_t>
 void silu_and_mul_rows(const at::Tensor& gate_up, scalar_t* out) {
@@ -470,6 +478,7 @@ void silu_and_mul_rows(const at::Tensor& gate_up, scalar_t* out) {
   const scalar_t* data = gate_up.const_data_ptr<scalar_t>();
   const float* table = nullptr;
   if constexpr (kTable) table = silu_table<scalar_t>();  // built here, on the calling thread
+  const bool gather = lookups_by_gather();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> silu_row(mul_vectorised);
     for (int64_t r = begin; r < end; ++r) {
@@ -479,6 +488,13 @@ void silu_and_mul_rows(const at::Tensor& gate_up, scalar_t* out) {
       int64_t i = 0;
       if constexpr (kTable) {
         const uint16_t* gate_bits = reinterpret_cast<const uint16_t*>(gate);
+#if defined(CPU_CAPABILITY_AVX512)
+        for (; gather && i < silu_vectorised; i += 16) {  // silu_step: a multiple of 16
+          const __m512i index = _mm512_cvtepu16_epi32(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gate_bits + i)));
+          _mm512_storeu_ps(silu_row.data() + i, _mm512_i32gather_ps(index, table, 4));
+        }
+#endif
         for (; i < silu_vectorised; ++i) silu_row[i] = table[gate_bits[i]];
       } else {
         for (; i < silu_vectorised; i += Vec::size()) {
