@@ -55,14 +55,14 @@ def make_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, block_
                 seq_lens=torch.tensor(seq_lens, **as_int))
 
 
-def check_against_reference(kernels, case, sliding_window=0, scale=0.125):
+def check_against_reference(kernels, case, sliding_window=0, scale=0.125, **options):
     q = case["q"]
     expected = torch.full_like(q, UNTOUCHED)
     actual = torch.full_like(q, UNTOUCHED)
     args = (case["kv_cache"], case["block_tables"], case["query_starts"], case["query_lens"],
             case["seq_lens"], scale, sliding_window)
     paged_attention_reference(expected, q, *args)
-    kernels.paged_attention(actual, q, *args)
+    kernels.paged_attention(actual, q, *args, **options)
     tol = 1e-5 if q.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
     covered = torch.zeros(q.shape[0], dtype=torch.bool)
@@ -180,6 +180,30 @@ def test_decode_loops_follow_a_max_that_moves(kernels, dtype, head_dim, scale):
     seq_lens = [3, 40, 333, 1024]
     case = make_case([1] * len(seq_lens), seq_lens, 9, 3, head_dim, dtype, seed=11)
     check_against_reference(kernels, case, scale=scale)
+
+
+@pytest.mark.parametrize("widen", [0, 1], ids=["vdpbf16ps", "widened"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 256])
+@pytest.mark.parametrize("scale", [0.125, 3.0])
+def test_bfloat16_decodes_by_either_product(kernels, widen, head_dim, scale):
+    """AVX-512 bfloat16 decodes take their products by vdpbf16ps, or by FMAs on rows widened
+    to float32 (bf16_widen; by default the CPU picks: Intel widens): both paths, whichever
+    this CPU picks, with the running max moving (scale 3) and not, one and several register
+    passes of query rows."""
+    if head_dim > kernels.max_head_dim():
+        pytest.skip(f"this build takes head_dim up to {kernels.max_head_dim()}")
+    seq_lens = [1, 17, 90, 333]
+    case = make_case([1] * len(seq_lens), seq_lens, 9, 3, head_dim, torch.bfloat16,
+                     seed=head_dim + widen)
+    check_against_reference(kernels, case, scale=scale, bf16_widen=widen)
+
+
+def test_bf16_widen_is_checked(kernels):
+    case = make_case([1], [40], 9, 3, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16_widen must be"):
+        kernels.paged_attention(torch.empty_like(case["q"]), case["q"], case["kv_cache"],
+                                case["block_tables"], case["query_starts"],
+                                case["query_lens"], case["seq_lens"], 0.125, 0, bf16_widen=2)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64),

@@ -16,7 +16,7 @@
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window, bool batch_invariant);
+                     int64_t sliding_window, bool batch_invariant, int64_t bf16_widen);
 
 namespace {
 using Vec = at::vec::Vectorized<float>;
@@ -135,5 +135,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("query_starts"), py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("batch_invariant") = false,
+        py::arg("bf16_widen") = -1,  // bfloat16 decodes by FMAs on widened rows: -1 this CPU's way
         py::call_guard<py::gil_scoped_release>());  // like torch's own ops: other threads run
 }

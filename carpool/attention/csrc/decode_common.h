@@ -46,9 +46,11 @@ struct DecodeArgs {
 };
 
 // Per-thread state across a call's items: per row, the value accumulators and the float32
-// query (AVX2), and a group's scores, probabilities and sums.
+// query (AVX2), and a group's scores, probabilities and sums; and whether AVX-512 loops widen
+// bfloat16 rows to float32 (decode_one_pass.h: -1 as this CPU prefers, 0 no, 1 yes).
 struct DecodeScratch {
   std::vector<float> acc, query, scores, probs, row_max, row_sum;
+  int widen_bf16 = -1;
   void reserve(int64_t rows, int64_t head_dim) {
     if (static_cast<int64_t>(acc.size()) < rows * head_dim) {
       acc.resize(rows * head_dim);

@@ -13,7 +13,8 @@
 // ahead, or all of a block's lines at once, the prefetches wait for fill buffers and stall
 // the loop; on AMD the block after next goes into L2 as well, see prefetch_block_after_next),
 // scores come from the keys in place (bfloat16 through vdpbf16ps: products of bfloat16 pairs
-// are exact in float32, no conversion), and the value sums are kept in float32.
+// are exact in float32, no conversion; or, on Intel, each row widened to float32 once for
+// FMAs, widen_bf16_decodes), and the value sums are kept in float32.
 //
 // Per group of up to 16 keys of one block: each key row is loaded once for up to 4 query rows,
 // and each row's 16 dot products are folded into one vector of 16 scores by a transpose-add
@@ -95,10 +96,50 @@ struct QueryRows<uint16_t, NL> {
 };
 #endif
 
-template <typename elem_t, int NL, int R>
+// Bfloat16 rows widened to float32 instead, each line as its even and its odd values (a shift
+// and a mask: bfloat16 is the top half of a float32, so both are exact), multiplied by FMAs:
+// where two FMAs issue a cycle and one vdpbf16ps every two or three (Intel's Emerald Rapids,
+// bf16_peak.py), each key row widened once for all R rows (widen_bf16_decodes).
+struct Bf16Halves {
+  __m512 even, odd;
+};
+
+__attribute__((always_inline)) inline Bf16Halves widened(const uint16_t* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+          _mm512_castsi512_ps(
+              _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+
+template <int NL>
+struct WidenedRows {
+  using Vec = Bf16Halves;
+  static Vec load(const uint16_t* p) { return widened(p); }
+  static __m512 first(Vec q, Vec k) {
+    return _mm512_fmadd_ps(q.odd, k.odd, _mm512_mul_ps(q.even, k.even));
+  }
+  static __m512 add(__m512 a, Vec q, Vec k) {
+    return _mm512_fmadd_ps(q.odd, k.odd, _mm512_fmadd_ps(q.even, k.even, a));
+  }
+};
+
+// The score ops of elem_t rows: W (bfloat16 only) widens them to float32.
+template <typename elem_t, int NL, bool W>
+using RowOps = std::conditional_t<W, WidenedRows<NL>, QueryRows<elem_t, NL>>;
+
+// Whether bfloat16 decodes widen their rows to float32 for FMAs (WidenedRows) instead of
+// vdpbf16ps. Intel: on Emerald Rapids vdpbf16ps issued once every 2.5-2.9 cycles against 1.5
+// FMAs a cycle, and the widened loop took 0.83-0.94x the time (decode_read_rate.py, BENCHMARKS
+// §42). AMD's Zen 4 keeps vdpbf16ps: it issues one a cycle there, as many as 512-bit FMAs.
+inline bool widen_bf16_decodes() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
+template <typename elem_t, int NL, bool W, int R>
 __attribute__((always_inline)) inline void key_partials(
-    const typename QueryRows<elem_t, NL>::Vec (&qv)[R][NL], const elem_t* key, __m512 (&part)[R]) {
-  using Ops = QueryRows<elem_t, NL>;
+    const typename RowOps<elem_t, NL, W>::Vec (&qv)[R][NL], const elem_t* key, __m512 (&part)[R]) {
+  using Ops = RowOps<elem_t, NL, W>;
   typename Ops::Vec kv[NL];
   for (int p = 0; p < NL; ++p) kv[p] = Ops::load(key + kLine<elem_t> * p);
   for (int r = 0; r < R; ++r) {
@@ -111,17 +152,17 @@ __attribute__((always_inline)) inline void key_partials(
 // Scores of R query rows (row r at q + r * q_stride, NL lines of D values) against the n <= 16
 // key rows at keys + t * D, scaled, into scores[r * 16 ...]; lanes from n on are -inf. Each
 // key row is loaded once for all R rows (not once per row), and key rows past n are not read.
-template <typename elem_t, int NL, int R>
+template <typename elem_t, int NL, bool W, int R>
 void group_scores(const elem_t* q, int64_t q_stride, const elem_t* keys, int64_t n, float scale,
                   float* scores) {
-  using Ops = QueryRows<elem_t, NL>;
+  using Ops = RowOps<elem_t, NL, W>;
   constexpr int64_t D = kLine<elem_t> * NL;
   typename Ops::Vec qv[R][NL];
   for (int r = 0; r < R; ++r) {
     for (int p = 0; p < NL; ++p) qv[r][p] = Ops::load(q + r * q_stride + kLine<elem_t> * p);
   }
   auto partials = [&](int t, __m512 (&part)[R]) {
-    key_partials<elem_t, NL, R>(qv, keys + std::min<int64_t>(t, n - 1) * D, part);
+    key_partials<elem_t, NL, W, R>(qv, keys + std::min<int64_t>(t, n - 1) * D, part);
   };
   __m512 half[2][R];
   for (int h = 0; h < 2; ++h) {
@@ -162,12 +203,16 @@ constexpr int score_rows_per_pass(int num_vecs) {
   return std::max(1, std::min(4, (kVecRegisters - 8) / (num_vecs + 4)));
 }
 
+// Float32 registers a query row's line takes in group_scores (widened bfloat16: two).
+template <int NL, bool W>
+constexpr int kScoreVecs = W ? 2 * NL : NL;
+
 // group_scores for `rows` query rows, in passes of score_rows_per_pass.
-template <typename elem_t, int NL, int... R>
+template <typename elem_t, int NL, bool W, int... R>
 void group_scores_rows(const elem_t* q, int64_t q_stride, const elem_t* keys, int64_t n,
                        float scale, float* scores, int64_t rows, std::integer_sequence<int, R...>) {
   using Fn = void (*)(const elem_t*, int64_t, const elem_t*, int64_t, float, float*);
-  static constexpr Fn fns[] = {&group_scores<elem_t, NL, R + 1>...};
+  static constexpr Fn fns[] = {&group_scores<elem_t, NL, W, R + 1>...};
   constexpr int kPass = sizeof...(R);
   for (int64_t r0 = 0; r0 < rows; r0 += kPass) {
     const int64_t m = std::min<int64_t>(kPass, rows - r0);
@@ -256,7 +301,30 @@ __attribute__((always_inline)) inline void group_values_bf16(
 }
 #endif
 
-template <typename elem_t, int NL, int R>
+// acc[r] += sum_t probs[r][t] * values[t] for widened bfloat16 rows (Bf16Halves): one FMA per
+// row and float32 vector, the accumulators of each line's even columns, then its odd ones
+// (to_column_order puts them in order); float32 probabilities (not rounded to bfloat16).
+template <int NP, int R>
+__attribute__((always_inline)) inline void group_values_widened(
+    const float* probs, const uint16_t* values, int64_t n, __m512 (&a)[R][2 * NP],
+    const uint16_t* next_keys, const uint16_t* next_values) {
+  constexpr int64_t D = 32 * NP;
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch_rows_l1<uint16_t, NP>(next_keys, next_values, t);
+    __m512 x[2 * NP];
+    for (int p = 0; p < NP; ++p) {
+      const Bf16Halves h = widened(values + t * D + 32 * p);
+      x[2 * p] = h.even;
+      x[2 * p + 1] = h.odd;
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 pv = _mm512_set1_ps(probs[r * kDecodeGroup + t]);
+      for (int v = 0; v < 2 * NP; ++v) a[r][v] = _mm512_fmadd_ps(pv, x[v], a[r][v]);
+    }
+  }
+}
+
+template <typename elem_t, int NL, bool W, int R>
 void group_values(const float* probs, const elem_t* values, int64_t n, float* acc,
                   const elem_t* next_keys, const elem_t* next_values) {
   constexpr int64_t D = kLine<elem_t> * NL;
@@ -269,7 +337,11 @@ void group_values(const float* probs, const elem_t* values, int64_t n, float* ac
     group_values_f32<NL, R>(probs, values, n, a, next_keys, next_values);
   } else {
 #if defined(CARPOOL_AVX512_BF16)
-    group_values_bf16<NL, R>(probs, values, n, a, next_keys, next_values);
+    if constexpr (W) {
+      group_values_widened<NL, R>(probs, values, n, a, next_keys, next_values);
+    } else {
+      group_values_bf16<NL, R>(probs, values, n, a, next_keys, next_values);
+    }
 #endif
   }
   for (int r = 0; r < R; ++r) {
@@ -278,15 +350,26 @@ void group_values(const float* probs, const elem_t* values, int64_t n, float* ac
 }
 
 // Float32 accumulators are in column order already.
-template <int NL>
+template <int NL, bool W>
 inline void to_column_order(float*, const float*) {}
 
 #if defined(CARPOOL_AVX512_BF16)
 // One row of D = 32 * NP accumulators from group_values_bf16's unpacked order back to column
 // order: per 32 columns, lane 4L + i of the low halves is column 8L + i, of the high halves
 // column 8L + 4 + i (i < 4).
-template <int NP>
+template <int NP, bool W>
 inline void to_column_order(float* row, const uint16_t*) {
+  if constexpr (W) {  // group_values_widened: per 32 columns the 16 even ones, then the odd
+    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                            9, 24, 8);
+    for (int p = 0; p < NP; ++p) {
+      const __m512 even = _mm512_loadu_ps(row + 32 * p), odd = _mm512_loadu_ps(row + 32 * p + 16);
+      _mm512_storeu_ps(row + 32 * p, _mm512_permutex2var_ps(even, first, odd));
+      _mm512_storeu_ps(row + 32 * p + 16, _mm512_permutex2var_ps(even, second, odd));
+    }
+    return;
+  }
   const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11,
                                           10, 9, 8);
@@ -298,7 +381,7 @@ inline void to_column_order(float* row, const uint16_t*) {
 }
 #endif
 
-template <typename elem_t, int NL, int... R>
+template <typename elem_t, int NL, bool W, int... R>
 void group_values_rows(const float* probs, const elem_t* values, int64_t n, float* acc,
                        int64_t rows, std::integer_sequence<int, R...>, const elem_t* next_keys,
                        const elem_t* next_values) {
@@ -306,7 +389,7 @@ void group_values_rows(const float* probs, const elem_t* values, int64_t n, floa
   constexpr int kPass = rows_per_pass(D / 16);  // block_ops.h: accumulators in registers
   using Fn = void (*)(const float*, const elem_t*, int64_t, float*, const elem_t*,
                       const elem_t*);
-  static constexpr Fn fns[] = {&group_values<elem_t, NL, R + 1>...};
+  static constexpr Fn fns[] = {&group_values<elem_t, NL, W, R + 1>...};
   for (int64_t r0 = 0; r0 < rows; r0 += kPass) {  // the first pass prefetches
     const int64_t m = std::min<int64_t>(kPass, rows - r0);
     const bool first = r0 == 0;
@@ -315,7 +398,7 @@ void group_values_rows(const float* probs, const elem_t* values, int64_t n, floa
   }
 }
 
-template <typename elem_t, int NL>
+template <typename elem_t, int NL, bool W>
 void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
                    DecodeScratch& buf) {
   constexpr int64_t D = kLine<elem_t> * NL;
@@ -336,9 +419,9 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
       const int64_t n = std::min(kDecodeGroup, hi - t0);
       const int64_t offset = (block * BS + t0 - b * BS) * D;
       const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-      group_scores_rows<elem_t, NL>(
+      group_scores_rows<elem_t, NL, W>(
           a.q, a.q_head_stride, a.key_head + offset, n, a.scale, buf.scores.data(), G,
-          std::make_integer_sequence<int, score_rows_per_pass(NL)>{});
+          std::make_integer_sequence<int, score_rows_per_pass(kScoreVecs<NL, W>)>{});
       for (int64_t r = 0; r < G; ++r) {
         const __m512 s = _mm512_loadu_ps(buf.scores.data() + r * kDecodeGroup);
         float* sum = buf.row_sum.data() + r * kDecodeGroup;  // a vector of partial sums
@@ -356,7 +439,7 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
             _mm512_sub_ps(s, _mm512_set1_ps(buf.row_max[r]))).exp_u20());
 #if defined(CARPOOL_AVX512_BF16)
         // bfloat16 values: the probabilities group_values_bf16 multiplies, and sums of them
-        if constexpr (std::is_same_v<elem_t, uint16_t>) p = rounded_to_bf16(p);
+        if constexpr (std::is_same_v<elem_t, uint16_t> && !W) p = rounded_to_bf16(p);
 #endif
         _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_loadu_ps(sum), p));
         _mm512_storeu_ps(buf.probs.data() + r * kDecodeGroup, p);
@@ -364,7 +447,7 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
       // The next block's rows t0 - lo ... t0 - lo + n - 1 with this group's value rows (rows of
       // a whole cache block: at most block_size of them, whatever they hold).
       const int64_t ahead = (t0 - lo) * D;
-      group_values_rows<elem_t, NL>(buf.probs.data(), a.value_head + offset, n, acc, G,
+      group_values_rows<elem_t, NL, W>(buf.probs.data(), a.value_head + offset, n, acc, G,
                                     std::make_integer_sequence<int, rows_per_pass(D / 16)>{},
                                     next.keys != nullptr ? next.keys + ahead : nullptr,
                                     next.values != nullptr ? next.values + ahead : nullptr);
@@ -372,7 +455,7 @@ void attend_decode(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_i
     block = next.id;
   }
   for (int64_t r = 0; r < G; ++r) {
-    to_column_order<NL>(acc + r * D, a.value_head);
+    to_column_order<NL, W>(acc + r * D, a.value_head);
     const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(buf.row_sum.data() + r * kDecodeGroup));
     store_scaled(acc + r * D, 1.f / sum, output_row(a.out + r * a.out_head_stride), D);
   }
@@ -384,11 +467,11 @@ inline bool decode_one_pass_head_dim_ok(int64_t head_dim) {
   return head_dim % kLine<elem_t> == 0 && head_dim <= kMaxDecodeDim;
 }
 
-template <typename elem_t, int... NL>
+template <typename elem_t, bool W, int... NL>
 void attend_decode_lines(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* next_item,
                          DecodeScratch& buf, std::integer_sequence<int, NL...>) {
   using Fn = void (*)(const DecodeArgs<elem_t>&, const DecodeArgs<elem_t>*, DecodeScratch&);
-  static constexpr Fn fns[] = {&attend_decode<elem_t, NL + 1>...};
+  static constexpr Fn fns[] = {&attend_decode<elem_t, NL + 1, W>...};
   TORCH_CHECK(decode_one_pass_head_dim_ok<elem_t>(a.head_dim),
               "attend_decode_one_pass: head_dim ", a.head_dim, " not taken");
   fns[a.head_dim / kLine<elem_t> - 1](a, next_item, buf);
@@ -398,8 +481,12 @@ void attend_decode_lines(const DecodeArgs<elem_t>& a, const DecodeArgs<elem_t>* 
 template <typename elem_t>
 inline void attend_decode_one_pass(const DecodeArgs<elem_t>& a,
                                    const DecodeArgs<elem_t>* next_item, DecodeScratch& buf) {
-  attend_decode_lines(a, next_item, buf,
-                      std::make_integer_sequence<int, kMaxDecodeDim / kLine<elem_t>>{});
+  constexpr auto lines = std::make_integer_sequence<int, kMaxDecodeDim / kLine<elem_t>>{};
+  if constexpr (std::is_same_v<elem_t, uint16_t>) {
+    const bool widen = buf.widen_bf16 < 0 ? widen_bf16_decodes() : buf.widen_bf16 == 1;
+    if (widen) return attend_decode_lines<elem_t, true>(a, next_item, buf, lines);
+  }
+  attend_decode_lines<elem_t, false>(a, next_item, buf, lines);
 }
 
 }  // namespace

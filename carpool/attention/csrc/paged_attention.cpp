@@ -518,7 +518,10 @@ void check_index(const at::Tensor& t, const char* name, int64_t dim) {
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
                      const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window, bool batch_invariant) {
+                     int64_t sliding_window, bool batch_invariant, int64_t bf16_widen) {
+  TORCH_CHECK(bf16_widen >= -1 && bf16_widen <= 1,
+              "paged_attention: bf16_widen must be -1 (this CPU's choice), 0 or 1, got ",
+              bf16_widen);
   TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu() && kv_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: q and out must be [T, H, D]");
@@ -598,6 +601,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
       Scratch<scalar_t> buf;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
       DecodeScratch decode_buf;
+      decode_buf.widen_bf16 = static_cast<int>(bf16_widen);
 #endif
       // Each thread claims its next item before attending the current one, to prefetch it.
       for (int64_t i = next.fetch_add(1); i < num_items;) {
