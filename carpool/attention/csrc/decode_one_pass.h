@@ -354,29 +354,22 @@ template <int NL, bool W>
 inline void to_column_order(float*, const float*) {}
 
 #if defined(CARPOOL_AVX512_BF16)
-// One row of D = 32 * NP accumulators from group_values_bf16's unpacked order back to column
-// order: per 32 columns, lane 4L + i of the low halves is column 8L + i, of the high halves
-// column 8L + 4 + i (i < 4).
+// One row of D = 32 * NP accumulators back to column order, each 32 columns from two vectors
+// by two permutes. group_values_bf16's unpacked order: lane 4L + i of the low halves is column
+// 8L + i, of the high halves column 8L + 4 + i (i < 4); group_values_widened's (W): the 16
+// even columns, then the 16 odd ones.
 template <int NP, bool W>
 inline void to_column_order(float* row, const uint16_t*) {
-  if constexpr (W) {  // group_values_widened: per 32 columns the 16 even ones, then the odd
-    const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                            9, 24, 8);
-    for (int p = 0; p < NP; ++p) {
-      const __m512 even = _mm512_loadu_ps(row + 32 * p), odd = _mm512_loadu_ps(row + 32 * p + 16);
-      _mm512_storeu_ps(row + 32 * p, _mm512_permutex2var_ps(even, first, odd));
-      _mm512_storeu_ps(row + 32 * p + 16, _mm512_permutex2var_ps(even, second, odd));
-    }
-    return;
-  }
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11,
-                                          10, 9, 8);
+  const __m512i first =
+      W ? _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+        : _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second =
+      W ? _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8)
+        : _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int p = 0; p < NP; ++p) {
-    const __m512 low = _mm512_loadu_ps(row + 32 * p), high = _mm512_loadu_ps(row + 32 * p + 16);
-    _mm512_storeu_ps(row + 32 * p, _mm512_permutex2var_ps(low, first, high));
-    _mm512_storeu_ps(row + 32 * p + 16, _mm512_permutex2var_ps(low, second, high));
+    const __m512 a = _mm512_loadu_ps(row + 32 * p), b = _mm512_loadu_ps(row + 32 * p + 16);
+    _mm512_storeu_ps(row + 32 * p, _mm512_permutex2var_ps(a, first, b));
+    _mm512_storeu_ps(row + 32 * p + 16, _mm512_permutex2var_ps(a, second, b));
   }
 }
 #endif
