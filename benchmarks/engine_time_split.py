@@ -9,8 +9,9 @@ function of the compiled kernels module and every oneDNN call of `PackedLinear` 
 in a timer (a few microseconds a call) and the table gives each one's seconds over the
 timed run; with `--block-runs` it also says how contiguous the decode rows' KV blocks were.
 
-Three knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
-sets the bfloat16 small GEMM's cut (256: the cut of CPUs without AMX, `cpu_linear`), and
+Four knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
+sets the bfloat16 small GEMM's cut (256: the cut of CPUs without AMX, `cpu_linear`),
+`--amx-tile-max-rows` the AMX tile small GEMM's, and
 `--block-size` the KV cache block size, and `--no-kv-huge-pages` leaves the KV cache on
 small pages. One process runs one setting; alternate them from
 the shell:
@@ -136,6 +137,8 @@ def main() -> None:
                         help="the bfloat16 small GEMM's cut (default: this CPU's)")
     parser.add_argument("--f32-small-max-rows", type=int, default=None,
                         help="the float32 small GEMM's cut (default: this CPU's)")
+    parser.add_argument("--amx-tile-max-rows", type=int, default=None,
+                        help="the AMX small GEMM's cut (cpu_linear.SMALL_GEMM_AMX_TILE_MAX_ROWS)")
     parser.add_argument("--kernel-times", action="store_true")
     parser.add_argument("--block-runs", action="store_true",
                         help="count how contiguous the decode rows' KV blocks are")
@@ -146,6 +149,8 @@ def main() -> None:
     if args.bf16_small_max_rows is not None:
         cpu_linear.SMALL_GEMM_MAX_ROWS = cpu_linear.SMALL_GEMM_AMX_MAX_ROWS = \
             cpu_linear.SMALL_GEMM_AVX2_MAX_ROWS = args.bf16_small_max_rows
+    if args.amx_tile_max_rows is not None:
+        cpu_linear.SMALL_GEMM_AMX_TILE_MAX_ROWS = args.amx_tile_max_rows
     if args.f32_small_max_rows is not None:
         cpu_linear.SMALL_GEMM_F32_MAX_ROWS = cpu_linear.SMALL_GEMM_F32_AMX_MAX_ROWS = \
             cpu_linear.SMALL_GEMM_F32_ZEN4_MAX_ROWS = cpu_linear.SMALL_GEMM_F32_AVX2_MAX_ROWS = \

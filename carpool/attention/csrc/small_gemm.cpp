@@ -377,6 +377,20 @@ struct PendingRows {
   CARPOOL_AMX_TARGET void finish() { run(rows); }
 };
 
+// The next column pair's weight panel (its two blocks are adjacent: one contiguous range),
+// prefetched into L2 a few lines each k step of the current pair's tiles, so that it arrives
+// from memory while the tile unit works instead of when its first tile loads ask for it. At
+// decode sizes (1-200 rows, the 135M model's weights from memory) the GEMM took 0.82-0.91x
+// its time without it (BENCHMARKS §43).
+struct PanelPrefetch {
+  const char* next = nullptr;
+  int64_t left = 0, per_step = 0;
+  CARPOOL_AMX_TARGET void step() {
+    for (int64_t i = 0; i < per_step && left > 0; ++i, --left, next += 64)
+      _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 // c[r * 2 + b][16][16] = row tile r of x times column block b, r < RT, b < BT (1 or 2
 // each): per k step 2 A and 2 B tiles feed 4 products (tiles 0-3 hold C, 4-5 A, 6-7 B). A
 // first version kept 6 row tiles' C against one B tile (7 tile loads for 6 products) and
@@ -385,7 +399,7 @@ struct PendingRows {
 template <int RT, int BT>
 CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const uint16_t* w,
                                       int64_t block_stride, int64_t ksteps, float* c,
-                                      PendingRows& pending) {
+                                      PendingRows& pending, PanelPrefetch& ahead) {
   _tile_zero(0);
   if constexpr (BT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
@@ -400,6 +414,7 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const 
     if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT > 1 && BT > 1) _tile_dpbf16ps(3, 5, 7);
     pending.step();
+    ahead.step();
   }
   _tile_stored(0, c, 64);
   if constexpr (BT > 1) _tile_stored(1, c + 256, 64);
@@ -411,39 +426,54 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x, int64_t x_stride, const 
 // pair's weight (its B tiles) read from memory once and then from cache for every pair of
 // row tiles; x's rows padded to whole tiles with zeros (x_stride elements a row, K % 32 == 0).
 // Two sum buffers alternate: the tiles of one step fill one while the other's epilogue runs.
+// Up to kOneBlockRowTiles row tiles (256 rows: decode steps) run as one block of rows, so each
+// column pair's weight is read from memory once. Larger calls run in blocks of
+// kRowTilesPerBlock (96 rows), each block meeting all of the thread's column pairs while its
+// x rows stay in L2; as one block, all of x streamed from L3 once per column pair. At 1,024
+// rows the blocks took 0.86-0.90x the time of one block, at 4,096 0.75-0.83x (level with
+// oneDNN there); blocks of 64 and 128 rows took up to 8% longer than 96 (BENCHMARKS §43).
+constexpr int64_t kOneBlockRowTiles = 16, kRowTilesPerBlock = 6;
 CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, int64_t m, int64_t k,
                                  const uint16_t* w, int64_t blocks, const float* bias,
                                  uint16_t* y, int64_t n) {
   const int64_t block_stride = k * kBlock, row_tiles = (m + 15) / 16, ksteps = k / 32;
   const int64_t pairs = (blocks + 1) / 2;
+  const int64_t tiles_per_block = row_tiles <= kOneBlockRowTiles ? row_tiles : kRowTilesPerBlock;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     // Zeros: a lone last block leaves its neighbour's sums unwritten (read, then masked off).
     alignas(64) float c[2][4 * 256] = {};
     PendingRows pending;
     int buffer = 0;
-    for (int64_t pr = begin; pr < end; ++pr) {
-      const int64_t blk0 = 2 * pr, nb = std::min<int64_t>(2, blocks - blk0);
-      const uint16_t* wb = w + blk0 * block_stride;
-      const int64_t col = blk0 * kBlock, cols = std::min(nb * kBlock, n - col);
-      const __mmask32 mask = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
-      const __m512 bias0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + col);
-      const __m512 bias1 = bias == nullptr || nb < 2 ? _mm512_setzero_ps()
-                                                     : _mm512_loadu_ps(bias + col + kBlock);
-      for (int64_t t0 = 0; t0 < row_tiles; t0 += 2) {
-        const int64_t nt = std::min<int64_t>(2, row_tiles - t0);
-        const uint16_t* xt = x + t0 * 16 * x_stride;
-        float* cb = c[buffer];
-        const int64_t bs = block_stride;
-        if (nt == 2 && nb == 2) amx_tile_2x2<2, 2>(xt, x_stride, wb, bs, ksteps, cb, pending);
-        else if (nt == 2) amx_tile_2x2<2, 1>(xt, x_stride, wb, bs, ksteps, cb, pending);
-        else if (nb == 2) amx_tile_2x2<1, 2>(xt, x_stride, wb, bs, ksteps, cb, pending);
-        else amx_tile_2x2<1, 1>(xt, x_stride, wb, bs, ksteps, cb, pending);
-        pending.finish();
-        const int64_t rows = std::min<int64_t>(nt * 16, m - t0 * 16);
-        pending = PendingRows{cb, y + t0 * 16 * n, n, col, 0, rows,
-                              (rows + ksteps - 1) / ksteps, mask, bias0, bias1};
-        buffer ^= 1;
+    for (int64_t tb = 0; tb < row_tiles; tb += tiles_per_block) {
+      const int64_t tb_end = std::min(row_tiles, tb + tiles_per_block);
+      for (int64_t pr = begin; pr < end; ++pr) {
+        const int64_t blk0 = 2 * pr, nb = std::min<int64_t>(2, blocks - blk0);
+        const uint16_t* wb = w + blk0 * block_stride;
+        const int64_t col = blk0 * kBlock, cols = std::min(nb * kBlock, n - col);
+        const __mmask32 mask = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+        const __m512 bias0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + col);
+        const __m512 bias1 = bias == nullptr || nb < 2 ? _mm512_setzero_ps()
+                                                       : _mm512_loadu_ps(bias + col + kBlock);
+        PanelPrefetch ahead;
+        if (pr + 1 < end) {
+          const int64_t lines = std::min<int64_t>(2, blocks - blk0 - 2) * block_stride * 2 / 64;
+          const int64_t steps = (tb_end - tb + 1) / 2 * ksteps;
+          ahead = PanelPrefetch{reinterpret_cast<const char*>(wb + 2 * block_stride), lines,
+                                (lines + steps - 1) / steps};
+        }
+        for (int64_t t0 = tb; t0 < tb_end; t0 += 2) {
+          const int64_t nt = std::min<int64_t>(2, tb_end - t0);
+          const uint16_t* xt = x + t0 * 16 * x_stride;
+          auto* tiles = nt == 2 ? (nb == 2 ? amx_tile_2x2<2, 2> : amx_tile_2x2<2, 1>)
+                                : (nb == 2 ? amx_tile_2x2<1, 2> : amx_tile_2x2<1, 1>);
+          tiles(xt, x_stride, wb, block_stride, ksteps, c[buffer], pending, ahead);
+          pending.finish();
+          const int64_t rows = std::min<int64_t>(nt * 16, m - t0 * 16);
+          pending = PendingRows{c[buffer], y + t0 * 16 * n, n, col, 0, rows,
+                                (rows + ksteps - 1) / ksteps, mask, bias0, bias1};
+          buffer ^= 1;
+        }
       }
     }
     pending.finish();
