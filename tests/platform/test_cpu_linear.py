@@ -82,8 +82,9 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
 @pytest.mark.parametrize("in_features,out_features", [(96, 160), (576, 577), (32, 16)])
 def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_features):
     """On AMX tiles: every call up to 1024 rows (row tiles and column blocks in pairs, a last
-    odd one alone, rows past a whole tile padded, more than 256 rows in blocks of 96, the last
-    block's tiles odd or even), each row's bits independent of its batch."""
+    odd one alone, a last partial row tile read from a zero-padded copy of its rows, first or
+    second of its pair; more than 256 rows in blocks of 96, the last block's tiles odd or
+    even), each row's bits independent of its batch."""
     if not bf16_kernels.has_amx():
         pytest.skip("no AMX on this CPU")
     torch.manual_seed(in_features)
@@ -96,9 +97,11 @@ def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_featu
                                          None if linear.bias is None else linear.bias.float())
         out = packed(x)
         torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=1e-2)
-        for rows in (1, 3, 17, 40, 200, 257, 300, 1000):
+        for rows in (1, 3, 17, 40, 200, 257, 300, 1000, 1023):
             assert torch.equal(packed(x[-rows:]), out[-rows:])
         assert packed(x.t().contiguous().t()[:20]).shape == (20, out_features)  # strided rows
+        wide = torch.randn(40, in_features + 32, dtype=torch.bfloat16)[:, 16:16 + in_features]
+        assert torch.equal(packed(wide), packed(wide.contiguous()))  # rows further apart than K
     with pytest.raises(RuntimeError, match="multiple of 32"):
         bf16_kernels.small_gemm_bf16(torch.randn(2, 6, dtype=torch.bfloat16),
                                      bf16_kernels.pack_bf16_weight(torch.randn(8, 6).bfloat16()),
