@@ -380,7 +380,7 @@ struct PendingRows {
 // The next column pair's weight panel (its two blocks are adjacent: one contiguous range),
 // prefetched into L2 a few lines each k step of the current pair's tiles, so that it arrives
 // from memory while the tile unit works instead of when its first tile loads ask for it. At
-// decode sizes (1-200 rows, the 135M model's weights from memory) the GEMM took 0.82-0.91x
+// decode sizes (1-200 rows, the 135M model's weights from memory) the GEMM took 0.82-0.92x
 // its time without it (BENCHMARKS §43).
 struct PanelPrefetch {
   const char* next = nullptr;
@@ -392,10 +392,11 @@ struct PanelPrefetch {
 };
 
 // c[r * 2 + b][16][16] = row tile r of x (rows from x0 and x1, their strides in bytes) times
-// column block b, r < RT, b < BT (1 or 2 each): per k step 2 A and 2 B tiles feed 4 products (tiles 0-3 hold C, 4-5 A, 6-7 B). A
-// first version kept 6 row tiles' C against one B tile (7 tile loads for 6 products) and
-// lost to oneDNN from 96 rows on; this one is ahead of it from 3 to 512 rows (BENCHMARKS).
-// `pending` (the previous tiles' epilogue, whose buffer is not c) advances once a k step.
+// column block b, r < RT, b < BT (1 or 2 each): per k step 2 A and 2 B tiles feed 4 products
+// (tiles 0-3 hold C, 4-5 A, 6-7 B). A first version kept 6 row tiles' C against one B tile (7
+// tile loads for 6 products) and lost to oneDNN from 96 rows on; this one is ahead of it from
+// 3 to 512 rows (BENCHMARKS). `pending` (the previous tiles' epilogue, whose buffer is not c)
+// advances once a k step.
 template <int RT, int BT>
 CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const uint16_t* x1,
                                       int64_t x1_bytes, const uint16_t* w,
@@ -427,7 +428,7 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const
 // pair's weight (its B tiles) read from memory once and then from cache for every pair of
 // row tiles; x_stride elements a row, K % 32 == 0. A last partial row tile is read from `tail`
 // instead: its rows copied into 16 rows of K zero-padded elements (the tile unit reads whole
-// 16-row tiles; copying only these rows, not padding all of x, saved ~20 us a call).
+// 16-row tiles; copying only these rows, not padding all of x, saved 3-5 us a call).
 // Two sum buffers alternate: the tiles of one step fill one while the other's epilogue runs.
 // Up to kOneBlockRowTiles row tiles (256 rows: decode steps) run as one block of rows, so each
 // column pair's weight is read from memory once. Larger calls run in blocks of
