@@ -433,9 +433,9 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const
 // Up to kOneBlockRowTiles row tiles (256 rows: decode steps) run as one block of rows, so each
 // column pair's weight is read from memory once. Larger calls run in blocks of
 // kRowTilesPerBlock (96 rows), each block meeting all of the thread's column pairs while its
-// x rows stay in L2; as one block, all of x streamed from L3 once per column pair. At 1,024
-// rows the blocks took 0.86-0.90x the time of one block, at 4,096 0.75-0.83x (level with
-// oneDNN there); blocks of 64 and 128 rows took up to 8% longer than 96 (BENCHMARKS §43).
+// x rows stay in L2; as one block, all of x streamed from L3 once per column pair. At 4,096
+// rows the blocks took 0.88-0.89x the time of one block (oneDNN's one call still 0.87x
+// theirs), at 1,024 0.78-1.03x (BENCHMARKS §43, linear_routing.py --against).
 constexpr int64_t kOneBlockRowTiles = 16, kRowTilesPerBlock = 6;
 CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, const uint16_t* tail,
                                  int64_t m, int64_t k, const uint16_t* w, int64_t blocks,
