@@ -380,7 +380,7 @@ struct PendingRows {
 // The next column pair's weight panel (its two blocks are adjacent: one contiguous range),
 // prefetched into L2 a few lines each k step of the current pair's tiles, so that it arrives
 // from memory while the tile unit works instead of when its first tile loads ask for it. At
-// decode sizes (1-200 rows, the 135M model's weights from memory) the GEMM took 0.82-0.92x
+// decode sizes (1-200 rows, the 135M model's weights from memory) the GEMM took 0.82-0.98x
 // its time without it (BENCHMARKS §43).
 struct PanelPrefetch {
   const char* next = nullptr;
