@@ -102,12 +102,49 @@ def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_featu
         assert packed(x.t().contiguous().t()[:20]).shape == (20, out_features)  # strided rows
         wide = torch.randn(40, in_features + 32, dtype=torch.bfloat16)[:, 16:16 + in_features]
         assert torch.equal(packed(wide), packed(wide.contiguous()))  # rows further apart than K
+        threads = torch.get_num_threads()
+        try:  # the same bits whichever thread runs a unit (3 threads on 2 cores: some steal)
+            for count in (1, 3):
+                torch.set_num_threads(count)
+                for rows in (5, 200, 1000):
+                    assert torch.equal(packed(x[-rows:]), out[-rows:])
+        finally:
+            torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         bf16_kernels.small_gemm_bf16(torch.randn(2, 6, dtype=torch.bfloat16),
                                      bf16_kernels.pack_bf16_weight(torch.randn(8, 6).bfloat16()),
                                      8, amx=True)
     assert PackedLinear(nn.Linear(48, 16).to(torch.bfloat16), bf16_kernels)._small_max_rows \
         == small_gemm_max_rows(torch.bfloat16)  # K not in 32s: the AVX512-BF16 GEMM
+
+
+def test_stealable_shares_run_their_own_front_then_steal_from_the_back():
+    """The AMX GEMM's split of its work units: each thread takes its own share front to back,
+    then the back of the next share that has any left; every unit is claimed exactly once."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("no compiled kernels")
+    claims = kernels.shares_claims([0, 4, 7], [1, 1, 1, 1, 1, 0, 1, 0, 1])
+    assert claims == [(4, 1), (5, 1), (6, 1), (3, 0), (2, 0), (0, 0), (1, 0), (-1, 0), (-1, 0)]
+    assert kernels.shares_claims([0, 0, 3], [0, 0, 0, 0]) == [(2, 1), (1, 1), (0, 1), (-1, 0)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        shares = int(torch.randint(1, 5, (1,), generator=generator))
+        sizes = torch.randint(0, 6, (shares,), generator=generator).tolist()
+        bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+        owners = torch.randint(0, shares, (bounds[-1] + 3,), generator=generator).tolist()
+        claims = kernels.shares_claims(bounds, owners)
+        units = [unit for unit, _ in claims if unit >= 0]
+        assert sorted(units) == list(range(bounds[-1]))  # each once, then none left
+        assert all(unit == -1 for unit, _ in claims[len(units):])
+        for (unit, share), owner in zip(claims, owners):
+            if unit >= 0:
+                assert bounds[share] <= unit < bounds[share + 1]
+                # a thread steals only once its own share is empty
+                assert share == owner or all(u < bounds[owner] or u >= bounds[owner + 1]
+                                             for u in units[units.index(unit):])
+    with pytest.raises(RuntimeError, match="no share 2"):
+        kernels.shares_claims([0, 1, 2], [2])
 
 
 @pytest.fixture(scope="module", params=kernel_builds(), ids=build_id)

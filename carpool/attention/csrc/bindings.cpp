@@ -7,6 +7,7 @@
 
 #include "amx_tiles.h"
 #include "block_ops.h"
+#include "stealable_shares.h"
 
 #include <atomic>
 #include <cstdint>
@@ -27,6 +28,25 @@ int64_t parallel_width() {
     seen.fetch_or(uint64_t{1} << (at::get_thread_num() % 64));
   });
   return __builtin_popcountll(seen.load());
+}
+
+// The (unit, share) each StealableShares::next(owners[i]) returns, in order, over shares
+// [bounds[s], bounds[s + 1]): the claim order a kernel's threads would see, run on one thread.
+std::vector<std::tuple<int64_t, int64_t>> shares_claims(const std::vector<int64_t>& bounds,
+                                                         const std::vector<int64_t>& owners) {
+  const int64_t shares = static_cast<int64_t>(bounds.size()) - 1;
+  TORCH_CHECK(shares >= 1 && bounds[0] == 0, "shares_claims: bounds must start at 0");
+  for (int64_t s = 0; s < shares; ++s)
+    TORCH_CHECK(bounds[s] <= bounds[s + 1], "shares_claims: bounds must not decrease");
+  for (int64_t own : owners)
+    TORCH_CHECK(own >= 0 && own < shares, "shares_claims: no share ", own);
+  StealableShares split(shares, [&](int64_t s) { return bounds[s]; });
+  std::vector<std::tuple<int64_t, int64_t>> claims;
+  for (int64_t own : owners) {
+    const auto claim = split.next(own);
+    claims.emplace_back(claim.unit, claim.share);
+  }
+  return claims;
 }
 
 }  // namespace
@@ -78,6 +98,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Pins torch's intra-op thread i to cpus[i] (one CPU per thread); returns the "
         "threads' kernel ids, in the same order.",
         py::arg("cpus"));
+  m.def("shares_claims", &shares_claims,
+        "(unit, share) of each claim by owners[i] of the stealable shares that start at "
+        "bounds (the AMX GEMM's split of its work), made in that order; unit -1: none left.",
+        py::arg("bounds"), py::arg("owners"));
   m.def("argmax_rows", &carpool_greedy::argmax_rows,
         "Each row's largest value's index, as max(-1).indices (first of equals, first NaN); "
         "float32 or bfloat16 [N, V] with contiguous rows.",

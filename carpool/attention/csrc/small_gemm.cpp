@@ -19,7 +19,7 @@
 //
 // With amx=True (builds for CPUs with AMX, -DCARPOOL_AMX; K a multiple of 32) the same packed
 // weight feeds the AMX tile unit instead: its blocks of (k, k + 1) pairs are exactly the
-// unit's B tiles. Threads split the columns there too.
+// unit's B tiles. Threads split the columns there too, a fast thread taking a slow one's.
 //
 // AVX512 builds need AVX512-BF16 at run time for the bfloat16 one (`has_bf16_gemm()`; the
 // functions carry it as a target attribute, so the rest of the extension still runs on AVX512
@@ -45,6 +45,7 @@
 
 #include "amx_tiles.h"
 #include "bf16_dot.h"
+#include "stealable_shares.h"
 
 namespace carpool_gemm {
 
@@ -426,7 +427,13 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const
 
 // y[m, n] = x[m, K] @ w.T (+ bias) on tiles: threads split the pairs of column blocks, each
 // pair's weight (its B tiles) read from memory once and then from cache for every pair of
-// row tiles; x_stride elements a row, K % 32 == 0. A last partial row tile is read from `tail`
+// row tiles; x_stride elements a row, K % 32 == 0. A unit of work is one pair over one block
+// of rows; each thread owns the pairs of an even split, runs them block by block and then
+// steals units from the back of the others' (`StealableShares`). A unit's sums are the same
+// whichever thread runs it. In phases where one vCPU's tile unit ran 4-5x slower than the
+// other's (a shared VM), the 135M model's layers took down to 0.54-0.89x the static split's
+// time (three runs of five, at 1-256 rows); in the other two runs 0.98-1.03x, and 1.00-1.02x
+// on one thread (BENCHMARKS §44). A last partial row tile is read from `tail`
 // instead: its rows copied into 16 rows of K zero-padded elements (the tile unit reads whole
 // 16-row tiles; copying only these rows, not padding all of x, saved 3-5 us a call).
 // Two sum buffers alternate: the tiles of one step fill one while the other's epilogue runs.
@@ -445,15 +452,23 @@ CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, const uint
   const auto bytes_of = [&](int64_t t) { return (t < m / 16 ? x_stride : k) * 2; };
   const int64_t pairs = (blocks + 1) / 2;
   const int64_t tiles_per_block = row_tiles <= kOneBlockRowTiles ? row_tiles : kRowTilesPerBlock;
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+  const int64_t row_blocks = (row_tiles + tiles_per_block - 1) / tiles_per_block;
+  // Thread s's share: row block by row block, its pairs [first_pair(s), first_pair(s + 1)).
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
+  const auto first_pair = [&](int64_t s) { return pairs * s / threads; };
+  StealableShares shares(threads, [&](int64_t s) { return row_blocks * first_pair(s); });
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     // Zeros: a lone last block leaves its neighbour's sums unwritten (read, then masked off).
     alignas(64) float c[2][4 * 256] = {};
     PendingRows pending;
     int buffer = 0;
-    for (int64_t tb = 0; tb < row_tiles; tb += tiles_per_block) {
-      const int64_t tb_end = std::min(row_tiles, tb + tiles_per_block);
-      for (int64_t pr = begin; pr < end; ++pr) {
+    for (int64_t own = begin; own < end; ++own) {
+      for (auto claim = shares.next(own); claim.unit >= 0; claim = shares.next(own)) {
+        const int64_t p0 = first_pair(claim.share), share_pairs = first_pair(claim.share + 1) - p0;
+        const int64_t unit = claim.unit - row_blocks * p0;
+        const int64_t pr = p0 + unit % share_pairs, tb = unit / share_pairs * tiles_per_block;
+        const int64_t tb_end = std::min(row_tiles, tb + tiles_per_block);
         const int64_t blk0 = 2 * pr, nb = std::min<int64_t>(2, blocks - blk0);
         const uint16_t* wb = w + blk0 * block_stride;
         const int64_t col = blk0 * kBlock, cols = std::min(nb * kBlock, n - col);
@@ -461,8 +476,8 @@ CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, const uint
         const __m512 bias0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + col);
         const __m512 bias1 = bias == nullptr || nb < 2 ? _mm512_setzero_ps()
                                                        : _mm512_loadu_ps(bias + col + kBlock);
-        PanelPrefetch ahead;
-        if (pr + 1 < end) {
+        PanelPrefetch ahead;  // the share's next pair, when this one is the owner's own
+        if (claim.share == own && pr + 1 < p0 + share_pairs) {
           const int64_t lines = std::min<int64_t>(2, blocks - blk0 - 2) * block_stride * 2 / 64;
           const int64_t steps = (tb_end - tb + 1) / 2 * ksteps;
           ahead = PanelPrefetch{reinterpret_cast<const char*>(wb + 2 * block_stride), lines,
