@@ -407,15 +407,20 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const
   if constexpr (BT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
   if constexpr (RT > 1 && BT > 1) _tile_zero(3);
+  _tile_loadd(4, x0, x0_bytes);
+  _tile_loadd(6, w, 64);
+  if constexpr (BT > 1) _tile_loadd(7, w + block_stride, 64);
+  if constexpr (RT > 1) _tile_loadd(5, x1, x1_bytes);
   for (int64_t j = 0; j < ksteps; ++j) {
-    _tile_loadd(4, x0 + j * 32, x0_bytes);
-    if constexpr (RT > 1) _tile_loadd(5, x1 + j * 32, x1_bytes);
-    _tile_loadd(6, w + j * 16 * 2 * kBlock, 64);
-    if constexpr (BT > 1) _tile_loadd(7, w + block_stride + j * 16 * 2 * kBlock, 64);
+    const bool more = j + 1 < ksteps;
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (BT > 1) _tile_dpbf16ps(1, 4, 7);
+    if (more) _tile_loadd(4, x0 + (j + 1) * 32, x0_bytes);
     if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if (more) _tile_loadd(6, w + (j + 1) * 16 * 2 * kBlock, 64);
     if constexpr (RT > 1 && BT > 1) _tile_dpbf16ps(3, 5, 7);
+    if constexpr (RT > 1) if (more) _tile_loadd(5, x1 + (j + 1) * 32, x1_bytes);
+    if constexpr (BT > 1) if (more) _tile_loadd(7, w + block_stride + (j + 1) * 16 * 2 * kBlock, 64);
     pending.step();
     ahead.step();
   }
