@@ -396,8 +396,10 @@ struct PanelPrefetch {
 // column block b, r < RT, b < BT (1 or 2 each): per k step 2 A and 2 B tiles feed 4 products
 // (tiles 0-3 hold C, 4-5 A, 6-7 B). A first version kept 6 row tiles' C against one B tile (7
 // tile loads for 6 products) and lost to oneDNN from 96 rows on; this one is ahead of it from
-// 3 to 512 rows (BENCHMARKS). `pending` (the previous tiles' epilogue, whose buffer is not c)
-// advances once a k step.
+// 3 to 512 rows (BENCHMARKS). Each operand tile is reloaded for the next k step right after
+// the products that read it are issued, so its load runs under the remaining products: 0.85-
+// 0.99x the time of loading all four first at 64-256 rows (2 threads, BENCHMARKS §44).
+// `pending` (the previous tiles' epilogue, whose buffer is not c) advances once a k step.
 template <int RT, int BT>
 CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const uint16_t* x1,
                                       int64_t x1_bytes, const uint16_t* w,
@@ -420,7 +422,8 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const
     if (more) _tile_loadd(6, w + (j + 1) * 16 * 2 * kBlock, 64);
     if constexpr (RT > 1 && BT > 1) _tile_dpbf16ps(3, 5, 7);
     if constexpr (RT > 1) if (more) _tile_loadd(5, x1 + (j + 1) * 32, x1_bytes);
-    if constexpr (BT > 1) if (more) _tile_loadd(7, w + block_stride + (j + 1) * 16 * 2 * kBlock, 64);
+    if constexpr (BT > 1)
+      if (more) _tile_loadd(7, w + block_stride + (j + 1) * 16 * 2 * kBlock, 64);
     pending.step();
     ahead.step();
   }
