@@ -8,11 +8,15 @@ independent sums (enough to cover its latency), and for comparison float32 FMAs 
 way. Prints GFLOP/s per core and, at `--ghz`, cycles per instruction.
 
     python3 benchmarks/bf16_peak.py [--unit amx|avx512]
+    python3 benchmarks/bf16_peak.py --monitor 30  # each CPU's tile unit at once, per second
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
+import statistics
 import time
 from pathlib import Path
 
@@ -72,18 +76,53 @@ double fmas(int64_t steps) {
   return independent_sums(steps, [&](__m512 sum) { return _mm512_fmadd_ps(a, b, sum); });
 }
 """
+MONITOR_STEPS = 20_000  # tile-loop steps a burst in --monitor (a few ms)
 TILE_FLOP = 2 * 16 * 16 * 32  # a 16 x 32 by 32 x 16 bfloat16 tile product
 DPBF16_FLOP = 2 * 32  # 16 lanes, each two bfloat16 products and their sum into float32
 FMA_FLOP = 2 * 16
 
 
+def _amx_module():
+    return load_inline("bf16_peak_amx", cpp_sources=_AMX_SOURCE, functions=["products"],
+                       extra_include_paths=[str(_CSRC)],
+                       extra_cflags=["-O2", "-mamx-tile", "-mamx-bf16", "-mavx512f",
+                                     "-DCARPOOL_AMX"])
+
+
+def _amx_seconds(cpu: int, seconds: float) -> list[float]:
+    """On `cpu` alone for `seconds`: the tile loop in bursts of MONITOR_STEPS, each second's
+    median GFLOP/s."""
+    os.sched_setaffinity(0, {cpu})
+    module, per_second = _amx_module(), {}
+    end = time.time() + seconds
+    while time.time() < end:
+        begin = time.perf_counter()
+        module.products(MONITOR_STEPS)
+        rate = 4 * MONITOR_STEPS * TILE_FLOP / (time.perf_counter() - begin) / 1e9
+        per_second.setdefault(int(time.time()), []).append(rate)
+    return [statistics.median(rates) for _, rates in sorted(per_second.items())]
+
+
+def _amx_monitor(seconds: float) -> None:
+    """Every CPU this process may use, all at once, one process each: the tile unit's speed
+    second by second (BENCHMARKS §44: on a shared VM one vCPU's ran 4-5x slower than the
+    other's for seconds at a time)."""
+    _amx_module()  # built once, before the processes start
+    cpus = sorted(os.sched_getaffinity(0))
+    with multiprocessing.get_context("fork").Pool(len(cpus)) as pool:
+        rows = pool.starmap(_amx_seconds, [(cpu, seconds) for cpu in cpus])
+    print("tdpbf16ps GFLOP/s, each second's median: " + ", ".join(f"CPU {c}" for c in cpus))
+    for second in range(min(len(row) for row in rows)):
+        print(f"{second:4d}  " + "  ".join(f"{row[second]:7,.0f}" for row in rows))
+
+
 def _amx(args) -> None:
     if not torch.cpu._is_amx_tile_supported():
         raise SystemExit("this CPU has no AMX tiles (try --unit avx512)")
-    module = load_inline("bf16_peak_amx", cpp_sources=_AMX_SOURCE, functions=["products"],
-                         extra_include_paths=[str(_CSRC)],
-                         extra_cflags=["-O2", "-mamx-tile", "-mamx-bf16", "-mavx512f",
-                                       "-DCARPOOL_AMX"])
+    if args.monitor:
+        _amx_monitor(args.monitor)
+        return
+    module = _amx_module()
     for _ in range(args.repeats):
         begin = time.perf_counter()
         if module.products(args.steps) == -1:
@@ -121,6 +160,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2_000_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ghz", type=float, default=3.4, help="clock for the cycles column")
+    parser.add_argument("--monitor", type=float, metavar="SECONDS",
+                        help="amx: each CPU's tile unit at once, second by second")
     args = parser.parse_args()
     (_amx if args.unit == "amx" else _avx512)(args)
 

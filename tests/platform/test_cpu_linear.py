@@ -103,7 +103,7 @@ def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_featu
         wide = torch.randn(40, in_features + 32, dtype=torch.bfloat16)[:, 16:16 + in_features]
         assert torch.equal(packed(wide), packed(wide.contiguous()))  # rows further apart than K
         threads = torch.get_num_threads()
-        try:  # the same bits whichever thread runs a unit (3 threads on 2 cores: some steal)
+        try:  # the same bits on other thread counts (3 on 2 cores: likely to steal)
             for count in (1, 3):
                 torch.set_num_threads(count)
                 for rows in (5, 200, 1000):

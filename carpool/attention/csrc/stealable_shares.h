@@ -44,7 +44,7 @@ class StealableShares {
   Claim next(int64_t own) {
     for (int64_t i = 0; i < shares_; ++i) {
       const int64_t s = (own + i) % shares_;
-      const int64_t unit = i == 0 ? take_front(ranges_[s]) : take_back(ranges_[s]);
+      const int64_t unit = take(ranges_[s], i == 0);
       if (unit >= 0) return Claim{unit, s};
     }
     return Claim{};
@@ -61,25 +61,15 @@ class StealableShares {
     return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back);
   }
 
-  static int64_t take_front(Range& range) {
+  // The first (front) or last unit of a share, taken; -1 where it has none left.
+  static int64_t take(Range& range, bool front_end) {
     uint64_t word = range.bounds.load(std::memory_order_relaxed);
     while (true) {
       const int64_t front = static_cast<int64_t>(word >> 32), back = word & 0xffffffffu;
       if (front >= back) return -1;
-      if (range.bounds.compare_exchange_weak(word, pack(front + 1, back),
-                                             std::memory_order_acq_rel))
-        return front;
-    }
-  }
-
-  static int64_t take_back(Range& range) {
-    uint64_t word = range.bounds.load(std::memory_order_relaxed);
-    while (true) {
-      const int64_t front = static_cast<int64_t>(word >> 32), back = word & 0xffffffffu;
-      if (front >= back) return -1;
-      if (range.bounds.compare_exchange_weak(word, pack(front, back - 1),
-                                             std::memory_order_acq_rel))
-        return back - 1;
+      const uint64_t rest = front_end ? pack(front + 1, back) : pack(front, back - 1);
+      if (range.bounds.compare_exchange_weak(word, rest, std::memory_order_acq_rel))
+        return front_end ? front : back - 1;
     }
   }
 
