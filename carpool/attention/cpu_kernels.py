@@ -36,6 +36,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -89,13 +90,14 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
         name = _extension_name(capability.lower() if flags else "default", flags)
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed")
-        if build_dir is not None:
-            Path(build_dir).mkdir(parents=True, exist_ok=True)
+        root = (Path(build_dir) if build_dir is not None
+                else Path(cpp_extension.get_default_build_root()) / name)
+        sources = _staged_sources(root / "src")
         # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here); without
         # it the loop runs on one thread. The libgomp.so.1 torch already loaded serves it.
-        return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES],
+        return cpp_extension.load(name=name, sources=[str(p) for p in sources],
                                   extra_cflags=["-O3", "-fopenmp", *flags],
-                                  extra_ldflags=["-fopenmp"], build_directory=build_dir,
+                                  extra_ldflags=["-fopenmp"], build_directory=str(root),
                                   verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -134,11 +136,31 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+def _staged_sources(folder: Path) -> list[Path]:
+    """csrc/ copied into `folder` (files rewritten only where they differ), and the sources
+    there. The build's ninja file names its sources by path, so building from the checkout
+    itself made every other checkout or install of the same sources recompile the shared
+    build (30 s here) and the next process from the first one compile it again; from a copy
+    kept beside the build, named by the sources' hash, they all find it up to date."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in _CSRC.iterdir():
+        if not path.is_file():
+            continue
+        target = folder / path.name
+        data = path.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            partial = target.with_name(f".{path.name}.{os.getpid()}")
+            partial.write_bytes(data)
+            os.replace(partial, target)  # whole files only, for a process building beside
+    return [folder / path.name for path in _SOURCES]
+
+
 def _extension_name(capability: str, flags: list[str]) -> str:
-    """carpool_cpu_kernels_<capability>_<hash of csrc/ and flags>: each version of the sources
-    gets its own build in the shared extension cache, so two checkouts (or an upgrade) never
-    rebuild over, or load, each other's binary."""
+    """carpool_cpu_kernels_<capability>_<hash of csrc/, flags, Python and torch>: each version
+    of the sources gets its own build in the shared extension cache, so two checkouts (or an
+    upgrade) never rebuild over, or load, each other's binary."""
     digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
+    digest.update(f"{sys.version_info.major}.{sys.version_info.minor} {torch.__version__}".encode())
     for path in sorted(_CSRC.iterdir()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())

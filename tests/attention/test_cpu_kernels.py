@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +264,32 @@ def test_rejects_bad_inputs(kernels):
         kernels.paged_attention(*args[:6], torch.tensor([10**4], dtype=torch.int32), *args[7:])
     with pytest.raises(RuntimeError, match="share a dtype"):
         kernels.paged_attention(out.double(), case["q"].double(), *args[2:])
+
+
+def test_another_checkout_of_the_same_sources_reuses_the_build(tmp_path):
+    """The same csrc/ from another folder (a second checkout, an installed copy) loads the
+    binary already built instead of compiling it again: the build is named by the sources'
+    hash and compiled from a copy of them kept beside it, not from the checkout's paths. In
+    a fresh process, as torch skips the build of a name it has loaded once."""
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the compiled kernels are unavailable here")
+    built = Path(module.__file__)
+    before = built.stat().st_mtime_ns
+    other = tmp_path / "checkout" / "csrc"
+    shutil.copytree(cpu_kernels._CSRC, other)
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from carpool.attention import cpu_kernels\n"
+        "other = Path(sys.argv[1])\n"
+        "cpu_kernels._CSRC = other\n"
+        "cpu_kernels._SOURCES = [other / p.name for p in cpu_kernels._SOURCES]\n"
+        "print(cpu_kernels.load().__file__)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(other)], capture_output=True,
+                          text=True, timeout=600, check=True)
+    assert Path(done.stdout.strip().splitlines()[-1]) == built
+    assert built.stat().st_mtime_ns == before  # not relinked, so not recompiled
 
 
 def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
