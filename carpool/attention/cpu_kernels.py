@@ -87,12 +87,13 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
         if {"amx_bf16", "amx_tile"} <= _cpu_flags():
             flags = [*flags, "-DCARPOOL_AMX"]  # bf16 prompts' products on AMX tiles
     try:
-        name = _extension_name(capability.lower() if flags else "default", flags)
+        csrc = _csrc_files()
+        name = _extension_name(capability.lower() if flags else "default", flags, csrc)
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed")
         root = (Path(build_dir) if build_dir is not None
                 else Path(cpp_extension.get_default_build_root()) / name)
-        sources = _staged_sources(root / "src")
+        sources = _staged_sources(root / "src", csrc)
         # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here); without
         # it the loop runs on one thread. The libgomp.so.1 torch already loaded serves it.
         return cpp_extension.load(name=name, sources=[str(p) for p in sources],
@@ -136,34 +137,37 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
-def _staged_sources(folder: Path) -> list[Path]:
-    """csrc/ copied into `folder` (files rewritten only where they differ), and the sources
-    there. The build's ninja file names its sources by path, so building from the checkout
-    itself made every other checkout or install of the same sources recompile the shared
-    build (30 s here) and the next process from the first one compile it again; from a copy
-    kept beside the build, named by the sources' hash, they all find it up to date."""
+def _csrc_files() -> dict[str, bytes]:
+    """The files of csrc/ by name, read once for both the build's name and its copy."""
+    return {path.name: path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.is_file()}
+
+
+def _staged_sources(folder: Path, csrc: dict[str, bytes]) -> list[Path]:
+    """`csrc` (`_csrc_files`) written into `folder` (files rewritten only where they differ),
+    and the sources there. The build's ninja file names its sources by path, so building from
+    the checkout itself made every other checkout or install of the same sources recompile
+    the shared build (30 s here) and the next process from the first one compile it again;
+    from a copy kept beside the build, named by the sources' hash, they all find it up to
+    date."""
     folder.mkdir(parents=True, exist_ok=True)
-    for path in _CSRC.iterdir():
-        if not path.is_file():
-            continue
-        target = folder / path.name
-        data = path.read_bytes()
+    for name, data in csrc.items():
+        target = folder / name
         if not target.exists() or target.read_bytes() != data:
-            partial = target.with_name(f".{path.name}.{os.getpid()}")
+            partial = target.with_name(f".{name}.{os.getpid()}")
             partial.write_bytes(data)
             os.replace(partial, target)  # whole files only, for a process building beside
     return [folder / path.name for path in _SOURCES]
 
 
-def _extension_name(capability: str, flags: list[str]) -> str:
+def _extension_name(capability: str, flags: list[str], csrc: dict[str, bytes]) -> str:
     """carpool_cpu_kernels_<capability>_<hash of csrc/, flags, Python and torch>: each version
     of the sources gets its own build in the shared extension cache, so two checkouts (or an
     upgrade) never rebuild over, or load, each other's binary."""
     digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
     digest.update(f"{sys.version_info.major}.{sys.version_info.minor} {torch.__version__}".encode())
-    for path in sorted(_CSRC.iterdir()):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    for name, data in csrc.items():  # sorted by name
+        digest.update(name.encode())
+        digest.update(data)
     return f"carpool_cpu_kernels_{capability}_{digest.hexdigest()[:12]}"
 
 
