@@ -6,6 +6,18 @@ Blocks leave from the front of the free queue and return to its back, so the
 ids a request gets are predictable (tests assert them). A block is free again
 only when no table holds it (reference counts).
 
+A table that grows (a decode crossing into a new block, a later prompt chunk)
+takes its next block with up to `growth_run_blocks - 1` ids that follow it at the
+front of the queue set aside as the request's spare blocks, and grows from those
+next: its blocks come in runs of consecutive ids instead of one id each (200
+requests decoding together would otherwise interleave theirs), and a decode
+kernel reads a run as one stream. Spare blocks are free (counted so, held by no
+table) and lent back when the queue is empty, before any cached block is
+evicted; they return to the queue's back when their request frees its table.
+
+    decoding A, B:  queue 20 21 22 23 24 25 ...   A grows: takes 20, spares 21..23
+                    B grows: takes 24, spares 25..27; A's next blocks are 21, 22, 23
+
     table:  [ 7 | 3 | 9 ]            block_size = 4, 10 tokens held
     tokens:  0..3 4..7 8 9 _ _       2 slots of internal waste in block 9
 
@@ -35,13 +47,17 @@ class NoFreeBlocksError(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False) -> None:
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+                 enable_prefix_caching: bool = False, growth_run_blocks: int = 16) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("growth_run_blocks", growth_run_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.block_size = block_size
         self.num_total_blocks = num_blocks
         self._free_block_ids: deque[int] = deque(range(num_blocks))  # free blocks without a hash
+        self.growth_run_blocks = growth_run_blocks
+        self._spare_ids: dict[str, deque[int]] = {}  # per request: free ids it grows into next
+        self._num_spare = 0
         self._ref_counts: list[int] = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}  # tokens each table was sized for
@@ -50,9 +66,10 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no table holds: plain free ones and cached ones that may still be hit."""
+        """Blocks no table holds: plain free ones (spares too) and cached ones that may still
+        be hit."""
         num_cached_free = self.prefix_cache.num_evictable if self.prefix_cache else 0
-        return len(self._free_block_ids) + num_cached_free
+        return len(self._free_block_ids) + self._num_spare + num_cached_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -93,8 +110,9 @@ class BlockManager:
         """Grow the request's table (creating it if needed) to hold `num_tokens` tokens in all.
 
         A new table may start with `cached_block_ids` (from `find_cached_blocks`, just
-        before): they gain a holder. New blocks come from the front of the free queue,
-        then by evicting the least recently used cached free block. Returns the whole
+        before): they gain a holder. New blocks come from the front of the free queue (a
+        table that grows: from its spare blocks first), then from other requests' spare
+        blocks, then by evicting the least recently used cached free block. Returns the whole
         table (the live list: read it, do not change it). Raises `NoFreeBlocksError`,
         changing nothing, when the pool is short.
         """
@@ -112,6 +130,7 @@ class BlockManager:
             raise NoFreeBlocksError(
                 f"request {request_id!r} needs {num_new} more blocks for {num_tokens} tokens, "
                 f"only {num_free} free")
+        growing = table is not None
         if table is None:
             table = self._tables[request_id] = []
         for block_id in cached_block_ids:
@@ -122,7 +141,7 @@ class BlockManager:
         if cached_block_ids:
             self._num_hashed[request_id] = len(cached_block_ids)
         for _ in range(num_new):
-            block_id = self._take_free_block()
+            block_id = self._take_growth_block(request_id) if growing else self._take_free_block()
             self._ref_counts[block_id] += 1
             table.append(block_id)
         self._num_tokens[request_id] = max(num_tokens, self._num_tokens.get(request_id, 0))
@@ -130,8 +149,9 @@ class BlockManager:
 
     def free(self, request_id: str) -> int:
         """Drop the request's table; blocks no other table holds become free: plain ones go to
-        the back of the free queue in table order; cached ones become the prefix cache's most
-        recently used, tail block first, so a request's tail is evicted before its head.
+        the back of the free queue in table order, then its spare blocks; cached ones become
+        the prefix cache's most recently used, tail block first, so a request's tail is
+        evicted before its head.
 
         Returns how many blocks became free (0 for a request holding none).
         """
@@ -147,6 +167,9 @@ class BlockManager:
                     cached.append(block_id)
                 else:
                     self._free_block_ids.append(block_id)
+        spares = self._spare_ids.pop(request_id, ())
+        self._num_spare -= len(spares)
+        self._free_block_ids.extend(spares)
         for block_id in reversed(cached):
             cache.release(block_id)
         return sum(1 for block_id in table if self._ref_counts[block_id] == 0)
@@ -213,9 +236,40 @@ class BlockManager:
         return self.num_free_blocks - sum(1 for b in cached_block_ids if self._ref_counts[b] == 0)
 
     def _take_free_block(self) -> int:
+        """The front of the free queue; else the last spare block of the first request that
+        has one (a free block, so no cached content is lost); else an evicted cached block."""
         if self._free_block_ids:
             return self._free_block_ids.popleft()
+        if self._num_spare:
+            request_id, spares = next(iter(self._spare_ids.items()))
+            return self._take_spare(request_id, spares, spares.pop)
         return self.prefix_cache.evict()
+
+    def _take_growth_block(self, request_id: str) -> int:
+        """A block for a table that grows: its next spare block; else the front of the free
+        queue, with the ids that follow it there (up to growth_run_blocks - 1) as its spares."""
+        spares = self._spare_ids.get(request_id)
+        if spares:
+            return self._take_spare(request_id, spares, spares.popleft)
+        queue = self._free_block_ids
+        if not queue:
+            return self._take_free_block()
+        block_id = queue.popleft()
+        run: deque[int] = deque()
+        limit = self.growth_run_blocks - 1
+        while len(run) < limit and queue and queue[0] == block_id + len(run) + 1:
+            run.append(queue.popleft())
+        if run:
+            self._spare_ids[request_id] = run
+            self._num_spare += len(run)
+        return block_id
+
+    def _take_spare(self, request_id: str, spares: deque[int], take) -> int:
+        block_id = take()
+        self._num_spare -= 1
+        if not spares:
+            del self._spare_ids[request_id]
+        return block_id
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's block ids in token order (empty when it holds none). Do not mutate."""
@@ -228,11 +282,21 @@ class BlockManager:
         """Raise AssertionError unless free + held = total, each id once, ref counts consistent,
         and (with caching on) the hash maps and the LRU agree with the ref counts."""
         free = list(self._free_block_ids)
+        for request_id, spares in self._spare_ids.items():
+            if not spares or request_id not in self._tables:
+                raise AssertionError(f"request {request_id!r} keeps spare blocks {list(spares)} "
+                                     "without a table")
+            free += spares
+        if sum(len(spares) for spares in self._spare_ids.values()) != self._num_spare:
+            raise AssertionError("the spare block count is off")
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity(self._ref_counts)
             free += [b for b in range(self.num_total_blocks) if self.prefix_cache.is_evictable(b)]
             if any(self.prefix_cache.hash_of(b) is not None for b in self._free_block_ids):
                 raise AssertionError("a block in the plain free queue has a hash")
+            if any(self.prefix_cache.hash_of(b) is not None
+                   for spares in self._spare_ids.values() for b in spares):
+                raise AssertionError("a spare block has a hash")
         free_set = set(free)
         if len(free_set) != len(free):
             raise AssertionError("a block id is in the free queue twice")

@@ -90,3 +90,81 @@ def test_check_integrity_catches_corruption(corrupt, message):
 def test_bad_sizes_raise_naming_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         BlockManager(**kwargs)
+
+
+# -- growth runs -----------------------------------------------------------------------------
+
+def test_tables_growing_together_get_runs_of_consecutive_ids():
+    bm = BlockManager(num_blocks=32, block_size=2, growth_run_blocks=4)
+    bm.allocate("a", 2)  # [0]
+    bm.allocate("b", 2)  # [1]
+    for tokens in range(4, 11, 2):  # both decode, a block at a time, in turn
+        bm.allocate("a", tokens)
+        bm.allocate("b", tokens)
+    assert bm.get_block_table("a") == [0, 2, 3, 4, 5]
+    assert bm.get_block_table("b") == [1, 6, 7, 8, 9]
+    assert bm.num_free_blocks == 32 - 10  # spares are free
+    bm.check_integrity()
+
+
+def test_a_run_of_one_interleaves_growing_tables():
+    bm = BlockManager(num_blocks=16, block_size=2, growth_run_blocks=1)
+    bm.allocate("a", 2)
+    bm.allocate("b", 2)
+    for tokens in (4, 6):
+        bm.allocate("a", tokens)
+        bm.allocate("b", tokens)
+    assert bm.get_block_table("a") == [0, 2, 4]
+    assert bm.get_block_table("b") == [1, 3, 5]
+
+
+def test_spares_return_to_the_queue_after_their_table():
+    bm = BlockManager(num_blocks=8, block_size=2, growth_run_blocks=4)
+    bm.allocate("a", 2)  # [0]
+    bm.allocate("a", 3)  # [0, 1], spares 2, 3, 4
+    bm.allocate("b", 2)  # [5]
+    assert bm.free("a") == 2
+    assert list(bm._free_block_ids) == [6, 7, 0, 1, 2, 3, 4]
+    bm.check_integrity()
+
+
+def test_an_empty_queue_lends_spares_before_evicting_cached_blocks():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True,
+                      growth_run_blocks=8)
+    bm.allocate("a", 2)  # [0]
+    bm.allocate("a", 3)  # [0, 1], spares 2..7: the queue is empty
+    assert bm.num_free_blocks == 6 and bm.can_allocate("b", 12)
+    assert bm.allocate("b", 6) == [7, 6, 5]  # a's spares, from the far end
+    assert bm.allocate("a", 5) == [0, 1, 2]  # a still grows into its nearest spare
+    assert bm.allocate("b", 10) == [7, 6, 5, 4, 3]
+    assert bm.num_free_blocks == 0 and not bm.can_allocate("b", 11)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate("a", 7)
+    bm.check_integrity()
+
+
+def test_a_growing_table_with_no_spares_takes_what_is_free():
+    bm = BlockManager(num_blocks=4, block_size=2, growth_run_blocks=4)
+    bm.allocate("a", 2)  # [0]
+    bm.allocate("b", 2)  # [1]
+    bm.allocate("a", 3)  # [0, 2], spare 3
+    assert bm.allocate("b", 3) == [1, 3]  # b grows into a's spare: the queue is empty
+    assert bm.num_free_blocks == 0
+    bm.check_integrity()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_growth_run_blocks_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="growth_run_blocks"):
+        BlockManager(num_blocks=4, block_size=2, growth_run_blocks=bad)
+
+
+def test_check_integrity_catches_a_spare_that_is_also_held():
+    bm = BlockManager(num_blocks=8, block_size=2, growth_run_blocks=4)
+    bm.allocate("a", 2)
+    bm.allocate("a", 3)  # [0, 1], spares 2, 3, 4
+    bm._tables["a"].append(2)
+    bm._num_tokens["a"] = 6
+    bm._ref_counts[2] = 1
+    with pytest.raises(AssertionError, match="both free and held"):
+        bm.check_integrity()

@@ -54,10 +54,12 @@ def test_decodes_first_then_prefill_chunks_then_fcfs_admission():
     out2 = step(s)
     assert plan(out2) == [("a", 1), ("b", 5), ("c", 2)]
     assert out2.scheduled[1].num_computed_tokens == 7
-    assert [list(x.block_ids) for x in out2.scheduled] == [[0], [1, 2, 3], [4]]
+    # b's table grows: block 3, with 4..18 set aside as its spares (growth runs), so c's
+    # new table starts at 19
+    assert [list(x.block_ids) for x in out2.scheduled] == [[0], [1, 2, 3], [19]]
     out3 = step(s)
     assert plan(out3) == [("a", 1), ("b", 1), ("c", 1)]
-    assert [list(x.block_ids) for x in out3.scheduled] == [[0, 5], [1, 2, 3, 6], [4]]
+    assert [list(x.block_ids) for x in out3.scheduled] == [[0, 20], [1, 2, 3, 4], [19]]
     assert list(out3.scheduled[0].token_ids) == [7]  # a's first output is fed back
 
 
