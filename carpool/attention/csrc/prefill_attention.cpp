@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "bf16_dot.h"
+#include "line_aligned.h"
 
 #include "amx_tiles.h"
 
@@ -222,8 +223,8 @@ CARPOOL_BF16_TARGET void attend_item(const Shapes& s, const Item& item, const ui
   const int64_t G = s.group, D = s.head_dim;
   const int64_t nq = item.q_end - item.q_begin, rows = nq * G;
   const int64_t padded_rows = amx ? (rows + 15) / 16 * 16 : rows;  // whole tiles (zeros)
-  thread_local std::vector<uint16_t> qbuf, pbuf;
-  thread_local std::vector<float> scores, obuf, row_max, row_sum, corr;
+  thread_local LineVector<uint16_t> qbuf, pbuf;
+  thread_local LineVector<float> scores, obuf, row_max, row_sum, corr;
   qbuf.resize(padded_rows * D);
   std::fill(qbuf.begin() + rows * D, qbuf.begin() + padded_rows * D, 0);
   pbuf.resize(padded_rows * kKeyChunk);
@@ -491,7 +492,7 @@ void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tens
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   // The packed buffers are kept from call to call (per calling thread): every value read is
   // written first (tails zeroed), so they need no clearing.
-  thread_local std::vector<uint16_t> k_packed, v_packed;
+  thread_local LineVector<uint16_t> k_packed, v_packed;
   if (static_cast<int64_t>(k_packed.size()) < offset.back()) {
     k_packed.resize(offset.back());
     v_packed.resize(offset.back());
