@@ -48,6 +48,7 @@
 #include "block_ops.h"
 #include "decode_one_pass_avx2.h"
 #include "decode_pairs.h"
+#include "line_aligned.h"
 
 #include <algorithm>
 #include <atomic>
@@ -93,14 +94,14 @@ struct WorkItem {
 // Per-thread buffers; padding columns are zeroed once and never written.
 template <typename scalar_t>
 struct Scratch {
-  std::vector<float> queries, acc, row_max, row_sum, correction, scores, keys, keys_t, values;
-  std::vector<float> zeros;  // one padded row of zeros: keys outside a chunk's loaded range
+  LineVector<float> queries, acc, row_max, row_sum, correction, scores, keys, keys_t, values;
+  LineVector<float> zeros;  // one padded row of zeros: keys outside a chunk's loaded range
   std::vector<scalar_t> zeros_in_place;  // the same in the cache's dtype
   std::vector<int64_t> key_lo, key_hi;
   std::vector<const scalar_t*> key_src, value_src;  // the chunk's rows in the cache
   std::vector<const float*> key_rows, value_rows;   // the same as float32 rows
-  std::vector<uint32_t> query_pairs;  // bfloat16 queries as pairs of d (paired items)
-  std::vector<uint16_t> value_pairs;  // the chunk's value rows interleaved in pairs of keys
+  LineVector<uint32_t> query_pairs;  // bfloat16 queries as pairs of d (paired items)
+  LineVector<uint16_t> value_pairs;  // the chunk's value rows interleaved in pairs of keys
   void reserve(int64_t rows, const Shapes& s) {
     if (static_cast<int64_t>(row_max.size()) < rows) {
       queries.assign(rows * s.padded_dim, 0.f);
