@@ -5,7 +5,9 @@ Every side attends the same step (built through `build_input_batch` from a
 heads, 3 KV heads, head_dim 64, block size 16; `--attention-shape` for another), with the
 same thread count. One timed sample is `--layers` consecutive layer calls, each on its own
 KV cache (so the caches do not all sit in the L3 cache, as in a real step); samples of the
-sides alternate, and the table gives the medians and the ratios of per-sample times.
+sides alternate, in the reverse order every other sample (a fixed order alone moved two
+builds of the same kernel by ~5%), and the table gives the medians and the ratios of
+per-sample times.
 Per-step work (the batch metadata and int32 tables) is built once, outside the timing, and
 so is the step's KV write (the caches hold this step's k and v before any side attends, so
 fresh prompts read the same keys on every side).
@@ -13,7 +15,8 @@ fresh prompts read the same keys on every side).
 The kernel sides take every row, fresh prompts of any length included (the PyTorch side
 runs the query-block matmuls for those). `--against DIR` adds a third side: the kernel
 built from another checkout's `carpool/attention/csrc` (e.g. `git archive <commit>`
-unpacked), called through this checkout's backend.
+unpacked), called through this checkout's backend, and the share of output values in which
+the two builds differ (0: the same bits).
 
     PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py
     PYTHONPATH=$PWD python3 benchmarks/cpu_attention_kernel.py --repeats 31 --threads 2 \
@@ -107,7 +110,8 @@ def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes:
                context: int | None = None, clock=time.perf_counter, shared: int = 0,
                attention_shape: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)) -> dict:
     """Median ms per layer call of each side ("torch" and one per kernels module), the
-    medians of the per-sample ratios torch / side, and each side's max abs diff to torch;
+    medians of the per-sample ratios torch / side, each side's max abs diff to torch, and
+    (with a "before" side) the share of output values where "before" and "kernel" differ;
     `attention_shape` is (query heads, kv heads, head_dim)."""
     num_heads, num_kv_heads, head_dim = attention_shape
     step, num_blocks = make_step(num_decodes, chunks, seed=num_decodes + len(chunks),
@@ -136,11 +140,15 @@ def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes:
             backends[side].attend(q, k, v, cache, metas[side], scale)
 
     expected = backends["torch"].attend(q, k, v, caches[0], metas["torch"], scale).float()
-    max_diff = {side: (backends[side].attend(q, k, v, caches[0], metas[side], scale).float()
-                       - expected).abs().max().item() for side in kernel_modules}
+    outs = {side: backends[side].attend(q, k, v, caches[0], metas[side], scale).float()
+            for side in kernel_modules}
+    max_diff = {side: (out - expected).abs().max().item() for side, out in outs.items()}
+    differ = ((outs["before"] != outs["kernel"]).float().mean().item()
+              if "before" in outs else None)
     times = {side: [] for side in backends}
-    for _ in range(repeats):
-        for side in backends:
+    order = list(backends)
+    for sample in range(repeats):
+        for side in order if sample % 2 == 0 else reversed(order):
             begin = clock()
             run(side)
             times[side].append((clock() - begin) / num_layers)
@@ -151,7 +159,7 @@ def bench_case(kernel_modules: dict, name: str, dtype: torch.dtype, num_decodes:
             b / c for b, c in zip(times["before"], times["kernel"]))
     return dict(name=name, dtype=str(dtype).removeprefix("torch."),
                 ms={side: 1e3 * statistics.median(t) for side, t in times.items()},
-                speedup=speedup, max_diff=max_diff)
+                speedup=speedup, max_diff=max_diff, differ=differ)
 
 
 def prefill_step_chunks(tokens: int = 4096, seed: int = 0) -> list[tuple[int, int]]:
@@ -221,7 +229,8 @@ def main() -> None:
     header += "".join(f" {'torch/' + s:>13}" for s in modules)
     if "before" in modules:
         header += f" {'before/kernel':>13}"
-    print(header + "".join(f" {s + ' diff':>12}" for s in modules))
+    header += "".join(f" {s + ' diff':>12}" for s in modules)
+    print(header + (f" {'differ':>8}" if "before" in modules else ""))
     for dtype in (getattr(torch, d) for d in ns.dtypes.split(",")):
         for name, num_decodes, chunks, context, *shared in cases:
             row = bench_case(modules, name, dtype, num_decodes, chunks, ns.layers, ns.repeats,
@@ -233,6 +242,8 @@ def main() -> None:
             if "before" in modules:
                 line += f" {row['speedup']['before/kernel']:12.2f}x"
             line += "".join(f" {row['max_diff'][s]:12.2e}" for s in modules)
+            if row["differ"] is not None:
+                line += f" {row['differ']:8.4%}"
             print(line, flush=True)
 
 
