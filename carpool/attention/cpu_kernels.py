@@ -4,7 +4,8 @@ One extension holds every kernel of `csrc/` (bound in `bindings.cpp`): paged att
 (`paged_attention.cpp`), bfloat16 prompt-chunk attention on AVX512-BF16
 (`prefill_attention.cpp`, the same arguments less the sliding window), the few-row
 bfloat16 and float32 linears (`small_gemm.cpp`) and a decoder layer's fused elementwise passes
-(`fused_ops.cpp`: RoPE, residual add + RMSNorm, SiLU x up, the KV write). Callers check
+(`fused_ops.cpp`: RoPE, residual add + RMSNorm, SiLU x up, the KV write), and a model's
+decoder layers run through those in one call (`layer_stack.cpp`, `LayerStack`). Callers check
 `has_bf16_gemm()` before the AVX512-BF16 ones, `has_small_gemm_bf16()` before the bfloat16
 small GEMM (AVX512-BF16, or AVX2 builds in float32 FMAs), `has_f32_gemm()` before the float32
 one.
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "bindings.cpp", _CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp",
             _CSRC / "small_gemm.cpp", _CSRC / "prefill_attention.cpp", _CSRC / "threads.cpp",
-            _CSRC / "greedy.cpp"]
+            _CSRC / "greedy.cpp", _CSRC / "layer_stack.cpp"]
 # Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
 _CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",

@@ -222,6 +222,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight_shard = self.model.embed_tokens.weight_shard
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # A platform may hand the steps it `takes` to its own runner of the decoder layers,
+        # which returns what the loop in `forward` would (CpuPlatform: cpu_layer_stack).
+        self.layer_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attention: AttentionBackend, meta) -> torch.Tensor:
@@ -232,6 +235,9 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # (T, head_dim) each
+        stack = self.layer_stack
+        if stack is not None and stack.takes(x.shape[0], attention, meta):
+            return stack(x, cos, sin, kv_caches, attention, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, attention, meta)

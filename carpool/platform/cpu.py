@@ -5,7 +5,9 @@ The KV cache goes on transparent huge pages (`cpu_huge_pages`). Each is a config
 `cpu_kernels`), on by default because each helps here (threads are pinned by default only
 in the processes carpool starts, see `utils/cpu_threads`). The C++ kernels (paged
 attention, the KV write, fused RoPE, residual add + RMSNorm, SiLU x up) are built on first
-use; without a compiler the PyTorch paths run, after one warning line.
+use; without a compiler the PyTorch paths run, after one warning line. With them, the
+steps whose linears all take the small GEMM run the decoder layers in one C++ call
+(`cpu_layer_stack`).
 
 `batch_invariant` (off by default) makes every linear, packed or not, multiply only a few
 fixed row counts per call (`cpu_invariant_linear`), so a row's result never depends on how
@@ -26,6 +28,7 @@ from carpool.platform.base import Platform
 from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMul
 from carpool.platform.cpu_huge_pages import zeros_on_huge_pages
 from carpool.platform.cpu_invariant_linear import tile_linears
+from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.platform.cpu_linear import can_pack, pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
 from carpool.utils.cpu_threads import NO_BIND, bind_threads
@@ -69,6 +72,8 @@ class CpuPlatform(Platform):
                 for name, child in module.named_children():
                     if type(child) in fused:
                         setattr(module, name, fused[type(child)](child))
+            if hasattr(model, "layer_stack") and not self.batch_invariant:
+                model.layer_stack = KernelLayerStack.of(model, kernels)
 
     def compiled_kernels(self) -> ModuleType | None:
         if not self.kernels:

@@ -90,6 +90,7 @@ Batch-invariant mode calls `packed_matmul` on fixed row counts instead
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -144,6 +145,21 @@ def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None,
     return SMALL_GEMM_AMX_MAX_ROWS if amx else SMALL_GEMM_MAX_ROWS
 
 
+@dataclass(frozen=True)
+class SmallGemm:
+    """A packed linear's few-row path as the kernels take it: `small_gemm_f32(x, packed,
+    out_features, bias)` for float32, else `small_gemm_bf16(..., amx=amx)`, for calls of up
+    to max_rows rows (what `PackedLinear.forward` does there; the layer stack calls it
+    itself, `cpu_layer_stack`)."""
+
+    packed: torch.Tensor
+    out_features: int
+    bias: torch.Tensor | None
+    float32: bool
+    amx: bool
+    max_rows: int
+
+
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose forward multiplies by a oneDNN-packed copy of its weight (and,
     given the compiled kernels, a bfloat16 weight's few-row calls by `small_gemm_bf16`'s
@@ -173,28 +189,32 @@ class PackedLinear(nn.Module):
             self._onednn_dtype)
         self._packed = torch.ops.mkldnn._reorder_linear_weight(
             linear.weight.detach().to(self._onednn_dtype))
-        self._small_gemm = self._small_packed = None
-        self._small_max_rows = 0
+        self._small_gemm = None
+        self.small = None
         dtype = linear.weight.dtype
         if (kernels is not None and dtype == torch.bfloat16
                 and linear.in_features % 2 == 0 and kernels.has_small_gemm_bf16()):
-            self._small_packed = kernels.pack_bf16_weight(linear.weight.detach())
+            packed = kernels.pack_bf16_weight(linear.weight.detach())
             if small_amx is None:
                 small_amx = kernels.has_amx() and linear.in_features % 32 == 0
             self._small_gemm = (functools.partial(kernels.small_gemm_bf16, amx=True)
                                 if small_amx else kernels.small_gemm_bf16)
         elif kernels is not None and dtype == torch.float32 and kernels.has_f32_gemm():
             self._small_gemm = kernels.small_gemm_f32
-            self._small_packed = kernels.pack_f32_weight(linear.weight.detach())
+            packed = kernels.pack_f32_weight(linear.weight.detach())
+            small_amx = False
         if self._small_gemm is not None:
             default = SMALL_GEMM_AMX_TILE_MAX_ROWS if small_amx else small_gemm_max_rows(dtype)
-            self._small_max_rows = default if small_max_rows is None else small_max_rows
+            self.small = SmallGemm(packed=packed, out_features=self.out_features, bias=self.bias,
+                                   float32=dtype == torch.float32, amx=bool(small_amx),
+                                   max_rows=default if small_max_rows is None else small_max_rows)
+        self._small_max_rows = 0 if self.small is None else self.small.max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= self._small_max_rows:
             out = self._small_gemm(flat if flat.stride(-1) == 1 else flat.contiguous(),
-                                   self._small_packed, self.out_features, self.bias)
+                                   self.small.packed, self.out_features, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         num_rows = flat.shape[0]
         if num_rows == self._full_rows:

@@ -165,7 +165,7 @@ def test_small_f32_gemm_matches_linear_and_ignores_its_batch(f32_kernels, bias, 
     x = torch.randn(40, in_features)
 
     def small(rows: torch.Tensor) -> torch.Tensor:
-        return f32_kernels.small_gemm_f32(rows, packed._small_packed, out_features, linear.bias)
+        return f32_kernels.small_gemm_f32(rows, packed.small.packed, out_features, linear.bias)
 
     with torch.inference_mode():
         out = small(x)  # several row tiles of the kernel itself

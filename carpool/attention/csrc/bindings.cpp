@@ -7,17 +7,14 @@
 
 #include "amx_tiles.h"
 #include "block_ops.h"
+#include "kernel_api.h"
+#include "layer_stack.h"
 #include "stealable_shares.h"
 
 #include <atomic>
 #include <cstdint>
 #include <tuple>
 #include <vector>
-
-void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
-                     const at::Tensor& block_tables, const at::Tensor& query_starts,
-                     const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale,
-                     int64_t sliding_window, bool batch_invariant, int64_t bf16_widen);
 
 namespace {
 using Vec = at::vec::Vectorized<float>;
@@ -50,44 +47,6 @@ std::vector<std::tuple<int64_t, int64_t>> shares_claims(const std::vector<int64_
 }
 
 }  // namespace
-
-namespace carpool_gemm {  // small_gemm.cpp
-bool has_bf16_gemm();
-bool has_small_gemm_bf16();
-at::Tensor pack_bf16_weight(const at::Tensor& weight);
-at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                           const c10::optional<at::Tensor>& bias, bool amx);
-bool has_f32_gemm();
-at::Tensor pack_f32_weight(const at::Tensor& weight);
-at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                          const c10::optional<at::Tensor>& bias);
-}
-
-namespace carpool_prefill {  // prefill_attention.cpp
-bool prefill_head_dim_ok(int64_t head_dim);
-void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
-                            const at::Tensor& block_tables, const at::Tensor& query_starts,
-                            const at::Tensor& query_lens, const at::Tensor& seq_lens,
-                            double scale, bool amx);
-}
-
-namespace carpool_fused {  // fused_ops.cpp
-void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
-                                            const c10::optional<at::Tensor>& residual,
-                                            const at::Tensor& weight, double eps);
-at::Tensor silu_and_mul(const at::Tensor& gate_up);
-void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k,
-               const at::Tensor& v);
-}
-
-namespace carpool_greedy {  // greedy.cpp
-at::Tensor argmax_rows(const at::Tensor& logits);
-}
-
-namespace carpool_threads {  // threads.cpp
-std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_head_dim", [] { return static_cast<int64_t>(carpool_cpu::kMaxVecs * Vec::size()); },
@@ -154,6 +113,55 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("query_starts"), py::arg("query_lens"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("amx") = false, py::call_guard<py::gil_scoped_release>());
+  // Module-local: every build loaded in one process (tests load the AVX2 one beside this
+  // CPU's) binds the same C++ types.
+  using carpool_layers::DecoderWeights, carpool_layers::LayerStack,
+      carpool_layers::SmallLinear, carpool_layers::StackShape;
+  py::class_<SmallLinear>(m, "SmallLinear", py::module_local(),
+                          "A linear layer as its small GEMM takes it.")
+      .def(py::init([](at::Tensor packed, int64_t out_features, c10::optional<at::Tensor> bias,
+                       bool f32, bool amx) {
+             return SmallLinear{std::move(packed), out_features, std::move(bias), f32, amx};
+           }),
+           py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("f32"),
+           py::arg("amx"));
+  py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local(),
+                             "One decoder layer's norms and linears.")
+      .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
+                       c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                       SmallLinear qkv, SmallLinear o, SmallLinear gate_up, SmallLinear down) {
+             return DecoderWeights{std::move(input_norm), std::move(post_attention_norm),
+                                   std::move(q_norm), std::move(k_norm), std::move(qkv),
+                                   std::move(o), std::move(gate_up), std::move(down)};
+           }),
+           py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
+           py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+  py::class_<StackShape>(m, "StackShape", py::module_local(),
+                         "The attention shape and the norms' epsilon of every layer.")
+      .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                       double scale) {
+             return StackShape{num_heads, num_kv_heads, head_dim, eps, scale};
+           }),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"));
+  py::class_<LayerStack>(m, "LayerStack", py::module_local(),
+                         "A model's decoder layers in one call (csrc/layer_stack.cpp).")
+      .def(py::init<std::vector<DecoderWeights>, StackShape>(), py::arg("layers"),
+           py::arg("shape"))
+      .def("forward",
+           [](const LayerStack& stack, const at::Tensor& x, const at::Tensor& cos,
+              const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
+              const at::Tensor& slot_mapping, const std::vector<at::Tensor>& paged_rows,
+              const std::vector<at::Tensor>& prefill_rows, int64_t sliding_window,
+              bool prefill_amx) {
+             return stack.forward(x, cos, sin, kv_caches, slot_mapping, paged_rows,
+                                  prefill_rows, {sliding_window, prefill_amx});
+           },
+           "The layers over x [T, hidden]: the last one's output plus its residual stream.",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
+           py::arg("slot_mapping"), py::arg("paged_rows"), py::arg("prefill_rows"),
+           py::arg("sliding_window"), py::arg("prefill_amx"),
+           py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),

@@ -1,0 +1,55 @@
+// The kernels' C++ entry points, one declaration each, for the files that call them across
+// files: the Python bindings (bindings.cpp) and the layer stack (layer_stack.cpp).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+// paged_attention.cpp
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_starts,
+                     const at::Tensor& query_lens, const at::Tensor& seq_lens, double scale,
+                     int64_t sliding_window, bool batch_invariant, int64_t bf16_widen);
+
+namespace carpool_gemm {  // small_gemm.cpp
+bool has_bf16_gemm();
+bool has_small_gemm_bf16();
+at::Tensor pack_bf16_weight(const at::Tensor& weight);
+at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                           const c10::optional<at::Tensor>& bias, bool amx);
+bool has_f32_gemm();
+at::Tensor pack_f32_weight(const at::Tensor& weight);
+at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                          const c10::optional<at::Tensor>& bias);
+}
+
+namespace carpool_prefill {  // prefill_attention.cpp
+bool prefill_head_dim_ok(int64_t head_dim);
+void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& query_starts,
+                            const at::Tensor& query_lens, const at::Tensor& seq_lens,
+                            double scale, bool amx);
+}
+
+namespace carpool_fused {  // fused_ops.cpp
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
+                                            const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k,
+               const at::Tensor& v);
+}
+
+namespace carpool_greedy {  // greedy.cpp
+at::Tensor argmax_rows(const at::Tensor& logits);
+}
+
+namespace carpool_threads {  // threads.cpp
+std::vector<int64_t> bind_threads(const std::vector<int64_t>& cpus);
+}

@@ -1,0 +1,124 @@
+// A model's decoder layers in one call, for the steps whose every linear takes the small GEMM
+// (decode steps and small mixed ones).
+//
+// The layers of models/llama.py, as the CPU platform prepares them (packed linears, the fused
+// norm, RoPE and SiLU x up, the CPU attention backend's kernels), call one kernel after another
+// from Python: about 16 module and tensor calls a layer, each a few microseconds with the
+// caches cold from the kernel before it. At decode sizes that was 2-3 ms of a 135M model's
+// step. Here the same kernels run in the same order on the same tensors, so the hidden states
+// are the modules' to the bit (tests/platform/test_cpu_layer_stack.py), with the GIL released
+// for the whole stack. platform/cpu_layer_stack.py builds it and says when a step takes it.
+
+#include "layer_stack.h"
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+#include "kernel_api.h"
+
+namespace carpool_layers {
+
+namespace {
+
+at::Tensor multiply(const SmallLinear& linear, const at::Tensor& x) {
+  if (linear.f32) return carpool_gemm::small_gemm_f32(x, linear.packed, linear.out_features,
+                                                      linear.bias);
+  return carpool_gemm::small_gemm_bf16(x, linear.packed, linear.out_features, linear.bias,
+                                       linear.amx);
+}
+
+// Four int32 row tensors (KernelRows' fields), or none.
+bool has_rows(const std::vector<at::Tensor>& rows, const char* name) {
+  TORCH_CHECK(rows.empty() || rows.size() == 4, "LayerStack: ", name,
+              " must be empty or [block_tables, query_starts, query_lens, seq_lens]");
+  return !rows.empty();
+}
+
+}  // namespace
+
+LayerStack::LayerStack(std::vector<DecoderWeights> layers, StackShape shape)
+    : layers_(std::move(layers)), shape_(shape) {
+  TORCH_CHECK(!layers_.empty(), "LayerStack: no layers");
+  TORCH_CHECK(shape_.num_heads > 0 && shape_.num_kv_heads > 0 && shape_.head_dim > 0 &&
+                  shape_.num_heads % shape_.num_kv_heads == 0,
+              "LayerStack: heads must be positive, query heads a multiple of kv heads");
+  for (const DecoderWeights& layer : layers_) {
+    TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
+                "LayerStack: a layer has both q and k norms or neither");
+  }
+}
+
+at::Tensor LayerStack::attention(const DecoderWeights& layer, const at::Tensor& h,
+                                 const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                                 const std::vector<at::Tensor>& paged_rows,
+                                 const std::vector<at::Tensor>& prefill_rows,
+                                 AttentionSwitches switches) const {
+  const int64_t tokens = h.size(0), heads = shape_.num_heads, kv_heads = shape_.num_kv_heads;
+  const int64_t d = shape_.head_dim;
+  // Attention.forward: the q, k, v views of one projection, the q and k norms, RoPE in place.
+  const std::vector<at::Tensor> qkv =
+      multiply(layer.qkv, h).split_with_sizes({heads * d, kv_heads * d, kv_heads * d}, -1);
+  at::Tensor q = qkv[0].view({tokens, heads, d});
+  at::Tensor k = qkv[1].view({tokens, kv_heads, d});
+  const at::Tensor v = qkv[2].view({tokens, kv_heads, d});
+  if (layer.q_norm.has_value()) {
+    q = std::get<0>(carpool_fused::rms_norm(q, c10::nullopt, *layer.q_norm, shape_.eps));
+    k = std::get<0>(carpool_fused::rms_norm(k, c10::nullopt, *layer.k_norm, shape_.eps));
+  }
+  carpool_fused::rotary_(q, k, cos, sin);
+  // CpuBackend.forward: the KV write, then prompt chunks and decodes into one output.
+  at::Tensor cache = kv_cache;
+  carpool_fused::write_kv_(cache, slot_mapping, k, v);
+  at::Tensor out = at::empty_like(q);
+  if (!prefill_rows.empty()) {
+    carpool_prefill::prefill_attention_bf16(out, q, kv_cache, prefill_rows[0], prefill_rows[1],
+                                            prefill_rows[2], prefill_rows[3], shape_.scale,
+                                            switches.prefill_amx);
+  }
+  if (!paged_rows.empty()) {
+    paged_attention(out, q, kv_cache, paged_rows[0], paged_rows[1], paged_rows[2],
+                    paged_rows[3], shape_.scale, switches.sliding_window,
+                    /*batch_invariant=*/false, /*bf16_widen=*/-1);
+  }
+  return multiply(layer.o, out.reshape({tokens, heads * d}));
+}
+
+at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                               const std::vector<at::Tensor>& kv_caches,
+                               const at::Tensor& slot_mapping,
+                               const std::vector<at::Tensor>& paged_rows,
+                               const std::vector<at::Tensor>& prefill_rows,
+                               AttentionSwitches switches) const {
+  TORCH_CHECK(kv_caches.size() == layers_.size(), "LayerStack: ", layers_.size(),
+              " layers but ", kv_caches.size(), " caches");
+  const bool paged = has_rows(paged_rows, "paged_rows");
+  TORCH_CHECK(has_rows(prefill_rows, "prefill_rows") || paged,
+              "LayerStack: a step has rows for paged_attention, prefill_attention_bf16 or both");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "LayerStack: x must be a contiguous [T, hidden]");
+  // DecoderLayer.forward: (x, residual) -> (the MLP's output, the residual stream before it).
+  at::Tensor hidden = x, residual;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const DecoderWeights& layer = layers_[i];
+    at::Tensor h;
+    if (!residual.defined()) {
+      residual = hidden;
+      h = std::get<0>(carpool_fused::rms_norm(hidden, c10::nullopt, layer.input_norm,
+                                              shape_.eps));
+    } else {
+      std::tie(h, residual) = carpool_fused::rms_norm(hidden, residual, layer.input_norm,
+                                                      shape_.eps);
+    }
+    h = attention(layer, h, cos, sin, kv_caches[i], slot_mapping, paged_rows, prefill_rows,
+                  switches);
+    std::tie(h, residual) = carpool_fused::rms_norm(h, residual, layer.post_attention_norm,
+                                                    shape_.eps);
+    hidden = multiply(layer.down, carpool_fused::silu_and_mul(multiply(layer.gate_up, h)));
+  }
+  return at::add(residual, hidden);
+}
+
+}  // namespace carpool_layers

@@ -1,0 +1,69 @@
+// A model's decoder layers run in one call: the kernels each layer's modules would call, in
+// the same order on the same tensors, without the Python around them (layer_stack.cpp).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace carpool_layers {
+
+// One linear layer as its small GEMM takes it: the packed weight, the output width, the bias.
+struct SmallLinear {
+  at::Tensor packed;
+  int64_t out_features = 0;
+  c10::optional<at::Tensor> bias;
+  bool f32 = false;  // small_gemm_f32 (else small_gemm_bf16)
+  bool amx = false;  // small_gemm_bf16 on AMX tiles
+};
+
+// One decoder layer: its two norms' weights, the q and k norms' (Qwen3) or none, and its four
+// linears.
+struct DecoderWeights {
+  at::Tensor input_norm, post_attention_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  SmallLinear qkv, o, gate_up, down;
+};
+
+// The attention shape and the norms' epsilon, the same in every layer.
+struct StackShape {
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  double eps = 0, scale = 0;
+};
+
+// The attention backend's switches: the kernels' arguments that are not the step's rows.
+struct AttentionSwitches {
+  int64_t sliding_window = 0;  // 0: none
+  bool prefill_amx = false;    // prefill_attention_bf16 on AMX tiles
+};
+
+class LayerStack {
+ public:
+  LayerStack(std::vector<DecoderWeights> layers, StackShape shape);
+
+  // x [T, hidden] (the embedded tokens), cos and sin [T, head_dim] contiguous, one cache per
+  // layer; the rows paged_attention attends and those prefill_attention_bf16 attends (each
+  // the four int32 tensors of the backend's KernelRows: block tables, query starts, query
+  // lens, seq lens; empty where the step has none). Returns the last layer's output plus its
+  // residual stream (the hidden states before the final norm).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                     const std::vector<at::Tensor>& paged_rows,
+                     const std::vector<at::Tensor>& prefill_rows,
+                     AttentionSwitches switches) const;
+
+ private:
+  at::Tensor attention(const DecoderWeights& layer, const at::Tensor& h, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping, const std::vector<at::Tensor>& paged_rows,
+                       const std::vector<at::Tensor>& prefill_rows,
+                       AttentionSwitches switches) const;
+
+  std::vector<DecoderWeights> layers_;
+  StackShape shape_;
+};
+
+}  // namespace carpool_layers

@@ -1,0 +1,101 @@
+"""The CPU platform's layer stack (`platform/cpu_layer_stack.py`, `csrc/layer_stack.cpp`):
+the steps it takes give the modules' hidden states to the bit, on every architecture, in
+float32 and bfloat16, decode and mixed steps alike; it is built only where every layer is
+the kernels', and the steps it does not take go through the modules."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from runner_driver import Driver, DriverRequest
+from carpool.attention import cpu_kernels
+from carpool.platform.cpu_layer_stack import KernelLayerStack
+from carpool.runner.model_runner import ModelRunner
+from carpool.sampling_params import SamplingParams
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ kernels here")
+
+
+def make_runner(path, dtype: str, **kwargs) -> ModelRunner:
+    settings = dict(max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8,
+                    num_kv_blocks=96, block_size=4, device="cpu", dtype=dtype)
+    settings.update(kwargs)
+    return ModelRunner(path, **settings)
+
+
+def compare_each_step(runner: ModelRunner, monkeypatch) -> list[bool]:
+    """Make every step run the model twice, with the stack where it takes the step and with
+    the modules alone, and assert the two hidden states are equal to the bit (the second
+    run rewrites the same keys and values). Returns, per step, whether the stack took it."""
+    model, taken = runner.model, []
+    forward = model.forward
+
+    def both(input_ids, positions, kv_caches, attention, meta):
+        stack = model.layer_stack
+        taken.append(stack.takes(input_ids.shape[0], attention, meta))
+        got = forward(input_ids, positions, kv_caches, attention, meta)
+        model.layer_stack = None
+        try:
+            expected = forward(input_ids, positions, kv_caches, attention, meta)
+        finally:
+            model.layer_stack = stack
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+        return got
+
+    monkeypatch.setattr(model, "forward", both)
+    return taken
+
+
+def requests(seed: int) -> list[DriverRequest]:
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    return [DriverRequest(f"r{i}", [rng.randrange(1, 500) for _ in range(n)], params,
+                          arrival_step=arrival)
+            for i, (n, arrival) in enumerate([(9, 0), (2, 0), (21, 3)])]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases, tied embeddings
+    ("qwen3", {}),  # q and k norms, head_dim 32
+    ("mistral", {"sliding_window": 6}),  # one kv head, a window the prompts outgrow
+])
+def test_stack_steps_give_the_modules_hidden_states_bitwise(make_checkpoint, monkeypatch,
+                                                             arch, overrides, dtype):
+    runner = make_runner(make_checkpoint(arch, **overrides), dtype)
+    assert isinstance(runner.model.layer_stack, KernelLayerStack)
+    taken = compare_each_step(runner, monkeypatch)
+    # Prompts in chunks of 4 beside the other requests' decodes, then decodes alone.
+    Driver(runner, chunk=4).run(requests(seed=len(arch)))
+    assert len(taken) > 8 and all(taken[-5:])
+
+
+@needs_kernels
+def test_steps_beyond_the_small_gemm_go_through_the_modules(make_checkpoint, monkeypatch):
+    runner = make_runner(make_checkpoint("llama"), "bfloat16")
+    runner.model.layer_stack.max_rows = 3  # as if the small GEMM took 3 rows at most
+    taken = compare_each_step(runner, monkeypatch)
+    Driver(runner, chunk=4).run(requests(seed=5))
+    assert any(taken) and not all(taken)
+
+
+@needs_kernels
+@pytest.mark.parametrize("setting", [dict(batch_invariant=True), dict(cpu_packed_linears=False),
+                                     dict(cpu_kernels=False), dict(dtype="float16")])
+def test_no_stack_where_a_layer_is_not_all_kernels(make_checkpoint, setting):
+    settings = {"dtype": "bfloat16", **setting}
+    assert make_runner(make_checkpoint("llama"), **settings).model.layer_stack is None
+
+
+@needs_kernels
+def test_other_attention_backends_keep_the_modules(make_checkpoint, monkeypatch):
+    runner = make_runner(make_checkpoint("llama"), "bfloat16", attention_backend="sdpa")
+    assert runner.model.layer_stack is not None  # the layers are the kernels', attention not
+    taken = compare_each_step(runner, monkeypatch)
+    Driver(runner, chunk=4).run(requests(seed=1))
+    assert taken and not any(taken)
