@@ -77,10 +77,10 @@ def small_gemm_of(kernels, dtype: torch.dtype):
     None where it has none."""
     if dtype == torch.bfloat16 and kernels.has_amx():
         def small_gemm(layer, x):
-            return kernels.small_gemm_bf16(x, layer._small_packed, layer.out_features, None, True)
+            return kernels.small_gemm_bf16(x, layer.small.packed, layer.out_features, None, True)
     elif dtype == torch.float32 and kernels.has_f32_gemm():
         def small_gemm(layer, x):
-            return kernels.small_gemm_f32(x, layer._small_packed, layer.out_features, None)
+            return kernels.small_gemm_f32(x, layer.small.packed, layer.out_features, None)
     else:
         small_gemm = None
     return small_gemm

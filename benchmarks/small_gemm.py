@@ -49,7 +49,7 @@ def one_pass(layers: list[PackedLinear], inputs: list[torch.Tensor], small: bool
              amx: bool = False) -> None:
     for layer, x in zip(layers, inputs):
         if small:
-            small_gemm(kernels, x, amx)(x, layer._small_packed, layer.out_features, None)
+            small_gemm(kernels, x, amx)(x, layer.small.packed, layer.out_features, None)
         else:
             layer._matmul(x)
 
@@ -85,7 +85,7 @@ def alternated_seconds(layers, inputs, builds: dict, repeats: int, amx: bool) ->
 
 
 def outputs(layers, inputs, kernels, amx: bool) -> list[torch.Tensor]:
-    return [small_gemm(kernels, x, amx)(x, layer._small_packed, layer.out_features, None)
+    return [small_gemm(kernels, x, amx)(x, layer.small.packed, layer.out_features, None)
             for layer, x in zip(layers, inputs)]
 
 
@@ -136,7 +136,7 @@ def main() -> None:
             inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
             onednn = seconds(layers, inputs, False, kernels, args.repeats)
             small = seconds(layers, inputs, True, kernels, args.repeats, args.amx)
-            diff = max((small_gemm(kernels, x, args.amx)(x, layer._small_packed,
+            diff = max((small_gemm(kernels, x, args.amx)(x, layer.small.packed,
                                                          layer.out_features, None)
                         - layer._matmul(x)).abs().max().item()
                        for layer, x in zip(layers, inputs))
