@@ -118,6 +118,27 @@ def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_featu
         == small_gemm_max_rows(torch.bfloat16)  # K not in 32s: the AVX512-BF16 GEMM
 
 
+@pytest.mark.parametrize("out_features", [4096, 4099])
+def test_small_bf16_gemm_on_amx_tiles_streams_a_large_output_to_the_same_bits(bf16_kernels,
+                                                                            out_features):
+    """An output of more than 4 MiB (an LM head's logits) is written by non-temporal stores:
+    whole 64-byte lines only (4099 columns: rows off the line and a ragged last pair take
+    the ordinary stores), the same bits as the smaller calls' ordinary stores."""
+    if not bf16_kernels.has_amx():
+        pytest.skip("no AMX on this CPU")
+    torch.manual_seed(out_features)
+    linear = nn.Linear(64, out_features, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear, bf16_kernels)
+    x = torch.randn(2 * MAX_ROWS, 64, dtype=torch.bfloat16)
+    assert x.shape[0] * out_features * 2 > 4 * 2**20
+    with torch.inference_mode():
+        out = packed(x)
+        reference = nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=1e-2)
+        for rows in (1, 40, 300):  # outputs of under 4 MiB: ordinary stores
+            assert torch.equal(packed(x[-rows:]), out[-rows:])
+
+
 def test_stealable_shares_run_their_own_front_then_steal_from_the_back():
     """The AMX GEMM's split of its work units: each thread takes its own share front to back,
     then the back of the next share that has any left; every unit is claimed exactly once."""

@@ -358,12 +358,23 @@ void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes
 // buffer the tiles were stored to) plus the bias, rounded to bfloat16 and stored to y, a few
 // rows at a time. The next tiles' k loop runs it between its tile products (`step`), so the
 // vector work overlaps the tile unit's instead of waiting for it.
+//
+// An output of more than kStreamedOutputBytes (an LM head's logits: 49,152 columns of 100 rows
+// are 9.8 MB) is written by non-temporal stores where a row's 32 columns are one whole cache
+// line. Its lines are in no cache (its buffer was last touched a step before), so an ordinary
+// store first reads its line from memory, and those reads held the fill buffers that the
+// weight stream needs: the 135M model's LM head took 4.4 ms at 100 rows and 10.6 at 200,
+// 2.4 and 3.9 ms streamed (same bits; BENCHMARKS §47). Smaller outputs, which the next kernel
+// reads from cache, keep ordinary stores.
+constexpr int64_t kStreamedOutputBytes = int64_t{4} << 20;
+
 struct PendingRows {
   const float* c = nullptr;  // c[r * 2 + b][16][16], as amx_tile_2x2 stores it
   uint16_t* y = nullptr;     // row 0 of the pair's rows, column 0
   int64_t n = 0, col = 0, next = 0, rows = 0, per_step = 0;
   __mmask32 mask = 0;        // the pair's columns [col, col + 32) clipped at n
   __m512 bias0, bias1;
+  bool streamed = false;     // non-temporal stores (whole aligned lines only)
 
   CARPOOL_AMX_TARGET void run(int64_t count) {
     const int64_t stop = std::min(rows, next + count);
@@ -371,7 +382,13 @@ struct PendingRows {
       const float* src = c + (next / 16) * 512 + (next % 16) * 16;  // block 1 at + 256
       const __m512 lo = _mm512_add_ps(_mm512_load_ps(src), bias0);
       const __m512 hi = _mm512_add_ps(_mm512_load_ps(src + 256), bias1);
-      _mm512_mask_storeu_epi16(y + next * n + col, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      const __m512i out = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      uint16_t* dst = y + next * n + col;
+      if (streamed && mask == ~__mmask32{0} && reinterpret_cast<uintptr_t>(dst) % 64 == 0) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), out);
+      } else {
+        _mm512_mask_storeu_epi16(dst, mask, out);
+      }
     }
   }
   CARPOOL_AMX_TARGET void step() { run(per_step); }
@@ -459,6 +476,7 @@ CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, const uint
   const auto rows_of = [&](int64_t t) { return t < m / 16 ? x + t * 16 * x_stride : tail; };
   const auto bytes_of = [&](int64_t t) { return (t < m / 16 ? x_stride : k) * 2; };
   const int64_t pairs = (blocks + 1) / 2;
+  const bool streamed = m * n * 2 > kStreamedOutputBytes;
   const int64_t tiles_per_block = row_tiles <= kOneBlockRowTiles ? row_tiles : kRowTilesPerBlock;
   const int64_t row_blocks = (row_tiles + tiles_per_block - 1) / tiles_per_block;
   // Thread s's share: row block by row block, its pairs [first_pair(s), first_pair(s + 1)).
@@ -500,12 +518,13 @@ CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, const uint
           pending.finish();
           const int64_t rows = std::min<int64_t>(nt * 16, m - t0 * 16);
           pending = PendingRows{c[buffer], y + t0 * 16 * n, n, col, 0, rows,
-                                (rows + ksteps - 1) / ksteps, mask, bias0, bias1};
+                                (rows + ksteps - 1) / ksteps, mask, bias0, bias1, streamed};
           buffer ^= 1;
         }
       }
     }
     pending.finish();
+    if (streamed) _mm_sfence();  // the streamed rows visible before the call returns
     release_tiles();
   });
 }
