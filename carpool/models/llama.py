@@ -236,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # (T, head_dim) each
         stack = self.layer_stack
-        if stack is not None and stack.takes(x.shape[0], attention, meta):
+        if stack is not None and stack.takes(attention, meta):
             return stack(x, cos, sin, kv_caches, attention, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):

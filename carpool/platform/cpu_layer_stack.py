@@ -1,12 +1,14 @@
-"""A model's decoder layers in one C++ call (`csrc/layer_stack.cpp`), for the steps whose
-every linear takes the small GEMM: decode steps and small mixed ones.
+"""A model's decoder layers in one C++ call (`csrc/layer_stack.cpp`).
 
 Prepared for the CPU (packed linears, the fused norm, RoPE and SiLU x up, the CPU
 attention backend's kernels), a layer still calls its kernels one by one from Python:
-about 16 module and tensor calls a layer, 2.1 ms of a 69 ms decode step of the 135M model
-at 100 requests, 2.3 of 23 ms at 20 (BENCHMARKS §47). `LayerStack` makes the same kernel
-calls in the same order on the same tensors in C++, so its hidden states are the modules'
-to the bit; the model hands it a step when `takes` says so and runs its modules otherwise.
+about 16 module and tensor calls a layer, 3-4 ms of a 135M model's decode step (21.8 of
+a 20-request step, 65.7 of a 100-request one: BENCHMARKS §47). `LayerStack` makes the
+same kernel calls in the same order on the same tensors in C++, with the GIL released, so
+its hidden states are the modules' to the bit; a linear's calls of more rows than its
+small GEMM takes go back to the module's own forward (oneDNN's, at prompt sizes). The
+model hands it every step `takes` accepts: those whose attention is the CPU backend's
+kernels alone.
 
 `KernelLayerStack.of` builds one only for a model whose every layer the CPU platform
 prepared that way (not under tensor parallelism or batch invariance, which change what the
@@ -22,15 +24,14 @@ from torch import nn
 
 from carpool.attention.cpu import CpuBackend, CpuMetadata, KernelRows
 from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMul
-from carpool.platform.cpu_linear import PackedLinear, SmallGemm
+from carpool.platform.cpu_linear import PackedLinear
 
 
 class KernelLayerStack:
     """`LlamaForCausalLM.layer_stack` on the CPU: `takes` a step, then runs its layers."""
 
-    def __init__(self, stack, max_rows: int) -> None:
+    def __init__(self, stack) -> None:
         self._stack = stack
-        self.max_rows = max_rows  # the fewest rows any of its linears' small GEMMs takes
 
     @classmethod
     def of(cls, model: nn.Module, kernels: ModuleType) -> KernelLayerStack | None:
@@ -38,7 +39,7 @@ class KernelLayerStack:
         if getattr(model, "tp", None) is None or model.tp.is_parallel:
             return None
         layers = list(model.model.layers)
-        weights, linears, norms = [], [], []
+        weights, norms = [], []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]
@@ -51,8 +52,7 @@ class KernelLayerStack:
                             for lin in layer_linears)):
                 return None
             norms += layer_norms
-            linears += layer_linears
-            small = [_small_linear(kernels, lin.small) for lin in layer_linears]
+            small = [_stack_linear(kernels, lin) for lin in layer_linears]
             weights.append(kernels.DecoderWeights(
                 layer_norms[0].weight.detach(), layer_norms[1].weight.detach(),
                 attn.q_norm.weight.detach() if attn.qk_norm else None,
@@ -62,13 +62,12 @@ class KernelLayerStack:
         attn = layers[0].self_attn
         shape = kernels.StackShape(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                    norms[0].eps, attn.scale)
-        return cls(kernels.LayerStack(weights, shape), min(lin.small.max_rows for lin in linears))
+        return cls(kernels.LayerStack(weights, shape))
 
-    def takes(self, num_tokens: int, attention, meta) -> bool:
-        """Whether this step's layers run here: every linear on the small GEMM, attention by
-        the CPU backend's kernels alone (its PyTorch paths and batch-invariant mode stay
-        with the modules)."""
-        return (num_tokens <= self.max_rows and type(attention) is CpuBackend
+    def takes(self, attention, meta) -> bool:
+        """Whether this step's layers run here: attention by the CPU backend's kernels alone
+        (its PyTorch paths and batch-invariant mode stay with the modules)."""
+        return (type(attention) is CpuBackend
                 and attention.kernels is not None and not attention.batch_invariant
                 and type(meta) is CpuMetadata
                 and (meta.kernel_rows is not None or meta.prefill_rows is not None))
@@ -84,9 +83,11 @@ class KernelLayerStack:
                                    attention.shape.sliding_window or 0, attention.prefill_amx)
 
 
-def _small_linear(kernels: ModuleType, small: SmallGemm):
+def _stack_linear(kernels: ModuleType, linear: PackedLinear):
+    small = linear.small
     bias = None if small.bias is None else small.bias.detach()
-    return kernels.SmallLinear(small.packed, small.out_features, bias, small.float32, small.amx)
+    return kernels.StackLinear(small.packed, small.out_features, bias, small.float32, small.amx,
+                               small.max_rows, linear.forward)
 
 
 def _rows(rows: KernelRows | None) -> list[torch.Tensor]:

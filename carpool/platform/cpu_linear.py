@@ -109,7 +109,10 @@ SMALL_GEMM_AMX_MAX_ROWS = 2  # the same where oneDNN has AMX (and is far faster 
 # them (`has_amx`) and in_features is a multiple of 32
 SMALL_GEMM_AMX_TILE_MAX_ROWS = 2 * MAX_ROWS
 SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gemm_f32
-SMALL_GEMM_F32_AMX_MAX_ROWS = 64  # the same on the AMX-generation Intel cores measured
+# the same on the AMX-generation Intel cores measured (an Emerald Rapids VM, small_gemm.py
+# --dtype float32: 0.79x/0.85x oneDNN's time on the 135M shapes at 96/128 rows, level on
+# vs_vllm.py's tiny model, 0.62-0.70x on the 0.3M model's; BENCHMARKS §47)
+SMALL_GEMM_F32_AMX_MAX_ROWS = 128
 SMALL_GEMM_F32_ZEN4_MAX_ROWS = 128  # the same on AMD Zen 4 (`cpu_kernels.is_zen4`)
 # The cuts of AVX2 builds (CPUs without AVX-512): their small GEMMs run float32 FMAs
 SMALL_GEMM_AVX2_MAX_ROWS = 32  # bfloat16: the weight read as bfloat16, widened in registers

@@ -116,20 +116,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Module-local: every build loaded in one process (tests load the AVX2 one beside this
   // CPU's) binds the same C++ types.
   using carpool_layers::DecoderWeights, carpool_layers::LayerStack,
-      carpool_layers::SmallLinear, carpool_layers::StackShape;
-  py::class_<SmallLinear>(m, "SmallLinear", py::module_local(),
-                          "A linear layer as its small GEMM takes it.")
+      carpool_layers::StackLinear, carpool_layers::StackShape;
+  py::class_<StackLinear>(m, "StackLinear", py::module_local(),
+                          "A linear layer: its small GEMM up to max_rows rows, else forward.")
       .def(py::init([](at::Tensor packed, int64_t out_features, c10::optional<at::Tensor> bias,
-                       bool f32, bool amx) {
-             return SmallLinear{std::move(packed), out_features, std::move(bias), f32, amx};
+                       bool f32, bool amx, int64_t max_rows, py::function forward) {
+             // Called with the GIL released (LayerStack.forward); the function object is
+             // copied and freed only where the GIL is held (here, and with the stack).
+             auto call = [forward = std::move(forward)](const at::Tensor& x) {
+               py::gil_scoped_acquire gil;
+               return forward(x).cast<at::Tensor>();
+             };
+             return StackLinear{std::move(packed), out_features, std::move(bias), f32, amx,
+                                max_rows, std::move(call)};
            }),
            py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("f32"),
-           py::arg("amx"));
+           py::arg("amx"), py::arg("max_rows"), py::arg("forward"));
   py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local(),
                              "One decoder layer's norms and linears.")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
                        c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
-                       SmallLinear qkv, SmallLinear o, SmallLinear gate_up, SmallLinear down) {
+                       StackLinear qkv, StackLinear o, StackLinear gate_up, StackLinear down) {
              return DecoderWeights{std::move(input_norm), std::move(post_attention_norm),
                                    std::move(q_norm), std::move(k_norm), std::move(qkv),
                                    std::move(o), std::move(gate_up), std::move(down)};

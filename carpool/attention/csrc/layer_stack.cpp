@@ -1,13 +1,14 @@
-// A model's decoder layers in one call, for the steps whose every linear takes the small GEMM
-// (decode steps and small mixed ones).
+// A model's decoder layers in one call.
 //
 // The layers of models/llama.py, as the CPU platform prepares them (packed linears, the fused
 // norm, RoPE and SiLU x up, the CPU attention backend's kernels), call one kernel after another
 // from Python: about 16 module and tensor calls a layer, each a few microseconds with the
-// caches cold from the kernel before it. At decode sizes that was 2-3 ms of a 135M model's
+// caches cold from the kernel before it. At decode sizes that was 3-4 ms of a 135M model's
 // step. Here the same kernels run in the same order on the same tensors, so the hidden states
-// are the modules' to the bit (tests/platform/test_cpu_layer_stack.py), with the GIL released
-// for the whole stack. platform/cpu_layer_stack.py builds it and says when a step takes it.
+// are the modules' to the bit (tests/runner/test_layer_stack.py), with the GIL released for
+// the whole stack except a linear's calls of more rows than its small GEMM takes, which go to
+// the module's own forward (prompt-sized steps, where they are oneDNN's and the Python around
+// them is a small share). platform/cpu_layer_stack.py builds it and says when a step takes it.
 
 #include "layer_stack.h"
 
@@ -23,7 +24,8 @@ namespace carpool_layers {
 
 namespace {
 
-at::Tensor multiply(const SmallLinear& linear, const at::Tensor& x) {
+at::Tensor multiply(const StackLinear& linear, const at::Tensor& x) {
+  if (x.size(0) > linear.max_rows) return linear.forward(x);
   if (linear.f32) return carpool_gemm::small_gemm_f32(x, linear.packed, linear.out_features,
                                                       linear.bias);
   return carpool_gemm::small_gemm_bf16(x, linear.packed, linear.out_features, linear.bias,

@@ -7,17 +7,22 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace carpool_layers {
 
-// One linear layer as its small GEMM takes it: the packed weight, the output width, the bias.
-struct SmallLinear {
+// One linear layer: calls of up to max_rows rows by its small GEMM (the packed weight, the
+// output width, the bias), larger ones by `forward`, the layer's own (the Python module's
+// forward, which takes the GIL: oneDNN's calls, whose row counts it buckets).
+struct StackLinear {
   at::Tensor packed;
   int64_t out_features = 0;
   c10::optional<at::Tensor> bias;
   bool f32 = false;  // small_gemm_f32 (else small_gemm_bf16)
   bool amx = false;  // small_gemm_bf16 on AMX tiles
+  int64_t max_rows = 0;
+  std::function<at::Tensor(const at::Tensor&)> forward;
 };
 
 // One decoder layer: its two norms' weights, the q and k norms' (Qwen3) or none, and its four
@@ -25,7 +30,7 @@ struct SmallLinear {
 struct DecoderWeights {
   at::Tensor input_norm, post_attention_norm;
   c10::optional<at::Tensor> q_norm, k_norm;
-  SmallLinear qkv, o, gate_up, down;
+  StackLinear qkv, o, gate_up, down;
 };
 
 // The attention shape and the norms' epsilon, the same in every layer.
