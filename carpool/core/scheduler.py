@@ -70,8 +70,16 @@ class Scheduler(RequestTable):
         `num_computed_tokens` moves only in `update()`."""
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
-        for request in self._running:  # no preemption from here on: the plan stands
-            self._cache_planned_blocks(request, plan)
+        if self.block_manager.prefix_cache is not None:
+            block_size = self.config.block_size
+            for request in self._running:  # no preemption from here on: the plan stands
+                # Only a step that fills a block has one to hash, most decode steps none: the
+                # request's earlier steps hashed up to the last boundary it crossed, and its
+                # admission from the start of its table.
+                computed = request.num_computed_tokens
+                end = computed + plan.num_new_tokens(request.request_id)
+                if end // block_size > computed // block_size:
+                    self.block_manager.cache_full_blocks(request, end)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
         return plan.to_output(self.block_manager, self._take_finished_ids())
