@@ -149,8 +149,8 @@ def add_engine_arguments(group) -> None:
                             "cache do not each miss the TLB.")
     group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
                        help="CPU: the C++ kernels (paged attention reading the KV cache in "
-                            "place, fused RoPE), built on first use; off, or without a "
-                            "compiler: the PyTorch paths.")
+                            "place, fused RoPE, the decoder layers run in one call), built on "
+                            "first use; off, or without a compiler: the PyTorch paths.")
     group.add_argument("--cpu-omp-threads-bind", default="auto", metavar="auto|nobind|CPUS",
                        help="CPU: pin torch's threads one to a CPU, as vLLM's "
                             "VLLM_CPU_OMP_THREADS_BIND: auto (the CPUs this process may use, "
