@@ -70,16 +70,8 @@ class Scheduler(RequestTable):
         `num_computed_tokens` moves only in `update()`."""
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
-        if self.block_manager.prefix_cache is not None:
-            block_size = self.config.block_size
-            for request in self._running:  # no preemption from here on: the plan stands
-                # Only a step that fills a block has one to hash, most decode steps none: the
-                # request's earlier steps hashed up to the last boundary it crossed, and its
-                # admission from the start of its table.
-                computed = request.num_computed_tokens
-                end = computed + plan.num_new_tokens(request.request_id)
-                if end // block_size > computed // block_size:
-                    self.block_manager.cache_full_blocks(request, end)
+        for request in self._running:  # no preemption from here on: the plan stands
+            self._cache_planned_blocks(request, plan)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
         return plan.to_output(self.block_manager, self._take_finished_ids())
@@ -240,10 +232,15 @@ class Scheduler(RequestTable):
 
     def _cache_planned_blocks(self, request: Request, plan: StepPlan) -> None:
         """Hash the blocks this step fills for the request, so that requests admitted after it
-        in this step hit them (no-op with caching off, or for a request not in the plan)."""
-        num_new = plan.num_new_tokens(request.request_id)
-        if num_new:
-            self.block_manager.cache_full_blocks(request, request.num_computed_tokens + num_new)
+        in this step hit them (no-op with caching off, or for a request not in the plan).
+
+        Only a step that crosses a block boundary fills one (most decode steps do not): the
+        steps before it hashed up to the last boundary crossed. A new table's cached blocks
+        are in the cache already, so their hashing may wait for that boundary too."""
+        computed = request.num_computed_tokens
+        end = computed + plan.num_new_tokens(request.request_id)
+        if end // self.config.block_size > computed // self.config.block_size:
+            self.block_manager.cache_full_blocks(request, end)
 
     def _in_flight_block_hashes(self) -> set[bytes]:
         """Hashes of the full blocks that running prefills have yet to compute (none with

@@ -98,7 +98,8 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LayerStack: ", layers_.size(),
               " layers but ", kv_caches.size(), " caches");
   const bool paged = has_rows(paged_rows, "paged_rows");
-  TORCH_CHECK(has_rows(prefill_rows, "prefill_rows") || paged,
+  const bool prefill = has_rows(prefill_rows, "prefill_rows");
+  TORCH_CHECK(paged || prefill,
               "LayerStack: a step has rows for paged_attention, prefill_attention_bf16 or both");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "LayerStack: x must be a contiguous [T, hidden]");
   // DecoderLayer.forward: (x, residual) -> (the MLP's output, the residual stream before it).
