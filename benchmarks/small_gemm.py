@@ -16,6 +16,8 @@ alternated pass by pass with this one's, and checks that the two give the same b
     python3 benchmarks/small_gemm.py --dtype bfloat16 --rows 1 4 16 64 128 256
     python3 benchmarks/small_gemm.py --dtype bfloat16 --amx --rows 3 16 64 128 256 512
     python3 benchmarks/small_gemm.py --dtype bfloat16 --rows 8 100 200 --against /tmp/base
+    python3 benchmarks/small_gemm.py --shapes 135M-head --copies 4 --dtype bfloat16 --amx \
+        --rows 16 64 100 200 --against /tmp/base
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from cpu_attention_kernel import load_other_kernels  # noqa: E402
 
 SHAPES = {
     "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],
+    "135M-head": [(576, 49152)],  # its LM head alone: an output of 98 KB a row
     "tiny": [(256, 512), (256, 256), (256, 1376), (688, 256), (256, 4096)],  # the built-in model
     # vs_vllm.py's tiny model and §18's 0.3M model, LM head last
     "vs-tiny": [(256, 512), (256, 256), (256, 1536), (768, 256), (256, 4096)],
