@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 
 from carpool.core.admission import PartialPrefillSlots, prefill_chunk
-from carpool.core.block_manager import BlockManager
+from carpool.core.block_manager import BlockManager, NoFreeBlocksError
 from carpool.core.config import SchedulerConfig
 from carpool.core.preemption import get_victim_policy
 from carpool.core.request import Request, RequestStatus
@@ -69,9 +69,8 @@ class Scheduler(RequestTable):
         """Plan one step. Changes block tables, running/waiting membership and preemptions;
         `num_computed_tokens` moves only in `update()`."""
         plan = StepPlan(self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
-        for request in self._running:  # no preemption from here on: the plan stands
-            self._cache_planned_blocks(request, plan)
+        for request in self._schedule_running(plan):  # no preemption from here on: the plan
+            self._cache_planned_blocks(request, plan)  # stands (a no-op for one preempted)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
         return plan.to_output(self.block_manager, self._take_finished_ids())
@@ -81,7 +80,9 @@ class Scheduler(RequestTable):
     def _is_prefilling(self, request: Request) -> bool:
         return request.num_computed_tokens < self._prefills[request.request_id].stop
 
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> list[Request]:
+        """Plan the seated running requests; returns those planned to fill a block this step
+        (some may be preempted later in the pass: the plan no longer holds them)."""
         # A resumed request may find its seat taken: at most max_num_seqs run in a step (oldest
         # first); the rest keep their blocks and wait for a seat.
         seated = ([r for r in self._running if r.request_id not in self._paused]
@@ -90,17 +91,23 @@ class Scheduler(RequestTable):
         decoding, prefilling = [], []
         for request in seated[:self.config.max_num_seqs]:
             (prefilling if self._is_prefilling(request) else decoding).append(request)
+        filling: list[Request] = []
+        block_size = self.config.block_size
         for request in decoding + prefilling:
             if plan.token_budget == 0:
-                return
+                break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            num_remaining = request.num_tokens - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            num_remaining = request.num_tokens - computed
             # a decode's one token always fits the budget left (> 0) and any chunk cap
             num_new = 1 if num_remaining == 1 else prefill_chunk(num_remaining,
                                                                  plan.token_budget, self.config)
             if num_new and self._grow_or_preempt(request, num_new, plan, unseated):
                 plan.add(request, num_new)
+                if (computed + num_new) // block_size > computed // block_size:
+                    filling.append(request)
+        return filling
 
     def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
                          unseated: list[Request]) -> bool:
@@ -111,7 +118,12 @@ class Scheduler(RequestTable):
         Returns False when the request had to preempt itself.
         """
         num_tokens = request.num_computed_tokens + num_new
-        while not self.block_manager.can_allocate(request.request_id, num_tokens):
+        while True:
+            try:  # most steps: the table has room, or the pool has the blocks
+                self.block_manager.allocate(request.request_id, num_tokens)
+                return True
+            except NoFreeBlocksError:
+                pass  # nothing changed: make room
             paused = [r for r in self._running if r.request_id in self._paused]
             if paused:
                 victim = paused[-1]
@@ -125,8 +137,6 @@ class Scheduler(RequestTable):
             self._preempt(victim, plan)
             if victim is request:
                 return False
-        self.block_manager.allocate(request.request_id, num_tokens)
-        return True
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free the request's blocks and send it to the front of the queue for recompute."""
