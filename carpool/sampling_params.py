@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 # A temperature below this is greedy: float32 logits divided by it would overflow to inf.
 # The value is vLLM's `_SAMPLING_EPS`; vLLM itself raises 0 < temperature < 0.01 to 0.01
@@ -155,6 +156,20 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Temperature 0, or so close to it (< GREEDY_TEMPERATURE_EPS) that it is the same."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalty(self) -> bool:
+        """A repetition, presence or frequency penalty is set."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @cached_property
+    def is_plain_greedy(self) -> bool:
+        """Greedy, with no logprobs, no penalty and no min_tokens: the sampled token is the
+        argmax of the raw logits. The sampler reads it for every row of every step, so it is
+        worked out once (the params are frozen)."""
+        return (self.is_greedy and self.logprobs is None and self.min_tokens == 0
+                and not self.has_penalty)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

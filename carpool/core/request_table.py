@@ -26,14 +26,15 @@ def stop_status(request: Request, token_id: int) -> RequestStatus | None:
     outputs exist; a stop token is recorded in `request.stop_reason`.
     """
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    num_output_tokens = len(request.output_token_ids)  # read for every token: no properties
+    if num_output_tokens >= params.min_tokens:
         if (not params.ignore_eos and request.eos_token_id is not None
                 and token_id == request.eos_token_id):
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_output_tokens:
+    if num_output_tokens >= request.max_output_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None
 

@@ -24,9 +24,12 @@ class StepStats:
 
     def record_step(self, sched_out: SchedulerOutput) -> None:
         """Count one model step."""
-        num_decode = sum(len(s.token_ids) for s in sched_out.scheduled
-                         if s.num_computed_tokens >= len(s.prompt_token_ids))
-        num_tokens = sched_out.num_scheduled_tokens
+        num_tokens = num_decode = 0
+        for scheduled in sched_out.scheduled:  # one pass: it runs every step
+            num_new = len(scheduled.token_ids)
+            num_tokens += num_new
+            if scheduled.num_computed_tokens >= len(scheduled.prompt_token_ids):
+                num_decode += num_new
         self.num_steps += 1
         self.last_step_num_tokens = num_tokens
         self.last_step_num_decode_tokens = num_decode

@@ -73,8 +73,7 @@ def _token_counts(token_lists, vocab_size: int, like: torch.Tensor) -> torch.Ten
 
 
 def _has_penalty(req: ScheduledRequest) -> bool:
-    p = req.sampling_params
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return req.sampling_params.has_penalty
 
 
 def _min_tokens_ids(req: ScheduledRequest, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:

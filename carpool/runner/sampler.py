@@ -71,12 +71,12 @@ class Sampler:
         Greedy rows with nothing to process take the argmax of the logits as they come: widening
         bfloat16 to float32 is exact and keeps their order, and skipping it saves writing and
         reading the float32 copy (BENCHMARKS §26)."""
+        if grammar_bitmask is None and all(r.sampling_params.is_plain_greedy for r in requests):
+            return SamplerOutput(token_ids=self._greedy_ids(logits).tolist(),
+                                 logprobs=[None] * len(requests))  # fast path
         wants_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         plain_greedy = (all(r.sampling_params.is_greedy for r in requests)
                         and not needs_processing(requests, self.eos_token_ids))
-        if plain_greedy and grammar_bitmask is None and not wants_logprobs:
-            return SamplerOutput(token_ids=self._greedy_ids(logits).tolist(),
-                                 logprobs=[None] * len(requests))  # fast path
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         if grammar_bitmask is not None:
