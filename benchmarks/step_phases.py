@@ -15,6 +15,9 @@ per step grows with the live rows of a step (continuous runs ~8, static ~3.7 wit
 for the finished ones) is W, and only cutting W raises the ratio.
 
     OMP_NUM_THREADS=1 python3 benchmarks/step_phases.py /tmp/hostwork/llama-300k --rounds 3
+
+`--variants A,B` compares two other `bench offline` variants the same way (the difference is
+B - A), e.g. `chunked-no-prefix-cache,continuous` for what prefix caching costs a step.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class PhaseClock:
             self.wrap(owner, name, phase)
 
 
-def run(model: str, rounds: int) -> dict[str, list[dict[str, float]]]:
+def run(model: str, rounds: int, pair: tuple[str, str] = ("static", "continuous")
+        ) -> dict[str, list[dict[str, float]]]:
     """{variant: [µs per step by phase, one dict per round]}."""
     import torch
 
@@ -88,7 +92,7 @@ def run(model: str, rounds: int) -> dict[str, list[dict[str, float]]]:
     common = {"max_num_seqs": 8}
     results: dict[str, list[dict[str, float]]] = {}
     for index in range(rounds):
-        variants = ("static", "continuous") if index % 2 == 0 else ("continuous", "static")
+        variants = pair if index % 2 == 0 else pair[::-1]
         for variant in variants:
             result = offline.run_variant(model, requests, variant, common, max_model_len, "cpu")
             num_steps = len(result.steps)
@@ -102,19 +106,26 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default="static,continuous",
+                        help="two bench offline variants, A,B (the difference is B - A)")
     args = parser.parse_args()
-    results = run(args.model, args.rounds)
+    pair = tuple(args.variants.split(","))
+    if len(pair) != 2:
+        parser.error("--variants takes two variants, A,B")
+    results = run(args.model, args.rounds, pair)
     # each variant's quickest round, whole (the phases of one round add up; on a shared host
     # the slow rounds are the ones other work landed in)
     best = {variant: min(rounds, key=lambda r: r["step"]) for variant, rounds in results.items()}
     print(f"µs per step, each variant's quickest of {args.rounds} rounds")
-    print(f"{'':12s}{'steps':>7s}" + "".join(f"{phase:>10s}" for phase in PHASES))
-    for variant, phases in best.items():
-        steps = results[variant][0]["steps"]
-        print(f"{variant:12s}{steps:7d}" + "".join(f"{phases.get(p, 0.0):10.1f}"
-                                                   for p in PHASES))
-    print(f"{'difference':12s}{'':7s}" + "".join(
-        f"{best['continuous'].get(p, 0.0) - best['static'].get(p, 0.0):+10.1f}" for p in PHASES))
+    width = max(12, *(len(v) + 1 for v in pair))
+    print(f"{'':{width}s}{'steps':>7s}" + "".join(f"{phase:>10s}" for phase in PHASES))
+    for variant in pair:
+        phases, steps = best[variant], results[variant][0]["steps"]
+        print(f"{variant:{width}s}{steps:7d}" + "".join(f"{phases.get(p, 0.0):10.1f}"
+                                                        for p in PHASES))
+    first, second = best[pair[0]], best[pair[1]]
+    print(f"{'difference':{width}s}{'':7s}" + "".join(
+        f"{second.get(p, 0.0) - first.get(p, 0.0):+10.1f}" for p in PHASES))
     return 0
 
 

@@ -232,3 +232,17 @@ def test_greedy_ids_pick_what_argmax_picks(dtype):
     torch.manual_seed(0)
     logits = torch.randn(37, 4099).round(decimals=1).to(dtype)  # many ties
     assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("change, plain", [
+    ({}, True), ({"temperature": 1e-6}, True), ({"temperature": 0.7}, False),
+    ({"logprobs": 0}, False), ({"min_tokens": 1}, False), ({"repetition_penalty": 1.1}, False),
+    ({"presence_penalty": 0.5}, False), ({"frequency_penalty": -0.5}, False)])
+def test_plain_greedy_means_greedy_with_nothing_to_apply_first(change, plain):
+    assert SamplingParams(**{"temperature": 0.0, **change}).is_plain_greedy is plain
+
+
+def test_one_row_with_processing_takes_the_whole_batch_off_the_argmax_fast_path():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 1.0, 2.0]])  # row 1's argmax is EOS
+    reqs = [_req("a", temperature=0.0), _req("b", temperature=0.0, min_tokens=1)]
+    assert _draw(logits, reqs) == [1, 2]
