@@ -11,13 +11,14 @@ under one token budget per step. `schedule()` plans a step in three passes:
      One that does not fit is skipped, at most `max_skips` times (aging).
      With prefix caching, a request's tokens already in cached blocks count
      as computed when it is admitted: only the rest is charged against the
-     budget and the partial-prefill limits. A block gets its hash as soon as
-     a step is planned to fill it, so a request admitted after it in the same
-     step already hits it: that step writes the block's K/V before any of its
-     attention reads it (every layer stores the whole step's K/V first), as
-     vLLM's V1 scheduler does. A request whose next uncached block a running
-     prefill computes in a *later* step waits for it (it will hit) rather
-     than compute it a second time.
+     budget and the partial-prefill limits. A block a step is planned to fill
+     gets its hash before the next lookup (or when its request leaves), so a
+     request admitted after it in the same step already hits it: that step
+     writes the block's K/V before any of its attention reads it (every layer
+     stores the whole step's K/V first), as vLLM's V1 scheduler does. A
+     request whose next uncached block a running prefill computes in a
+     *later* step waits for it (it will hit) rather than compute it a second
+     time.
 
 Paused requests (their client stopped reading: `pause_requests`) are left out
 of every pass and do not hold a seat; they keep their blocks until a running
@@ -58,6 +59,9 @@ class Scheduler(RequestTable):
         # num_tokens at admission (prompt, plus outputs when recomputed after preemption).
         self._prefills: dict[str, range] = {}
         self._num_skips: dict[str, int] = {}
+        # Prefix caching: running requests that filled (or are planned to fill) a block since
+        # their blocks were last hashed. Hashed together when a lookup or a free needs them.
+        self._unhashed: dict[str, Request] = {}
         self._choose_victim = get_victim_policy(config.preemption_policy)
         self.num_preemptions_total = 0
 
@@ -69,8 +73,7 @@ class Scheduler(RequestTable):
         """Plan one step. Changes block tables, running/waiting membership and preemptions;
         `num_computed_tokens` moves only in `update()`."""
         plan = StepPlan(self.config.max_num_batched_tokens)
-        for request in self._schedule_running(plan):  # no preemption from here on: the plan
-            self._cache_planned_blocks(request, plan)  # stands (a no-op for one preempted)
+        self._schedule_running(plan)
         if not plan.preempted_ids:
             self._admit_waiting(plan)
         return plan.to_output(self.block_manager, self._take_finished_ids())
@@ -80,9 +83,7 @@ class Scheduler(RequestTable):
     def _is_prefilling(self, request: Request) -> bool:
         return request.num_computed_tokens < self._prefills[request.request_id].stop
 
-    def _schedule_running(self, plan: StepPlan) -> list[Request]:
-        """Plan the seated running requests; returns those planned to fill a block this step
-        (some may be preempted later in the pass: the plan no longer holds them)."""
+    def _schedule_running(self, plan: StepPlan) -> None:
         # A resumed request may find its seat taken: at most max_num_seqs run in a step (oldest
         # first); the rest keep their blocks and wait for a seat.
         seated = ([r for r in self._running if r.request_id not in self._paused]
@@ -91,11 +92,9 @@ class Scheduler(RequestTable):
         decoding, prefilling = [], []
         for request in seated[:self.config.max_num_seqs]:
             (prefilling if self._is_prefilling(request) else decoding).append(request)
-        filling: list[Request] = []
-        block_size = self.config.block_size
         for request in decoding + prefilling:
             if plan.token_budget == 0:
-                break
+                return
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
             computed = request.num_computed_tokens
@@ -105,9 +104,7 @@ class Scheduler(RequestTable):
                                                                  plan.token_budget, self.config)
             if num_new and self._grow_or_preempt(request, num_new, plan, unseated):
                 plan.add(request, num_new)
-                if (computed + num_new) // block_size > computed // block_size:
-                    filling.append(request)
-        return filling
+                self._note_filled_blocks(request, computed, num_new)
 
     def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
                          unseated: list[Request]) -> bool:
@@ -142,6 +139,7 @@ class Scheduler(RequestTable):
         """Free the request's blocks and send it to the front of the queue for recompute."""
         plan.remove(request.request_id)
         plan.preempted_ids.append(request.request_id)
+        self._hash_computed_blocks(request)  # (its planned ones are not computed now)
         self.block_manager.free(request.request_id)
         self._running.remove(request)
         del self._prefills[request.request_id]
@@ -176,6 +174,7 @@ class Scheduler(RequestTable):
                 return
             if request.request_id in self._paused:
                 continue
+            self._hash_planned_blocks(plan)  # before the lookup: it may hit them
             cached_block_ids, num_new = self._admission_chunk(request, plan, slots, in_flight)
             if num_new:
                 for skipped in passed_over:
@@ -183,7 +182,6 @@ class Scheduler(RequestTable):
                                                                               0) + 1
                 passed_over.clear()
                 self._admit(request, cached_block_ids, num_new, plan, slots)
-                self._cache_planned_blocks(request, plan)
                 num_seated += 1
                 self._add_in_flight(in_flight, request)
             elif self._num_skips.get(request.request_id, 0) >= self.config.max_skips:
@@ -237,20 +235,37 @@ class Scheduler(RequestTable):
         if num_new < len(prefill):
             slots.take(len(prefill))
         plan.add(request, num_new)
+        self._note_filled_blocks(request, num_cached, num_new)
 
     # -- prefix caching: blocks in flight ---------------------------------------------------
 
-    def _cache_planned_blocks(self, request: Request, plan: StepPlan) -> None:
-        """Hash the blocks this step fills for the request, so that requests admitted after it
-        in this step hit them (no-op with caching off, or for a request not in the plan).
+    def _note_filled_blocks(self, request: Request, computed: int, num_new: int) -> None:
+        """Note a request whose `num_new` planned tokens after `computed` fill a block (with
+        caching on): its blocks get their hashes by the next lookup or free, not now.
 
-        Only a step that crosses a block boundary fills one (most decode steps do not): the
-        steps before it hashed up to the last boundary crossed. A new table's cached blocks
-        are in the cache already, so their hashing may wait for that boundary too."""
-        computed = request.num_computed_tokens
-        end = computed + plan.num_new_tokens(request.request_id)
-        if end // self.config.block_size > computed // self.config.block_size:
-            self.block_manager.cache_full_blocks(request, end)
+        Most decode steps fill none. A step that does usually has no lookup after it (a
+        lookup comes with an admission), so the hashing of several steps runs together
+        (sha256 on a cold cache cost 6.5 µs a block when each step hashed its own)."""
+        size = self.config.block_size
+        if (self.block_manager.prefix_cache is not None
+                and (computed + num_new) // size > computed // size):
+            self._unhashed[request.request_id] = request
+
+    def _hash_planned_blocks(self, plan: StepPlan) -> None:
+        """Hash the full blocks of the noted requests up to the end of this step's plan, so
+        that a request looked up next hits them. Every full block a step writes has its hash
+        before any later lookup: that step writes its K/V before any of its attention reads
+        it (every layer stores the whole step's K/V first)."""
+        for request_id, request in self._unhashed.items():
+            self.block_manager.cache_full_blocks(
+                request, request.num_computed_tokens + plan.num_new_tokens(request_id))
+        self._unhashed.clear()
+
+    def _hash_computed_blocks(self, request: Request) -> None:
+        """Before a request's blocks are freed: hash its computed full blocks not hashed yet,
+        so that they stay in the prefix cache."""
+        if self._unhashed.pop(request.request_id, None) is not None:
+            self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
 
     def _in_flight_block_hashes(self) -> set[bytes]:
         """Hashes of the full blocks that running prefills have yet to compute (none with
@@ -273,7 +288,14 @@ class Scheduler(RequestTable):
 
     # -- leaving ----------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash, and the blocks noted for hashing: a failed step's planned blocks
+        must never get one (those computed earlier simply miss the cache)."""
+        self._unhashed.clear()
+        return super().reset_prefix_cache()
+
     def _remove(self, request: Request) -> None:
+        self._hash_computed_blocks(request)  # it leaves; _finish frees its blocks next
         if request.status == RequestStatus.RUNNING:
             self._running.remove(request)
             del self._prefills[request.request_id]

@@ -185,13 +185,30 @@ def test_a_request_hits_the_blocks_another_computes_in_the_same_step():
 
 
 def test_a_failed_step_forgets_the_hashes_it_was_planned_to_fill():
-    scheduler = make_scheduler()
+    scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                               max_num_partial_prefills=2, max_long_partial_prefills=2)
     scheduler.add_request(request("a", range(20)))
-    scheduler.schedule()  # a 16-token chunk: blocks 0..3 hashed, never computed (the step fails)
-    assert scheduler.block_manager.prefix_cache.num_cached_blocks == 4
-    scheduler.reset_prefix_cache()  # what LLMEngine._fail_step does
     scheduler.add_request(request("b", range(20)))
-    assert scheduler.block_manager.find_cached_blocks(scheduler.get_request("b")) == []
+    out = scheduler.schedule()  # b's lookup hashes a's blocks 0..3, planned, never computed
+    assert plan(out) == [("a", 16), ("b", 4)]  # b hit them
+    assert scheduler.block_manager.prefix_cache.num_cached_blocks == 4
+    scheduler.reset_prefix_cache()  # what LLMEngine._fail_step does, then it fails them
+    scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ERROR)
+    scheduler.add_request(request("c", range(20)))
+    assert scheduler.block_manager.find_cached_blocks(scheduler.get_request("c")) == []
+
+
+def test_blocks_filled_since_the_last_lookup_are_hashed_when_their_request_ends():
+    scheduler = make_scheduler()
+    scheduler.add_request(request("a", range(10), max_tokens=7))
+    while scheduler.has_unfinished_requests():  # no lookup after a's admission: nothing
+        step(scheduler)  # asks for a hash until a ends
+        if scheduler.has_unfinished_requests():
+            assert scheduler.block_manager.prefix_cache.num_cached_blocks == 0
+    # a ends with 17 tokens, 16 computed: its 4 full blocks stay cached, whole
+    assert scheduler.block_manager.prefix_cache.num_cached_blocks == 4
+    scheduler.add_request(request("b", list(range(10)) + [7] * 6 + [5]))
+    assert len(scheduler.block_manager.find_cached_blocks(scheduler.get_request("b"))) == 4
 
 
 def test_a_request_waits_for_the_prefix_block_another_is_computing():
