@@ -80,9 +80,6 @@ class Scheduler(RequestTable):
 
     # -- pass 1 and 2: running requests ------------------------------------------------------
 
-    def _is_prefilling(self, request: Request) -> bool:
-        return request.num_computed_tokens < self._prefills[request.request_id].stop
-
     def _schedule_running(self, plan: StepPlan) -> None:
         # A resumed request may find its seat taken: at most max_num_seqs run in a step (oldest
         # first); the rest keep their blocks and wait for a seat.
@@ -90,8 +87,11 @@ class Scheduler(RequestTable):
                   if self._paused else self._running)
         unseated = seated[self.config.max_num_seqs:]  # hold blocks, do not run this step
         decoding, prefilling = [], []
+        prefills = self._prefills
         for request in seated[:self.config.max_num_seqs]:
-            (prefilling if self._is_prefilling(request) else decoding).append(request)
+            (prefilling if request.num_computed_tokens < prefills[request.request_id].stop
+             else decoding).append(request)
+        block_size = self.config.block_size
         for request in decoding + prefilling:
             if plan.token_budget == 0:
                 return
@@ -104,7 +104,8 @@ class Scheduler(RequestTable):
                                                                  plan.token_budget, self.config)
             if num_new and self._grow_or_preempt(request, num_new, plan, unseated):
                 plan.add(request, num_new)
-                self._note_filled_blocks(request, computed, num_new)
+                if (computed + num_new) // block_size > computed // block_size:
+                    self._note_filled_blocks(request)
 
     def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
                          unseated: list[Request]) -> bool:
@@ -235,20 +236,20 @@ class Scheduler(RequestTable):
         if num_new < len(prefill):
             slots.take(len(prefill))
         plan.add(request, num_new)
-        self._note_filled_blocks(request, num_cached, num_new)
+        size = self.config.block_size
+        if (num_cached + num_new) // size > num_cached // size:
+            self._note_filled_blocks(request)
 
     # -- prefix caching: blocks in flight ---------------------------------------------------
 
-    def _note_filled_blocks(self, request: Request, computed: int, num_new: int) -> None:
-        """Note a request whose `num_new` planned tokens after `computed` fill a block (with
-        caching on): its blocks get their hashes by the next lookup or free, not now.
+    def _note_filled_blocks(self, request: Request) -> None:
+        """Note a request whose planned tokens fill a block (with caching on): its blocks get
+        their hashes by the next lookup or free, not now.
 
         Most decode steps fill none. A step that does usually has no lookup after it (a
         lookup comes with an admission), so the hashing of several steps runs together
         (sha256 on a cold cache cost 6.5 µs a block when each step hashed its own)."""
-        size = self.config.block_size
-        if (self.block_manager.prefix_cache is not None
-                and (computed + num_new) // size > computed // size):
+        if self.block_manager.prefix_cache is not None:
             self._unhashed[request.request_id] = request
 
     def _hash_planned_blocks(self, plan: StepPlan) -> None:

@@ -37,23 +37,13 @@ class StepPlan:
         return entry[1] if entry is not None else 0
 
     def to_output(self, block_manager: BlockManager, finished_ids: list[str]) -> SchedulerOutput:
-        scheduled = [_scheduled_request(request, n, block_manager)
-                     for request, n in self._entries.values()]
+        scheduled = []
+        for request, num_new_tokens in self._entries.values():  # every row, every step: inline
+            start = request.num_computed_tokens
+            end = start + num_new_tokens
+            scheduled.append(ScheduledRequest(
+                request.request_id, request.token_ids_slice(start, end), start,
+                block_manager.get_block_table(request.request_id), end == request.num_tokens,
+                request.sampling_params, request.prompt_token_ids, request.output_token_ids))
         return SchedulerOutput(scheduled=scheduled, preempted_ids=list(self.preempted_ids),
                                finished_ids=finished_ids)
-
-
-def _scheduled_request(request: Request, num_new_tokens: int,
-                       block_manager: BlockManager) -> ScheduledRequest:
-    start = request.num_computed_tokens
-    end = start + num_new_tokens
-    return ScheduledRequest(
-        request_id=request.request_id,
-        token_ids=request.token_ids_slice(start, end),
-        num_computed_tokens=start,
-        block_ids=block_manager.get_block_table(request.request_id),
-        sample=end == request.num_tokens,
-        sampling_params=request.sampling_params,
-        prompt_token_ids=request.prompt_token_ids,
-        output_token_ids=request.output_token_ids,
-    )
