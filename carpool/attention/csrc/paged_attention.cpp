@@ -63,7 +63,7 @@ namespace {
 
 using namespace carpool_cpu;
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kQueryTile = 16;  // queries of one request attended per pass over its keys
+constexpr int64_t kQueryTile = 32;  // queries of one request attended per pass over its keys
 constexpr int64_t kChunkKeys = 64;  // keys per online-softmax step (whole blocks, at least one)
 constexpr int64_t kPrefetchChunks = 2;  // chunks of keys and values asked for ahead of use
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
