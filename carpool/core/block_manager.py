@@ -23,8 +23,8 @@ evicted; they return to the queue's back when their request frees its table.
 
 With prefix caching on, a full block gets a hash once a step is planned to
 compute its K/V (`cache_full_blocks`; the scheduler calls it before a lookup
-could hit the block, or when the request leaves); a new table may start with such blocks
-found by `find_cached_blocks` (shared, reference count > 1). A block is written
+could hit the block, or when the request leaves); a new table may start with
+such blocks found by `find_cached_blocks` (shared, reference count > 1). A block is written
 in one step only, by the one request computing it: a table that starts with it
 reads it, in that step (after the step's writes) or later, and never writes it. A
 cached block that no table holds stays free *and* findable until evicted: new
