@@ -64,7 +64,6 @@ class LLMEngine:
             DEFAULT_SERVED_MODEL_NAME if config.model is None else str(config.model))
         self._clock = clock
         self._states: dict[str, RequestState] = {}
-        self._constrained_ids: set[str] = set()  # live requests with a grammar's matcher
         self._aborted_outputs: list[StepOutput] = []
         self._token_texts = TokenTextCache(tokenizer)
         self._stats = StepStats()
@@ -173,8 +172,6 @@ class LLMEngine:
         self._states[request_id] = RequestState(
             request, detokenizer, matcher=matcher,
             text_at_finish=text_at_finish and not sampling_params.stop)
-        if matcher is not None:
-            self._constrained_ids.add(request_id)
         return len(prompt_token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -188,7 +185,7 @@ class LLMEngine:
             return
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         for rid in live:
-            state = self._drop_state(rid)
+            state = self._states.pop(rid)
             self._aborted_outputs.append(self._final_output(state, "abort"))
 
     def set_paused(self, request_ids: Iterable[str], paused: bool) -> None:
@@ -243,9 +240,7 @@ class LLMEngine:
 
     def _constrained_rows(self, sched_out: SchedulerOutput) -> list[tuple[str, Any]]:
         """(request id, matcher) of the requests sampling this step under a grammar."""
-        rows: list[tuple[str, Any]] = []
-        if not self._constrained_ids:
-            return rows  # no grammar in flight: no pass over the step's requests
+        rows = []
         for scheduled in sched_out.scheduled:
             state = self._states.get(scheduled.request_id)
             if scheduled.sample and state is not None and state.matcher is not None:
@@ -284,7 +279,7 @@ class LLMEngine:
             prompt_logprobs=None if request.sampling_params.prompt_logprobs is None else
             self._prompt_logprobs(state, first=state.num_sent_tokens == len(new_token_ids)))
         if request.is_finished:
-            self._drop_state(request.request_id)
+            self._states.pop(request.request_id, None)
             output.finish_reason = request.finish_reason
             output.stop_reason = request.stop_reason
             output.request_metrics = self._metrics(request)
@@ -319,12 +314,7 @@ class LLMEngine:
         ids = [s.request_id for s in sched_out.scheduled if s.request_id in self._states]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         message = f"{type(exc).__name__}: {exc}"
-        return [self._final_output(self._drop_state(rid), "error", error=message) for rid in ids]
-
-    def _drop_state(self, request_id: str) -> RequestState | None:
-        """Forget an ended request's state (None if already forgotten)."""
-        self._constrained_ids.discard(request_id)
-        return self._states.pop(request_id, None)
+        return [self._final_output(self._states.pop(rid), "error", error=message) for rid in ids]
 
     def _final_output(self, state: RequestState, reason: str,
                       error: str | None = None) -> StepOutput:

@@ -21,7 +21,7 @@ from carpool.core.scheduler_output import ScheduledRequest
 
 def needs_processing(requests: list[ScheduledRequest], eos_token_ids: tuple[int, ...]) -> bool:
     """True when any row has a penalty or an active min_tokens mask."""
-    return any(_has_penalty(r) or _min_tokens_ids(r, eos_token_ids) for r in requests)
+    return any(r.sampling_params.has_penalty or _min_tokens_ids(r, eos_token_ids) for r in requests)
 
 
 def apply_min_tokens(logits: torch.Tensor, requests: list[ScheduledRequest],
@@ -40,7 +40,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[ScheduledRequest],
 
 def apply_penalties(logits: torch.Tensor, requests: list[ScheduledRequest]) -> None:
     """Apply repetition, presence and frequency penalties in place, all penalised rows at once."""
-    rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.has_penalty]
     if not rows:
         return
     vocab_size = logits.shape[-1]
@@ -70,10 +70,6 @@ def _token_counts(token_lists, vocab_size: int, like: torch.Tensor) -> torch.Ten
     counts = torch.zeros((len(token_lists), vocab_size + 1), device=like.device, dtype=like.dtype)
     counts.scatter_add_(1, index, torch.ones(index.shape, device=like.device, dtype=like.dtype))
     return counts[:, :vocab_size]  # drop the padding column
-
-
-def _has_penalty(req: ScheduledRequest) -> bool:
-    return req.sampling_params.has_penalty
 
 
 def _min_tokens_ids(req: ScheduledRequest, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
