@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 
 SHAPES = [(576, 3072), (576, 960), (1536, 576), (576, 576)]  # (K, N) of the 135M model
 ORDERS = {"a-resident": 0, "k-chunks": 1, "b-prefetch": 2, "a-packed": 3}
@@ -47,7 +47,7 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
-#include "amx_tiles.h"
+#include "gemm/amx_tiles.h"
 
 // The 4 sums (16 x 16 float32 each) of rows r, r + 16 by column blocks b, b + 1, as stored.
 CARPOOL_AMX_TARGET static void store_rows(const float* c, uint16_t* y, int64_t n) {
@@ -158,7 +158,7 @@ CARPOOL_AMX_TARGET void gemm(torch::Tensor xt, torch::Tensor wt, torch::Tensor y
 
 def build():
     csrc = Path(cpu_kernels.__file__).parent / "csrc"
-    flags = ["-O3", "-DCARPOOL_AMX", "-mavx512bf16", *cpu_kernels._CAPABILITY_FLAGS["AVX512"]]
+    flags = ["-O3", "-DCARPOOL_AMX", "-mavx512bf16", *cpu_kernels.loader.CAPABILITY_FLAGS["AVX512"]]
     return load_inline("amx_loop_orders", cpp_sources=_SOURCE, functions=["gemm"],
                        extra_include_paths=[str(csrc)], extra_cflags=flags)
 

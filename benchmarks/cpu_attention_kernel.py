@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from carpool.attention import AttentionShape, cpu_kernels, create_backend
+from carpool import kernels as cpu_kernels
+from carpool.attention import AttentionShape, create_backend
 from carpool.attention.base import write_kv
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.runner.input_batch import build_input_batch

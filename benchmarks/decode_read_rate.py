@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from carpool.attention.cpu_kernels import _CAPABILITY_FLAGS, paged_attention_reference
+from carpool.kernels.loader import CAPABILITY_FLAGS as _CAPABILITY_FLAGS
+from carpool.kernels.reference import paged_attention_reference
 from carpool.platform.cpu_huge_pages import zeros_on_huge_pages
 
 HEADS, GROUP, HEAD_DIM, BLOCK = 3, 3, 64, 16

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from vs_vllm import build_requests  # noqa: E402
 from vs_vllm_common import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS  # noqa: E402
 
-from carpool.attention import cpu_kernels  # noqa: E402
+from carpool import kernels as cpu_kernels  # noqa: E402
 from carpool.llm import LLM  # noqa: E402
 from carpool.platform import cpu_linear  # noqa: E402
 from carpool.runner import model_runner  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch import nn
 
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.rope import Rotary
 

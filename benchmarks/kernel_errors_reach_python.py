@@ -47,17 +47,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
 """
 
 def inline_module(carpool_flags=False):
-    from carpool.attention import cpu_kernels
+    from carpool import kernels as cpu_kernels
     flags = ["-O3", "-fopenmp"]
     name = "carpool_error_check"
     if carpool_flags:  # the vector-ISA flags carpool's own build gets on this CPU
-        flags += cpu_kernels._CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+        flags += cpu_kernels.loader.CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
         name += "_isa"
     return load_inline(name, cpp_sources=SOURCE, extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], verbose=False)
 
 def carpool_paged_attention_bad_block_table(capability):
-    from carpool.attention import cpu_kernels
+    from carpool import kernels as cpu_kernels
     kernels = cpu_kernels.load(capability=capability)
     q = torch.zeros(1, 4, 16)
     kernels.paged_attention(torch.empty_like(q), q, torch.zeros(2, 2, 4, 16, 16),
@@ -66,7 +66,7 @@ def carpool_paged_attention_bad_block_table(capability):
                             torch.tensor([20], dtype=torch.int32), 1.0, 0)
 
 def carpool_argmax_rows_bad_dtype():
-    from carpool.attention import cpu_kernels
+    from carpool import kernels as cpu_kernels
     cpu_kernels.load().argmax_rows(torch.zeros(2, 8, dtype=torch.int32))
 '''
 

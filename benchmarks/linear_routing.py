@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 from carpool.platform.cpu_linear import MAX_ROWS, PackedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

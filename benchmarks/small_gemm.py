@@ -29,14 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from carpool.attention import cpu_kernels  # noqa: E402
-from carpool.platform.cpu_linear import PackedLinear  # noqa: E402
+from carpool import kernels as cpu_kernels
+from carpool.platform.cpu_linear import PackedLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_attention_kernel import load_other_kernels  # noqa: E402
+from cpu_attention_kernel import load_other_kernels
 
 SHAPES = {
     "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],

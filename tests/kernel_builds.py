@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 
 
 def kernel_builds() -> list[str | None]:
@@ -13,7 +13,7 @@ def kernel_builds() -> list[str | None]:
     and CI would otherwise never execute."""
     builds: list[str | None] = [None]
     if (torch.backends.cpu.get_cpu_capability() == "AVX512"
-            and "avx2" in cpu_kernels._cpu_flags()):
+            and "avx2" in cpu_kernels.cpu_flags()):
         builds.append("AVX2")
     return builds
 

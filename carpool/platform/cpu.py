@@ -78,8 +78,8 @@ class CpuPlatform(Platform):
     def compiled_kernels(self) -> ModuleType | None:
         if not self.kernels:
             return None
-        from carpool.attention import cpu_kernels  # builds once per process, then cached
-        return cpu_kernels.load()
+        from carpool import kernels  # builds once per process, then cached
+        return kernels.load()
 
     def kv_cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype,
                        device: torch.device) -> torch.Tensor:

@@ -97,7 +97,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from carpool.attention import cpu_kernels
+from carpool.kernels import is_zen4
 
 MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows with rows
 # Powers of two up to 8 (single decodes stay cheap), multiples of 8 up to 128 (decode
@@ -113,7 +113,7 @@ SMALL_GEMM_F32_MAX_ROWS = 4  # float32 calls up to this many rows take small_gem
 # --dtype float32: 0.79x/0.85x oneDNN's time on the 135M shapes at 96/128 rows, level on
 # vs_vllm.py's tiny model, 0.62-0.70x on the 0.3M model's; BENCHMARKS §47)
 SMALL_GEMM_F32_AMX_MAX_ROWS = 128
-SMALL_GEMM_F32_ZEN4_MAX_ROWS = 128  # the same on AMD Zen 4 (`cpu_kernels.is_zen4`)
+SMALL_GEMM_F32_ZEN4_MAX_ROWS = 128  # the same on AMD Zen 4 (`carpool.kernels.is_zen4`)
 # The cuts of AVX2 builds (CPUs without AVX-512): their small GEMMs run float32 FMAs
 SMALL_GEMM_AVX2_MAX_ROWS = 32  # bfloat16: the weight read as bfloat16, widened in registers
 SMALL_GEMM_F32_AVX2_MAX_ROWS = 32
@@ -143,7 +143,7 @@ def small_gemm_max_rows(dtype: torch.dtype, amx: bool | None = None,
         if amx:
             return SMALL_GEMM_F32_AMX_MAX_ROWS
         if zen4 is None:
-            zen4 = cpu_kernels.is_zen4()
+            zen4 = is_zen4()
         return SMALL_GEMM_F32_ZEN4_MAX_ROWS if zen4 else SMALL_GEMM_F32_MAX_ROWS
     return SMALL_GEMM_AMX_MAX_ROWS if amx else SMALL_GEMM_MAX_ROWS
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from carpool.attention import AttentionShape, create_backend, resolve_backend_name
-from carpool.attention import cpu_kernels, paged
+from carpool import kernels as cpu_kernels
+from carpool.attention import AttentionShape, create_backend, paged, resolve_backend_name
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.runner.input_batch import build_input_batch
 from carpool.sampling_params import SamplingParams

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from carpool.attention import cpu_kernels
-from carpool.attention.cpu_kernels import paged_attention_reference
+from carpool import kernels as cpu_kernels
+from carpool.kernels.reference import paged_attention_reference
 from tests.kernel_builds import build_id, kernel_builds
 
 UNTOUCHED = 7.0  # what out holds before the call; rows no request covers must keep it
@@ -277,15 +277,13 @@ def test_another_checkout_of_the_same_sources_reuses_the_build(tmp_path):
     built = Path(module.__file__)
     before = built.stat().st_mtime_ns
     other = tmp_path / "checkout" / "csrc"
-    shutil.copytree(cpu_kernels._CSRC, other)
+    shutil.copytree(cpu_kernels.loader.CSRC, other)
     script = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from carpool.attention import cpu_kernels\n"
-        "other = Path(sys.argv[1])\n"
-        "cpu_kernels._CSRC = other\n"
-        "cpu_kernels._SOURCES = [other / p.name for p in cpu_kernels._SOURCES]\n"
-        "print(cpu_kernels.load().__file__)\n")
+        "from carpool.kernels import loader\n"
+        "loader.CSRC = Path(sys.argv[1])\n"
+        "print(loader.load().__file__)\n")
     done = subprocess.run([sys.executable, "-c", script, str(other)], capture_output=True,
                           text=True, timeout=600, check=True)
     assert Path(done.stdout.strip().splitlines()[-1]) == built
@@ -294,10 +292,10 @@ def test_another_checkout_of_the_same_sources_reuses_the_build(tmp_path):
 
 def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # torch reads CXX
-    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.loader.__name__):
         assert cpu_kernels.load(tmp_path / "build") is None
         assert cpu_kernels.load(tmp_path / "build") is None  # remembered, not retried
-    ours = [r for r in caplog.records if r.name == cpu_kernels.__name__]
+    ours = [r for r in caplog.records if r.name == cpu_kernels.loader.__name__]
     assert len(ours) == 1
     assert "unavailable" in ours[0].getMessage()
     assert "\n" not in ours[0].getMessage()
@@ -307,9 +305,9 @@ def test_missing_ninja_warns_and_returns_none(tmp_path, monkeypatch, caplog):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
-    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.loader.__name__):
         assert cpu_kernels.load(tmp_path / "build") is None
-    ours = [r for r in caplog.records if r.name == cpu_kernels.__name__]
+    ours = [r for r in caplog.records if r.name == cpu_kernels.loader.__name__]
     assert [r.getMessage().endswith("ninja is not installed") for r in ours] == [True]
 
 

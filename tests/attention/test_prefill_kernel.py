@@ -11,7 +11,8 @@ import torch
 
 from carpool.attention import AttentionShape, create_backend
 from carpool.attention.base import StepLayout
-from carpool.attention.cpu_kernels import load, paged_attention_reference
+from carpool.kernels import load
+from carpool.kernels.reference import paged_attention_reference
 
 UNTOUCHED = 7.0
 AS_INT = dict(dtype=torch.int32)

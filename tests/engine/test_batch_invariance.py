@@ -10,7 +10,7 @@ import random
 import pytest
 
 from carpool import LLM, SamplingParams
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 from carpool.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.testing.checkpoints import random_prompt

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 from carpool.attention.base import write_kv
 from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.rope import Rotary

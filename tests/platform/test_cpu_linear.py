@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 from carpool.platform.cpu_linear import (
     MAX_ROWS,
     ROW_BUCKETS,
@@ -26,7 +26,6 @@ from carpool.platform.cpu_linear import (
     padded_rows,
     small_gemm_max_rows,
 )
-
 from tests.kernel_builds import build_id, kernel_builds
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -225,7 +224,7 @@ def test_small_f32_gemm_checks_its_arguments(f32_kernels):
 ])
 def test_zen4_is_told_from_cpuinfo(monkeypatch, vendor, family, flags, zen4):
     fields = {"vendor_id": vendor, "cpu family": family, "flags": flags}
-    monkeypatch.setattr(cpu_kernels, "_cpuinfo", lambda: fields)
+    monkeypatch.setattr(cpu_kernels.cpu_info, "cpuinfo", lambda: fields)
     assert cpu_kernels.is_zen4() is zen4
 
 

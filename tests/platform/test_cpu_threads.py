@@ -108,7 +108,7 @@ def test_the_spin_flag_reaches_the_config():
 _PIN_SCRIPT = """
 import json, os, sys
 import torch
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 from carpool.platform import CpuPlatform
 cpus = json.loads(sys.argv[1])
 torch.set_num_threads(len(cpus))
@@ -127,7 +127,7 @@ print(json.dumps({"main": allowed(os.getpid()), "threads": sorted(threads.values
 
 
 def test_prepare_process_pins_each_torch_thread_to_its_own_cpu():
-    from carpool.attention import cpu_kernels
+    from carpool import kernels as cpu_kernels
     if cpu_kernels.load() is None:
         pytest.skip("no C++ toolchain here")
     cpus = sorted(os.sched_getaffinity(0))[:2]

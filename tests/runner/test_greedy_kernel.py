@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from carpool.attention import cpu_kernels
+from carpool import kernels as cpu_kernels
 from carpool.runner.sampler import greedy_ids
 
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
-
 from runner_driver import Driver, DriverRequest
-from carpool.attention import cpu_kernels
+
+from carpool import kernels as cpu_kernels
 from carpool.platform import cpu_linear
 from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.runner.model_runner import ModelRunner

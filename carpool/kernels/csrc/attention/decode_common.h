@@ -8,7 +8,7 @@
 
 #pragma once
 
-#include "block_ops.h"
+#include "attention/block_ops.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <c10/util/BFloat16.h>

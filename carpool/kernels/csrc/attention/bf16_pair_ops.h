@@ -1,4 +1,4 @@
-// bfloat16 prompt tiles on CPUs with AVX512-BF16 (cpu_kernels.py adds -mavx512bf16
+// bfloat16 prompt tiles on CPUs with AVX512-BF16 (carpool/kernels/loader.py adds -mavx512bf16
 // -DCARPOOL_AVX512_BF16 where /proc/cpuinfo lists avx512_bf16): vdpbf16ps multiplies pairs
 // of bfloat16 values exactly and adds both products to a float32 lane, twice the rate of
 // block_ops.h's float32 FMAs. Scores from keys transposed as pairs of d, value sums over
@@ -7,7 +7,7 @@
 
 #pragma once
 
-#include "block_ops.h"
+#include "attention/block_ops.h"
 
 #if defined(CARPOOL_AVX512_BF16)
 #include <c10/util/BFloat16.h>

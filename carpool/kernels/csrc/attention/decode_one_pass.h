@@ -31,7 +31,7 @@
 
 #pragma once
 
-#include "decode_common.h"
+#include "attention/decode_common.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <c10/util/Exception.h>

@@ -25,7 +25,7 @@
 // bfloat16 (as bfloat16 SDPA kernels do) for the second product. Threads take items
 // dynamically, longest first.
 //
-// With amx (builds for CPUs with AMX, cpu_kernels.py's -DCARPOOL_AMX; head_dim a multiple of
+// With amx (builds for CPUs with AMX, carpool/kernels/loader.py's -DCARPOOL_AMX; head_dim a multiple of
 // 32) both products run on the tile unit instead, on 16-row tiles (rows padded with zeros):
 // the packed layouts are already its B operands. Prompts are packed to whole 64-key chunks
 // so the value tiles' 32-key groups never read past a prompt's buffer. The softmax is the
@@ -46,10 +46,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "bf16_dot.h"
-#include "line_aligned.h"
+#include "gemm/bf16_dot.h"
+#include "runtime/line_aligned.h"
 
-#include "amx_tiles.h"
+#include "gemm/amx_tiles.h"
 
 namespace carpool_prefill {
 

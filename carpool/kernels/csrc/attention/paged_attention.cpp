@@ -44,11 +44,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
-#include "bf16_pair_ops.h"
-#include "block_ops.h"
-#include "decode_one_pass_avx2.h"
-#include "decode_pairs.h"
-#include "line_aligned.h"
+#include "attention/bf16_pair_ops.h"
+#include "attention/block_ops.h"
+#include "attention/decode_one_pass_avx2.h"
+#include "attention/decode_pairs.h"
+#include "runtime/line_aligned.h"
 
 #include <algorithm>
 #include <atomic>

@@ -10,7 +10,7 @@
 // the module's own forward (prompt-sized steps, where they are oneDNN's and the Python around
 // them is a small share). platform/cpu_layer_stack.py builds it and says when a step takes it.
 
-#include "layer_stack.h"
+#include "layers/layer_stack.h"
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty_like.h>

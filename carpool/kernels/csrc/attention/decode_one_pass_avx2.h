@@ -26,7 +26,7 @@
 
 #pragma once
 
-#include "decode_common.h"
+#include "attention/decode_common.h"
 
 #if defined(CPU_CAPABILITY_AVX2)
 #include <cmath>

@@ -1,6 +1,6 @@
 // The AMX tile unit (Intel Sapphire Rapids and later), shared by the kernels that use it:
 // the process's permission to use it, and the one tile configuration they all run with.
-// Compiled only where cpu_kernels.py adds -DCARPOOL_AMX (the CPU lists amx_bf16 and
+// Compiled only where carpool/kernels/loader.py adds -DCARPOOL_AMX (the CPU lists amx_bf16 and
 // amx_tile); the functions carry the ISA as a target attribute. amx_usable() (bound as
 // has_amx) answers in every build. Internal linkage: each file
 // that includes it gets its own copy.

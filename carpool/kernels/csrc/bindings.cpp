@@ -5,11 +5,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "amx_tiles.h"
-#include "block_ops.h"
+#include "gemm/amx_tiles.h"
+#include "attention/block_ops.h"
 #include "kernel_api.h"
-#include "layer_stack.h"
-#include "stealable_shares.h"
+#include "layers/layer_stack.h"
+#include "gemm/stealable_shares.h"
 
 #include <atomic>
 #include <cstdint>

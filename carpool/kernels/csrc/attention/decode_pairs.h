@@ -21,7 +21,7 @@
 
 #pragma once
 
-#include "decode_one_pass.h"
+#include "attention/decode_one_pass.h"
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(CARPOOL_AVX512_BF16)
 namespace carpool_cpu {

@@ -43,9 +43,9 @@
 
 #include <immintrin.h>
 
-#include "amx_tiles.h"
-#include "bf16_dot.h"
-#include "stealable_shares.h"
+#include "gemm/amx_tiles.h"
+#include "gemm/bf16_dot.h"
+#include "gemm/stealable_shares.h"
 
 namespace carpool_gemm {
 

@@ -1,0 +1,133 @@
+"""Builds and loads the compiled CPU kernels (`csrc/`), once per process and build folder.
+
+The extension is compiled with `torch.utils.cpp_extension.load` the first time `load()` is
+called and cached on disk across processes (torch's extension folder unless `build_dir` is
+given) under a name that carries a hash of the sources, flags, Python and torch, so two
+checkouts or an upgrade never build over, or load, each other's binary. The vector width
+matches the capability torch itself dispatches to on this CPU. When the build cannot run,
+`load()` logs one warning naming what falls back and returns None; callers keep the
+PyTorch path (`carpool.kernels.reference` computes the same thing).
+
+`python3 -m carpool.kernels` builds it ahead of time (`.ci/run` does, so no test pays for
+the build).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from carpool.kernels.cpu_info import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+# The translation units, relative to csrc/ (headers are included from csrc/'s root).
+SOURCES = ["bindings.cpp", "attention/paged_attention.cpp", "attention/prefill_attention.cpp",
+           "elementwise/fused_ops.cpp", "gemm/small_gemm.cpp", "layers/layer_stack.cpp",
+           "runtime/threads.cpp", "sampling/greedy.cpp"]
+# Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+_lock = threading.Lock()
+# per (build_dir, capability); None = the build failed
+_modules: dict[tuple[str | None, str | None], ModuleType | None] = {}
+
+
+def load(build_dir: str | os.PathLike | None = None,
+         capability: str | None = None) -> ModuleType | None:
+    """The compiled kernels module (built once per process, build dir and capability), or None
+    if the build fails (no compiler, no ninja, a compile error), after one warning line.
+
+    `capability` ("AVX512", "AVX2", "DEFAULT") picks the vector width of the build; None
+    takes the one torch dispatches to on this CPU (what the engine uses). Another one is for
+    tests and benchmarks of a narrower build on a wider CPU: the modules are independent, and
+    several can be loaded in one process.
+    """
+    key = (None if build_dir is None else str(build_dir), capability)
+    with _lock:
+        if key not in _modules:
+            _modules[key] = _build(key[0], capability)
+        return _modules[key]
+
+
+def build_flags(capability: str) -> list[str]:
+    """The compiler flags of a build for `capability` on this CPU."""
+    flags = CAPABILITY_FLAGS.get(capability, [])
+    if capability == "AVX512" and "avx512_bf16" in cpu_flags():
+        flags = [*flags, "-mavx512bf16", "-DCARPOOL_AVX512_BF16"]  # vdpbf16ps on bf16 prompts
+        if {"amx_bf16", "amx_tile"} <= cpu_flags():
+            flags = [*flags, "-DCARPOOL_AMX"]  # bf16 prompts' products on AMX tiles
+    return flags
+
+
+def _build(build_dir: str | None, capability: str | None = None) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    flags = build_flags(capability)
+    try:
+        csrc = _csrc_files()
+        name = _extension_name(capability.lower() if flags else "default", flags, csrc)
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja is not installed")
+        root = (Path(build_dir) if build_dir is not None
+                else Path(cpp_extension.get_default_build_root()) / name)
+        staged = _stage(root / "src", csrc)
+        # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here); without
+        # it the loop runs on one thread. The libgomp.so.1 torch already loaded serves it.
+        return cpp_extension.load(name=name, sources=[str(staged / s) for s in SOURCES],
+                                  extra_cflags=["-O3", "-fopenmp", *flags],
+                                  extra_include_paths=[str(staged)],
+                                  extra_ldflags=["-fopenmp"], build_directory=str(root),
+                                  verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        logger.warning("C++ CPU kernels unavailable (%s build): paged attention, the small "
+                       "GEMMs, the fused layer passes, the C++ layer stack and the greedy "
+                       "argmax fall back to PyTorch: %s", capability, first_line)
+        return None
+
+
+def _csrc_files() -> dict[str, bytes]:
+    """The files of csrc/ by path relative to it, sorted, read once for both the build's name
+    and its copy."""
+    return {path.relative_to(CSRC).as_posix(): path.read_bytes()
+            for path in sorted(CSRC.rglob("*")) if path.is_file()}
+
+
+def _stage(folder: Path, csrc: dict[str, bytes]) -> Path:
+    """`csrc` (`_csrc_files`) written into `folder` (files rewritten only where they differ);
+    returns `folder`. The build's ninja file names its sources by path, so building from the
+    checkout itself made every other checkout or install of the same sources recompile the
+    shared build and the next process compile it again; from a copy kept beside the build,
+    named by the sources' hash, they all find it up to date."""
+    for name, data in csrc.items():
+        target = folder / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists() or target.read_bytes() != data:
+            partial = target.with_name(f".{target.name}.{os.getpid()}")
+            partial.write_bytes(data)
+            os.replace(partial, target)  # whole files only, for a process building beside
+    return folder
+
+
+def _extension_name(capability: str, flags: list[str], csrc: dict[str, bytes]) -> str:
+    """carpool_cpu_kernels_<capability>_<hash of csrc/, flags, Python and torch>: each version
+    of the sources gets its own build in the shared extension cache."""
+    digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
+    digest.update(f"{sys.version_info.major}.{sys.version_info.minor} {torch.__version__}".encode())
+    for name, data in csrc.items():  # sorted by path
+        digest.update(name.encode())
+        digest.update(data)
+    return f"carpool_cpu_kernels_{capability}_{digest.hexdigest()[:12]}"
