@@ -2,7 +2,8 @@
 
 They cross a `multiprocessing` connection pickled whole, so a field added to
 `StepOutput`, `SamplingParams` or `EngineStats` travels with no code here
-(BENCHMARKS.md section 14 measures why pickle over a pipe, not ZeroMQ + msgpack).
+(pickle over a pipe was measured against ZeroMQ + msgpack:
+docs/lab/14-the-engine-in-its-own-process.md).
 Front end -> engine: `SubmitRequests`, `AbortRequests`, `PauseRequests`, `UtilityCall`, `Stop`.
 Engine -> front end: `EngineReady` once, then `Admitted`, `UtilityResult` and one
 `StepBatch` per step (and after commands), or `EngineFailed` as its last word.

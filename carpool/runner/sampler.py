@@ -46,7 +46,8 @@ class Sampler:
     def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0,
                  argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """argmax_rows: the compiled kernels' `argmax_rows` (float32 and bfloat16 CPU rows,
-        `greedy_ids`' answers in one vector pass; BENCHMARKS §27), or None: `greedy_ids`."""
+        `greedy_ids`' answers in one vector pass;
+        docs/lab/27-dtype-auto-as-vllm-s-the-servers.md), or None: `greedy_ids`."""
         self.device = device
         self._argmax_rows = argmax_rows
         self.eos_token_ids = tuple(eos_token_ids)
@@ -70,7 +71,7 @@ class Sampler:
 
         Greedy rows with nothing to process take the argmax of the logits as they come: widening
         bfloat16 to float32 is exact and keeps their order, and skipping it saves writing and
-        reading the float32 copy (BENCHMARKS §26)."""
+        reading the float32 copy (docs/lab/26-prefix-blocks-shared-within-the-step-that.md)."""
         if grammar_bitmask is None and all(r.sampling_params.is_plain_greedy for r in requests):
             return SamplerOutput(token_ids=self._greedy_ids(logits).tolist(),
                                  logprobs=[None] * len(requests))  # fast path

@@ -108,7 +108,8 @@ def _set_engine_openmp_wait(config: EngineConfig) -> None:
     barrier before they sleep (libgomp reads this from the environment they inherit). The
     default, ~0.1 ms, bridges one operator to the next; OpenMP's own ~3 ms made a spinning
     thread wait out whole time slices for a descheduled sibling on a small or shared CPU,
-    with HTTP running beside the steps (BENCHMARKS.md sections 14 and 21)."""
+    with HTTP running beside the steps (docs/lab/14-the-engine-in-its-own-process.md,
+    docs/lab/21-a-short-openmp-spin-for-the-engine.md)."""
     os.environ.update(openmp_wait_environment(config.cpu_omp_spin_count, os.environ))
 
 
