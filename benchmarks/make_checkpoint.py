@@ -6,8 +6,8 @@ Llama written by `carpool.testing.checkpoints.build_checkpoint`, with a
 weights are random, so its text is noise; its *cost* per token is that of a
 real Llama of the same shape, which is all a scheduling benchmark measures.
 
-    python benchmarks/make_checkpoint.py /tmp/bench-llama           # the default shape
-    python benchmarks/make_checkpoint.py /tmp/big --hidden-size 768 --num-layers 8
+    python3 -m benchmarks.make_checkpoint /tmp/bench-llama           # the default shape
+    python3 -m benchmarks.make_checkpoint /tmp/big --hidden-size 768 --num-layers 8
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from carpool.testing.checkpoints import build_checkpoint  # noqa: E402
+from carpool.testing.checkpoints import build_checkpoint
 
 
 def main() -> int:

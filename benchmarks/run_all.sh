@@ -13,7 +13,7 @@ OUT=${1:-/tmp/carpool-bench}
 MODEL=${MODEL:-$OUT/bench-llama}
 export OMP_NUM_THREADS=1
 mkdir -p "$OUT"
-[ -f "$MODEL/config.json" ] || python3 benchmarks/make_checkpoint.py "$MODEL"
+[ -f "$MODEL/config.json" ] || python3 -m benchmarks.make_checkpoint "$MODEL"
 bench() { python3 -m carpool.cli bench "$@"; }
 
 # 1. continuous vs static on the mix workload (half short, half long outputs)
@@ -30,5 +30,5 @@ bench offline --model "$MODEL" --workload mixed-load --num-prompts 8 --input-len
   | tee "$OUT/mixed_load.txt"
 
 # 3. serving near saturation: E2E p99/p50
-python3 benchmarks/serve_saturation.py --model "$MODEL" --out-dir "$OUT/serve" --num-prompts 64 \
+python3 -m benchmarks.features.serve_saturation --model "$MODEL" --out-dir "$OUT/serve" --num-prompts 64 \
   --repeat 3 | tee "$OUT/serve.txt"

@@ -25,7 +25,7 @@ mark() { echo "=== +$(( $(date +%s) - T0 ))s: $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
 g++ --version | head -1; lscpu | grep 'Model name'
-(CUDA_VISIBLE_DEVICES= timeout 120 python3 benchmarks/kernel_errors_reach_python.py \
+(CUDA_VISIBLE_DEVICES= timeout 120 python3 -m benchmarks.archive.kernel_errors_reach_python \
   > "$OUT/kernel_errors.txt" 2>&1) &
 mark "CUDA tests"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --carpool-device cuda \
@@ -34,11 +34,11 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE -n 8 --carpool-device 
   tests/server/test_openai_client.py tests/server/test_matches_offline.py tests/structured \
   2>&1 | tee "$OUT/cuda_tests.log" | tail -25
 mark "135M bf16 on CUDA"
-python3 benchmarks/make_vs_vllm_checkpoints.py /tmp/vs-vllm --models 135M --dtypes bfloat16 | tail -1
-timeout 90 python3 benchmarks/decode_step_groups.py --model /tmp/vs-vllm/135m-bfloat16 \
+python3 -m benchmarks.make_vs_vllm_checkpoints /tmp/vs-vllm --models 135M --dtypes bfloat16 | tail -1
+timeout 90 python3 -m benchmarks.profile.decode_step_groups --model /tmp/vs-vllm/135m-bfloat16 \
   --num-running 256 --device cuda --compare-cudnn 2>&1 | grep running
-timeout 60 python3 benchmarks/sdpa_new_shapes.py --device cuda --dtype bfloat16 2>&1 | grep ms
-timeout 90 python3 benchmarks/vs_vllm.py --models 135M --dtypes bfloat16 --engines carpool \
+timeout 60 python3 -m benchmarks.archive.sdpa_new_shapes --device cuda --dtype bfloat16 2>&1 | grep ms
+timeout 90 python3 -m benchmarks.compare.vs_vllm --models 135M --dtypes bfloat16 --engines carpool \
   --carpool-device cuda --workloads 200 --repeats 1 --threads 4 --kv-cache-gib 16 \
   --result-file "$OUT/vs_vllm_135m_cuda.json" 2>&1 | tail -3
 wait

@@ -7,7 +7,7 @@ server's resident memory is sampled from /proc every second. After a
 warm-up (the first third), memory must stay flat and the 99th percentile of
 the gaps between stream chunks (the median over 3-second windows of each
 window's p99) must hold steady between the two halves of the rest. Used by
-tests/reliability (30 s) and benchmarks/soak.py (10 min).
+tests/reliability (30 s) and benchmarks/features/soak.py (10 min).
 """
 
 from __future__ import annotations

