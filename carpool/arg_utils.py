@@ -2,7 +2,8 @@
 
 A neutral module: front ends import it, it imports only configs, so no front end
 imports another. Each flag's dest is the `EngineConfig.from_args` argument of the
-same name (vLLM's).
+same name (vLLM's); the --cpu-* flags' dests are the public names of `CpuOptions`' fields
+(--cpu-kernels fills cpu_kernels, the field `kernels`), with its defaults.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from carpool.config import (
     SERVER_CPU_MAX_NUM_SEQS,
 )
 from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
+from carpool.cpu_options import CpuOptions
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -97,6 +99,7 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(group) -> None:
+    cpu = CpuOptions()
     group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
                        help="Weights and activations dtype (auto: the checkpoint's, but a float32 "
                             "checkpoint in bfloat16 where the hardware has it, as vLLM; half = "
@@ -135,29 +138,32 @@ def add_engine_arguments(group) -> None:
                        help="Attention kernels: auto (cpu on CPU, sdpa on CUDA), cpu (CPU fast "
                             "paths), sdpa (portable PyTorch SDPA over gathered blocks).")
     group.add_argument("--cpu-packed-linears", action=argparse.BooleanOptionalAction,
-                       default=True,
+                       default=cpu.packed_linears,
                        help="CPU: run linear layers through oneDNN on weights packed once at "
                             "load (float32 and bfloat16).")
     group.add_argument("--cpu-malloc-tuning", action=argparse.BooleanOptionalAction,
-                       default=True,
+                       default=cpu.malloc_tuning,
                        help="CPU: keep freed memory in the malloc heap (no page faults on each "
                             "step's large temporaries; the process keeps its peak heap).")
     group.add_argument("--cpu-kv-huge-pages", action=argparse.BooleanOptionalAction,
-                       default=True,
+                       default=cpu.kv_huge_pages,
                        help="CPU: ask Linux for transparent huge pages under the KV cache "
                             "(madvise), so decode attention's reads of blocks all over the "
                             "cache do not each miss the TLB.")
-    group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+    group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
+                       default=cpu.kernels,
                        help="CPU: the C++ kernels (paged attention reading the KV cache in "
                             "place, fused RoPE, the decoder layers run in one call), built on "
                             "first use; off, or without a compiler: the PyTorch paths.")
-    group.add_argument("--cpu-omp-threads-bind", default="auto", metavar="auto|nobind|CPUS",
+    group.add_argument("--cpu-omp-threads-bind", default=cpu.omp_threads_bind,
+                       metavar="auto|nobind|CPUS",
                        help="CPU: pin torch's threads one to a CPU, as vLLM's "
                             "VLLM_CPU_OMP_THREADS_BIND: auto (the CPUs this process may use, "
                             "in the engine processes carpool starts; the offline LLM pins "
                             "nothing), nobind, or CPU lists such as 0-3 or 0-1|2-3 (one per "
                             "data-parallel replica or tensor-parallel rank).")
-    group.add_argument("--cpu-omp-spin-count", type=int, default=None, metavar="N",
+    group.add_argument("--cpu-omp-spin-count", type=int, default=cpu.omp_spin_count,
+                       metavar="N",
                        help="CPU: how many times an idle OpenMP thread of the engine processes "
                             "carpool starts spins before it sleeps (libgomp's GOMP_SPINCOUNT, "
                             "about 100 a microsecond; 0 sleeps at once). Default: the "

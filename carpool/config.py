@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from carpool.core.config import SchedulerConfig
-from carpool.utils.cpu_threads import validate as validate_threads_bind
-from carpool.utils.cpu_threads import validate_spin_count
+from carpool.cpu_options import CpuOptions
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
@@ -60,18 +59,9 @@ class EngineConfig:
     # scheduler.max_model_len.
     max_model_len: int | None = None
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (see carpool.attention)
-    # CPU platform switches (see carpool.platform.cpu); ignored on CUDA.
-    cpu_packed_linears: bool = True  # linear layers through oneDNN on weights packed once
-    cpu_malloc_tuning: bool = True  # glibc malloc keeps freed memory in the heap
-    cpu_kv_huge_pages: bool = True  # the KV cache on transparent huge pages (Linux)
-    cpu_kernels: bool = True  # the C++ kernels (paged attention, fused RoPE), built on first use
-    # Pin torch's threads one to a CPU: auto (in the processes carpool starts for the engine),
-    # nobind, or CPU lists like "0-3" or "0-1|2-3" (see carpool.utils.cpu_threads).
-    cpu_omp_threads_bind: str = "auto"
-    # How many times an idle OpenMP thread of those processes spins before it sleeps (libgomp's
-    # GOMP_SPINCOUNT, ~100 a microsecond; 0 sleeps at once). None: the environment's
-    # OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else 10,000 (see carpool.utils.cpu_threads).
-    cpu_omp_spin_count: int | None = None
+    # The CPU platform's switches (`LLM(cpu_kernels=...)`, `--no-cpu-kernels`, ...); ignored on
+    # CUDA. See carpool.cpu_options.
+    cpu: CpuOptions = field(default_factory=CpuOptions)
     # Every token's logits bitwise the same whatever else shares its steps (linears over fixed
     # row tiles, every query through the C++ kernel in one key order); CPU only, costs speed.
     batch_invariant: bool = False
@@ -140,10 +130,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if not isinstance(self.cpu, CpuOptions):
+            raise ValueError(f"cpu must be a CpuOptions, got {self.cpu!r}")
         if self.batch_invariant:
             check_batch_invariant_supported(self)
-        validate_threads_bind(self.cpu_omp_threads_bind)
-        validate_spin_count(self.cpu_omp_spin_count)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
@@ -165,15 +155,12 @@ class EngineConfig:
                   preemption_policy: str = "newest", enable_prefix_caching: bool = True,
                   tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
                   trust_remote_code: bool = False, attention_backend: str = "auto",
-                  cpu_packed_linears: bool = True,
-                  cpu_malloc_tuning: bool = True, cpu_kv_huge_pages: bool = True,
-                  cpu_kernels: bool = True,
-                  cpu_omp_threads_bind: str = "auto", cpu_omp_spin_count: int | None = None,
                   batch_invariant: bool = False, tokenizer: str | None = None,
                   chat_template: str | None = None,
                   generation_config: str = GENERATION_CONFIG_AUTO,
                   max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-                  enforce_eager: bool = False, usage: str = "offline") -> EngineConfig:
+                  enforce_eager: bool = False, usage: str = "offline",
+                  **cpu_args) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
@@ -181,14 +168,16 @@ class EngineConfig:
         `usage` (one of USAGE_CONTEXTS) and the device (for device "auto" the engine sets it,
         `for_device`, once it knows the device). max_num_batched_tokens: None takes
         `default_max_num_batched_tokens` for `usage` and the device, likewise.
-        chat_template: a file,
-        or the template itself. enforce_eager is accepted for vLLM's sake and changes
-        nothing: carpool has no CUDA graphs or compilation to turn off.
+        chat_template: a file, or the template itself. cpu_args: the CPU switches by their
+        public names (cpu_kernels=False, ...), read by `CpuOptions.from_args`. enforce_eager
+        is accepted for vLLM's sake and changes nothing: carpool has no CUDA graphs or
+        compilation to turn off.
         """
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
                              "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
                              "safetensors, never code or pickles from a checkpoint")
+        cpu = CpuOptions.from_args(**cpu_args)
         model_config = load_model_config_of(model)
         max_position_embeddings = model_config.max_position_embeddings
         from carpool.models.sharding import check_divisible
@@ -216,11 +205,7 @@ class EngineConfig:
                    kv_cache_memory=kv_cache_memory,
                    gpu_memory_utilization=gpu_memory_utilization,
                    scheduler=scheduler_config, max_model_len=max_model_len,
-                   attention_backend=attention_backend, cpu_packed_linears=cpu_packed_linears,
-                   cpu_malloc_tuning=cpu_malloc_tuning,
-                   cpu_kv_huge_pages=cpu_kv_huge_pages, cpu_kernels=cpu_kernels,
-                   cpu_omp_threads_bind=cpu_omp_threads_bind,
-                   cpu_omp_spin_count=cpu_omp_spin_count,
+                   attention_backend=attention_backend, cpu=cpu,
                    batch_invariant=batch_invariant, tokenizer=tokenizer,
                    chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,
@@ -233,7 +218,9 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
         """`from_args` over the flags of `carpool.arg_utils`, for `usage` (one of
         USAGE_CONTEXTS); errors name the flags."""
-        names = inspect.signature(cls.from_args).parameters
+        names = [name for name, parameter in inspect.signature(cls.from_args).parameters.items()
+                 if parameter.kind is not inspect.Parameter.VAR_KEYWORD]
+        names += CpuOptions.argument_names()
         try:
             return cls.from_args(**{name: getattr(args, name) for name in names
                                     if hasattr(args, name)}, usage=usage)
@@ -281,7 +268,7 @@ def check_batch_invariant_supported(config: EngineConfig) -> None:
         refuse(f"device cpu (got device {config.device!r})")
     if config.attention_backend == "sdpa":
         refuse("attention_backend cpu or auto (got 'sdpa')")
-    if not config.cpu_kernels:
+    if not config.cpu.kernels:
         refuse("the C++ kernels (cpu_kernels on)")
     if config.tensor_parallel_size != 1:
         refuse(f"tensor_parallel_size 1 (got {config.tensor_parallel_size})")
@@ -290,9 +277,9 @@ def check_batch_invariant_supported(config: EngineConfig) -> None:
 def default_max_num_seqs(usage: str, device: str) -> int:
     """The most requests running at once when none is given, on `device` (a resolved name,
     "cpu" or "cuda[:N]"): vLLM's CPU defaults, 128 for a server and 256 offline (a server's
-    burst then decodes in shorter steps: lower TPOT at about the same throughput on 2 cores,
-    BENCHMARKS §22); 256 on CUDA. ValueError names `usage` if it is not one of
-    USAGE_CONTEXTS."""
+    burst then decodes in shorter steps, for a lower time per output token; see
+    docs/lab/22-the-server-at-vllm-s-cpu-defaults.md); 256 on CUDA. ValueError names `usage`
+    if it is not one of USAGE_CONTEXTS."""
     if usage not in USAGE_CONTEXTS:
         raise ValueError(f"usage must be one of {USAGE_CONTEXTS}, got {usage!r}")
     if usage == "server" and str(device).startswith("cpu"):

@@ -29,7 +29,8 @@ class LLM:
         arguments are `EngineConfig.from_args`'s, vLLM's names: dtype, device, seed,
         max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
         enable_prefix_caching, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
-        block_size, scheduler, ... ValueError names a bad argument and the numbers."""
+        block_size, scheduler, ..., and the CPU switches by their flags' names (cpu_kernels=
+        False, ...; carpool.cpu_options). ValueError names a bad argument and the numbers."""
         self._attach(LLMEngine.from_config(EngineConfig.from_args(model, **engine_args)))
 
     @classmethod

@@ -179,3 +179,40 @@ def test_usage_must_be_known():
         EngineConfig.from_args(usage="batch")
     with pytest.raises(ValueError, match="usage must be one of"):
         EngineConfig(usage="batch")
+
+
+def test_cpu_switches_are_one_object_with_vllm_like_names_at_the_edges():
+    """`LLM(cpu_kernels=False)` and `--no-cpu-kernels` both fill `EngineConfig.cpu.kernels`;
+    every field of CpuOptions has its --cpu-* flag and every --cpu-* flag is a field, so a new
+    switch is a field and a flag."""
+    from carpool.cpu_options import CpuOptions
+
+    config = EngineConfig.from_args(cpu_kernels=False, cpu_omp_threads_bind="0-1")
+    assert config.cpu == CpuOptions(kernels=False, omp_threads_bind="0-1")
+    assert EngineConfig.from_args().cpu == CpuOptions() == EngineConfig().cpu
+    flags = EngineConfig.from_cli_args(serve_args("--no-cpu-packed-linears",
+                                                  "--cpu-omp-spin-count", "0"))
+    assert flags.cpu == CpuOptions(packed_linears=False, omp_spin_count=0)
+    dests = {action.dest for action in serve_parser()._actions
+             if any(opt.startswith("--cpu-") for opt in action.option_strings)}
+    assert dests == set(CpuOptions.argument_names())
+    with pytest.raises(TypeError, match="cpu_kernel"):
+        EngineConfig.from_args(cpu_kernel=False)  # a misspelt switch is not dropped silently
+
+
+@pytest.mark.parametrize("fields,words", [
+    (dict(kernels="no"), "cpu_kernels must be True or False"),
+    (dict(kv_huge_pages=1), "cpu_kv_huge_pages must be True or False"),
+    (dict(omp_threads_bind="3-1"), "cpu_omp_threads_bind"),
+    (dict(omp_spin_count=-1), "cpu_omp_spin_count"),
+])
+def test_cpu_options_errors_name_the_switch(fields, words):
+    from carpool.cpu_options import CpuOptions
+
+    with pytest.raises(ValueError, match=words):
+        CpuOptions(**fields)
+    with pytest.raises(ValueError, match="--" + words.split()[0].replace("_", "-")):
+        EngineConfig.from_cli_args(argparse.Namespace(
+            model=None, **{"cpu_" + name: value for name, value in fields.items()}))
+    with pytest.raises(ValueError, match="cpu must be a CpuOptions"):
+        EngineConfig(cpu=fields)

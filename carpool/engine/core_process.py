@@ -60,8 +60,9 @@ def load_engine(config: EngineConfig) -> EngineCore:
     from carpool.engine.llm_engine import LLMEngine
     from carpool.engine.runner_setup import place_replica
     from carpool.utils.cpu_threads import resolve_auto
-    config = dataclasses.replace(
-        config, cpu_omp_threads_bind=resolve_auto(config.cpu_omp_threads_bind))
+    cpu = dataclasses.replace(config.cpu,
+                              omp_threads_bind=resolve_auto(config.cpu.omp_threads_bind))
+    config = dataclasses.replace(config, cpu=cpu)
     return LLMEngine.from_config(place_replica(config), detokenize=False)
 
 

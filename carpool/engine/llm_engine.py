@@ -26,7 +26,7 @@ from carpool.core.scheduler_output import SchedulerOutput
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.request_state import RequestState
-from carpool.engine.runner_setup import resolve_for_model, runner_arguments
+from carpool.engine.runner_setup import resolve_for_model
 from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_engine_tokenizer
 from carpool.outputs import EngineStats, PromptLogprobs, RequestMetrics, StepOutput
@@ -87,8 +87,7 @@ class LLMEngine:
 
         config, path = resolve_for_model(config)
         sched_config = config.scheduler
-        runner = create_executor(runner_arguments(config, path), config.tensor_parallel_size,
-                                 config.distributed_init_method)
+        runner = create_executor(config, path)
         try:
             scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
             scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)

@@ -1,6 +1,7 @@
 """What building an engine's runner takes from its config, on rank 0 (`LLMEngine.from_config`)
 and on a tensor-parallel worker rank started by its own command (`carpool tp-worker`):
-the config resolved against the model, and the `ModelRunner` arguments every rank shares."""
+the config resolved against the model and its device, which every rank's `ModelRunner` is
+built from, and a data-parallel replica's share of the machine."""
 
 from __future__ import annotations
 
@@ -46,26 +47,6 @@ def place_replica(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, device=f"cuda:{(rank * num_ranks) % num_cards}")
 
 
-def runner_arguments(config: EngineConfig, path) -> dict:
-    """`ModelRunner`'s keyword arguments for a resolved config (every rank gets the same)."""
-    sched_config = config.scheduler
-    return dict(
-        model_path=str(path), dtype=config.dtype, device=config.device,
-        block_size=sched_config.block_size,
-        num_kv_blocks=config.num_kv_blocks, kv_cache_memory=config.kv_cache_memory,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_model_len=config.max_model_len,
-        max_num_batched_tokens=sched_config.max_num_batched_tokens,
-        max_num_seqs=sched_config.max_num_seqs, seed=config.seed,
-        attention_backend=config.attention_backend,
-        cpu_packed_linears=config.cpu_packed_linears,
-        cpu_malloc_tuning=config.cpu_malloc_tuning, cpu_kv_huge_pages=config.cpu_kv_huge_pages,
-        cpu_kernels=config.cpu_kernels,
-        batch_invariant=config.batch_invariant,
-        cpu_omp_threads_bind=config.cpu_omp_threads_bind,
-        cpu_thread_slot=config.data_parallel_rank * config.tensor_parallel_size)
-
-
 def run_tensor_parallel_worker(config: EngineConfig) -> NoReturn:
     """Serve as a rank other than 0 of the group `config.distributed_init_method` names;
     the process exits 0 when rank 0 shuts the group down, 1 when it is lost. The rank comes
@@ -75,5 +56,4 @@ def run_tensor_parallel_worker(config: EngineConfig) -> NoReturn:
     if config.distributed_init_method is None:
         raise ValueError("a tensor-parallel worker needs distributed_init_method (env://)")
     config, path = resolve_for_model(config)
-    join_and_run(runner_arguments(config, path), config.tensor_parallel_size,
-                        config.distributed_init_method)
+    join_and_run(config, path)

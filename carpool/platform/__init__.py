@@ -1,7 +1,7 @@
 """What differs between devices outside attention: process set-up, model preparation,
 and how much memory the KV cache may take.
 
-`platform_for(device, ...)` picks the `CpuPlatform` or the `CudaPlatform`. The
+`platform_for(device, cpu_options, ...)` picks the `CpuPlatform` or the `CudaPlatform`. The
 runner asks its platform and never tests `device.type` itself, so a CPU test can
 hand it a `CudaPlatform` over stand-in memory queries and run every line of the
 CUDA start-up path except the `torch.cuda` calls.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from carpool.cpu_options import CpuOptions
 from carpool.platform.base import Platform
 from carpool.platform.cpu import CpuPlatform
 from carpool.platform.cuda import CudaMemory, CudaPlatform, TorchCudaMemory
@@ -19,18 +20,17 @@ __all__ = ["CpuPlatform", "CudaMemory", "CudaPlatform", "Platform", "TorchCudaMe
            "platform_for"]
 
 
-def platform_for(device: torch.device, *, cpu_packed_linears: bool = True,
-                 cpu_malloc_tuning: bool = True, cpu_kv_huge_pages: bool = True,
-                 cpu_kernels: bool = True,
-                 batch_invariant: bool = False, cpu_omp_threads_bind: str = "nobind",
-                 cpu_thread_slot: int = 0, max_num_batched_tokens: int = 0) -> Platform:
-    """The platform of `device`, with the CPU switches applied where they matter
-    (max_num_batched_tokens: the step budget, whose full steps the CPU's linears run as one
-    call each; 0: not known)."""
+def platform_for(device: torch.device, cpu: CpuOptions | None = None, *,
+                 batch_invariant: bool = False, thread_slot: int = 0,
+                 max_num_batched_tokens: int = 0) -> Platform:
+    """The platform of `device`, with the CPU switches `cpu` (default: `CpuOptions()`) applied
+    where they matter. thread_slot: this process's slot in `cpu.omp_threads_bind` (see
+    carpool.utils.cpu_threads); max_num_batched_tokens: the step budget, whose full steps the
+    CPU's linears run as one call each (0: not known)."""
     if device.type == "cuda":
         return CudaPlatform(device)
-    return CpuPlatform(packed_linears=cpu_packed_linears, malloc_tuning=cpu_malloc_tuning,
-                       kv_huge_pages=cpu_kv_huge_pages,
-                       kernels=cpu_kernels, batch_invariant=batch_invariant,
-                       omp_threads_bind=cpu_omp_threads_bind, thread_slot=cpu_thread_slot,
-                       full_step_rows=max_num_batched_tokens)
+    cpu = CpuOptions() if cpu is None else cpu
+    return CpuPlatform(packed_linears=cpu.packed_linears, malloc_tuning=cpu.malloc_tuning,
+                       kv_huge_pages=cpu.kv_huge_pages, kernels=cpu.kernels,
+                       batch_invariant=batch_invariant, omp_threads_bind=cpu.omp_threads_bind,
+                       thread_slot=thread_slot, full_step_rows=max_num_batched_tokens)

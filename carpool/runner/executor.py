@@ -7,19 +7,20 @@ processes, so for it this does nothing).
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
+from carpool.config import EngineConfig
 from carpool.distributed import RankFailedError
 from carpool.runner.model_runner import ModelRunner
 
 __all__ = ["RankFailedError", "create_executor"]
 
 
-def create_executor(runner_kwargs: dict[str, Any], tensor_parallel_size: int = 1,
-                    distributed_init_method: str | None = None):
-    """A `ModelRunner(**runner_kwargs)` for one rank; else a `TensorParallelExecutor` that
-    spawns ranks 1..N-1 here (no init method) or meets them through `distributed_init_method`."""
-    if tensor_parallel_size == 1 and distributed_init_method is None:
-        return ModelRunner(**runner_kwargs)
+def create_executor(config: EngineConfig, model_path: str | Path):
+    """A `ModelRunner` for one rank; else a `TensorParallelExecutor` that spawns ranks 1..N-1
+    here (no `distributed_init_method`) or meets them through it. `config` is resolved
+    (`runner_setup.resolve_for_model`) and `model_path` its model's folder."""
+    if config.tensor_parallel_size == 1 and config.distributed_init_method is None:
+        return ModelRunner(config, model_path)
     from carpool.runner.tp_executor import TensorParallelExecutor
-    return TensorParallelExecutor(runner_kwargs, tensor_parallel_size, distributed_init_method)
+    return TensorParallelExecutor(config, model_path)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from carpool.attention import AttentionShape, create_backend
+from carpool.attention import AttentionShape
+from carpool.config import EngineConfig
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig, load_model_config
@@ -55,63 +56,55 @@ class ModelRunner:
     `tp` is the tensor-parallel group of this rank (default: one rank, the whole model).
     """
 
-    def __init__(self, model_path: str | Path, *, dtype: str = "auto", device: str = "auto",
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 seed: int = 0, attention_backend: str = "auto", cpu_packed_linears: bool = True,
-                 cpu_malloc_tuning: bool = True, cpu_kv_huge_pages: bool = True,
-                 cpu_kernels: bool = True,
-                 batch_invariant: bool = False, cpu_omp_threads_bind: str = "nobind",
-                 cpu_thread_slot: int = 0, platform: Platform | None = None,
-                 tp: TensorParallelGroup = SINGLE) -> None:
+    def __init__(self, config: EngineConfig, model_path: str | Path, *,
+                 tp: TensorParallelGroup = SINGLE, platform: Platform | None = None) -> None:
+        """`config`: resolved against the model (`EngineConfig.from_args` or `for_model`),
+        with this rank's device; `model_path`: the model's folder (`config.model` resolved)."""
         path = resolve_model_path(model_path)
-        self.model_config: ModelConfig = load_model_config(path)
-        max_position_embeddings = self.model_config.max_position_embeddings
-        if max_model_len > max_position_embeddings:
-            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                             f"max_position_embeddings ({max_position_embeddings})")
-        self.device = resolve_device(device)
+        model_config = load_model_config(path)
+        self.model_config: ModelConfig = model_config
+        check_resolved(config, model_config.max_position_embeddings)
+        sched_config = config.scheduler
+        self.device = resolve_device(config.device)
+        batch_invariant = config.batch_invariant
         if batch_invariant and self.device.type != "cpu":
             raise ValueError(f"batch_invariant is CPU-only for now (the device resolved to "
                              f"{self.device}); run with device cpu or without it")
+        # This process's slot among the engine's: replica r's rank k (carpool.utils.cpu_threads).
+        thread_slot = config.data_parallel_rank * config.tensor_parallel_size + tp.rank
         self.platform = platform if platform is not None else platform_for(
-            self.device, cpu_packed_linears=cpu_packed_linears,
-            cpu_malloc_tuning=cpu_malloc_tuning, cpu_kv_huge_pages=cpu_kv_huge_pages,
-            cpu_kernels=cpu_kernels,
-            batch_invariant=batch_invariant, cpu_omp_threads_bind=cpu_omp_threads_bind,
-            cpu_thread_slot=cpu_thread_slot + tp.rank,
-            max_num_batched_tokens=max_num_batched_tokens)
+            self.device, config.cpu, batch_invariant=batch_invariant, thread_slot=thread_slot,
+            max_num_batched_tokens=sched_config.max_num_batched_tokens)
         self.platform.prepare_process()
-        self.dtype = resolve_dtype(dtype, self.model_config.dtype, self.device)
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        config = self.model_config
+        self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
+        self.block_size = sched_config.block_size
+        self.max_model_len = config.max_model_len
+        self.max_num_batched_tokens = sched_config.max_num_batched_tokens
+        self.max_num_seqs = sched_config.max_num_seqs
         self.tp = tp
-        layout = ShardLayout.of(config, tp.rank, tp.world_size)
+        layout = ShardLayout.of(model_config, tp.rank, tp.world_size)
         kernels = self.platform.compiled_kernels()
         if batch_invariant and kernels is None:
             raise ValueError("batch_invariant needs the C++ CPU kernels, which could not be "
                              "built here (see the warning above: a compiler and ninja)")
-        self.attention = create_backend(
-            attention_backend, AttentionShape(layout.num_heads, layout.num_kv_heads,
-                                              config.head_dim, config.sliding_window,
-                                              dtype=self.dtype),
-            self.device, kernels=kernels, batch_invariant=batch_invariant)
-        self.model = load_model(path, config, self.dtype, self.device, tp)
+        self.attention = self.platform.attention_backend(
+            config.attention_backend,
+            AttentionShape(layout.num_heads, layout.num_kv_heads, model_config.head_dim,
+                           model_config.sliding_window, dtype=self.dtype),
+            self.device)
+        self.model = load_model(path, model_config, self.dtype, self.device, tp)
         self.platform.prepare_model(self.model)
-        self.sampler = Sampler(self.device, config.eos_token_ids, seed,
+        self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed,
                                argmax_rows=None if kernels is None else kernels.argmax_rows)
-        self._spec = kv_cache.KVCacheSpec.from_model(config, block_size, self.dtype,
+        self._spec = kv_cache.KVCacheSpec.from_model(model_config, self.block_size, self.dtype,
                                                      layout.num_kv_heads)
         # Every rank holds the same block ids: the pool is what the smallest rank can hold.
         self.num_kv_blocks = tp.all_reduce_min(self._choose_num_blocks(
-            num_kv_blocks, kv_cache_memory, gpu_memory_utilization))
+            config.num_kv_blocks, config.kv_cache_memory, config.gpu_memory_utilization))
         self.kv_caches = kv_cache.allocate_kv_caches(self._spec, self.num_kv_blocks, self.device,
                                                      self.attention, self.platform.kv_cache_zeros)
-        self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks, max_model_len)
+        self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks,
+                                                    self.max_model_len)
         logger.info("attention backend: %s; platform: %s%s", self.attention.name,
                     self.platform.describe(), f"; {tp.describe()}" if tp.is_parallel else "")
         logger.info("KV cache: %(num_blocks)d blocks of %(block_size)d tokens = %(num_tokens)d "
@@ -195,6 +188,17 @@ class ModelRunner:
             self._run_step(step, caches, num_blocks)
         del caches
         self.platform.end_profile()
+
+
+def check_resolved(config: EngineConfig, max_position_embeddings: int) -> None:
+    """ValueError unless `config`'s max_model_len is set, is the scheduler's, and fits the
+    model (configs from `EngineConfig.from_args` or `for_model` always do)."""
+    if not config.is_resolved:
+        raise ValueError("ModelRunner needs a config resolved against its model "
+                         "(EngineConfig.from_args or for_model)")
+    if config.max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's "
+                         f"max_position_embeddings ({max_position_embeddings})")
 
 
 def profiling_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,

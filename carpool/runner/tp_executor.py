@@ -29,16 +29,18 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from carpool.config import EngineConfig
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.distributed import Heartbeat, RankFailedError, join_group, local_init_method
 from carpool.runner.model_runner import ModelRunner, ModelRunnerOutput
 from carpool.runner.step_message import encode_shutdown, encode_step
-from carpool.runner.tp_worker import WorkerSpec, rank_device, spawned_worker_main
+from carpool.runner.tp_worker import WorkerSpec, on_device, rank_device, spawned_worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +50,21 @@ SHUTDOWN_JOIN_TIMEOUT_S = 10.0
 
 
 class TensorParallelExecutor:
-    def __init__(self, runner_kwargs: dict[str, Any], tensor_parallel_size: int,
-                 init_method: str | None = None) -> None:
-        self.tensor_parallel_size = tensor_parallel_size
+    def __init__(self, config: EngineConfig, model_path: str | Path) -> None:
+        """Start or meet the ranks of `config` (resolved: `runner_setup.resolve_for_model`),
+        then load rank 0's shard of the model in `model_path`."""
+        self.tensor_parallel_size = config.tensor_parallel_size
         self.on_failure: Callable[[RankFailedError], None] | None = None
         self.failure: RankFailedError | None = None
         self._closed = False
         self._processes: list[mp.Process] = []
-        device = rank_device(runner_kwargs, 0)
+        device = rank_device(config, 0)
+        init_method = config.distributed_init_method
         spawn = init_method is None
         init_method = local_init_method() if spawn else init_method
         try:
             if spawn:
-                self._spawn(runner_kwargs, init_method)
+                self._spawn(config, str(model_path), init_method)
             group = self._join(init_method, device, rank=0 if spawn else None)
             if group.rank != 0:
                 raise ValueError(f"this process joined {init_method} as rank {group.rank}; "
@@ -71,11 +75,11 @@ class TensorParallelExecutor:
             self._heartbeat.start()
             self._finalizer = weakref.finalize(self, _stop_quietly, self._heartbeat,
                                                self._processes)
-            self.runner = ModelRunner(**{**runner_kwargs, "device": str(device)}, tp=group)
+            self.runner = ModelRunner(on_device(config, device), model_path, tp=group)
         except BaseException:
             self.close()
             raise
-        logger.info("tensor parallel: %d ranks, %s backend, %s", tensor_parallel_size,
+        logger.info("tensor parallel: %d ranks, %s backend, %s", self.tensor_parallel_size,
                     group.backend, "spawned on this machine" if spawn else init_method)
 
     # ---- ModelRunner's surface ----------------------------------------------------------
@@ -134,11 +138,11 @@ class TensorParallelExecutor:
             finalizer.detach()
 
     # ---- start-up and failure -----------------------------------------------------------
-    def _spawn(self, runner_kwargs: dict[str, Any], init_method: str) -> None:
+    def _spawn(self, config: EngineConfig, model_path: str, init_method: str) -> None:
         context = mp.get_context("spawn")
         for rank in range(1, self.tensor_parallel_size):
-            spec = WorkerSpec(rank=rank, world_size=self.tensor_parallel_size,
-                              init_method=init_method, runner_kwargs=runner_kwargs,
+            spec = WorkerSpec(rank=rank, init_method=init_method, config=config,
+                              model_path=model_path,
                               num_threads=torch.get_num_threads(),
                               log_level=logging.getLogger("carpool").getEffectiveLevel())
             process = context.Process(target=spawned_worker_main, args=(spec,), daemon=True,

@@ -15,15 +15,17 @@ spawn). A rank on another machine runs `carpool tp-worker`, which joins through
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
+from carpool.config import EngineConfig
 from carpool.distributed import Heartbeat, TensorParallelGroup, join_group
 from carpool.runner.model_runner import ModelRunner
 from carpool.runner.step_message import decode_step
@@ -39,15 +41,21 @@ class WorkerSpec:
     """Everything a spawned rank needs (pickled across the spawn)."""
 
     rank: int
-    world_size: int
-    init_method: str
-    runner_kwargs: dict[str, Any]  # ModelRunner's keyword arguments, device included
+    init_method: str  # a loopback tcp:// address rank 0 chose
+    config: EngineConfig  # rank 0's, resolved; its device is rank 0's
+    model_path: str
     num_threads: int  # rank 0's torch thread count: ranks split the cores alike
     log_level: int
 
 
-def rank_device(runner_kwargs: dict[str, Any], rank: int) -> torch.device:
-    return device_for_rank(resolve_device(runner_kwargs.get("device", "auto")), rank)
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of rank `rank` of the group whose rank 0 runs on `config.device`."""
+    return device_for_rank(resolve_device(config.device), rank)
+
+
+def on_device(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` for the rank that runs on `device`."""
+    return dataclasses.replace(config, device=str(device))
 
 
 def spawned_worker_main(spec: WorkerSpec) -> None:
@@ -58,32 +66,33 @@ def spawned_worker_main(spec: WorkerSpec) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     torch.set_num_threads(spec.num_threads)
-    device = rank_device(spec.runner_kwargs, spec.rank)
-    group = join_group(spec.init_method, spec.world_size, device, rank=spec.rank)
-    run_worker_rank(group, {**spec.runner_kwargs, "device": str(device)})
+    device = rank_device(spec.config, spec.rank)
+    group = join_group(spec.init_method, spec.config.tensor_parallel_size, device,
+                       rank=spec.rank)
+    run_worker_rank(group, on_device(spec.config, device), spec.model_path)
 
 
-def join_and_run(runner_kwargs: dict[str, Any], world_size: int, init_method: str) -> NoReturn:
+def join_and_run(config: EngineConfig, model_path) -> NoReturn:
     """Entry point of a rank started by its own command (`carpool tp-worker`): join through
-    `init_method` (the rank comes from the rendezvous), then serve steps until the process
-    ends (`run_worker_rank`)."""
-    device = resolve_device(runner_kwargs.get("device", "auto"))
-    group = join_group(init_method, world_size, device)
+    `config.distributed_init_method` (the rank comes from the rendezvous), then serve steps
+    until the process ends (`run_worker_rank`). `config` is resolved, as rank 0's."""
+    init_method = config.distributed_init_method
+    device = resolve_device(config.device)
+    group = join_group(init_method, config.tensor_parallel_size, device)
     if group.rank == 0:
         raise ValueError(f"this process joined {init_method} as rank 0, which runs the engine "
                          "(`carpool serve` or `carpool generate`); workers need RANK >= 1")
-    device = device_for_rank(device, group.rank)
-    run_worker_rank(group, {**runner_kwargs, "device": str(device)})
+    run_worker_rank(group, on_device(config, device_for_rank(device, group.rank)), model_path)
 
 
-def run_worker_rank(group: TensorParallelGroup, runner_kwargs: dict[str, Any]) -> NoReturn:
+def run_worker_rank(group: TensorParallelGroup, config: EngineConfig, model_path) -> NoReturn:
     """Load this rank's shard and run steps until rank 0 says shut down; the process then
     exits 0 (1 on any failure). It ends without the interpreter's teardown: the heartbeat
     thread may still be inside a gloo call, and destroying the groups under it aborts."""
     heartbeat = Heartbeat(group, on_failure=lambda _error: _exit_now(1))
     heartbeat.start()
     try:
-        runner = ModelRunner(**runner_kwargs, tp=group)
+        runner = ModelRunner(config, model_path, tp=group)
         while True:
             step = decode_step(group.broadcast_ints())
             if step is None:

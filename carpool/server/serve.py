@@ -110,7 +110,7 @@ def _set_engine_openmp_wait(config: EngineConfig) -> None:
     thread wait out whole time slices for a descheduled sibling on a small or shared CPU,
     with HTTP running beside the steps (docs/lab/14-the-engine-in-its-own-process.md,
     docs/lab/21-a-short-openmp-spin-for-the-engine.md)."""
-    os.environ.update(openmp_wait_environment(config.cpu_omp_spin_count, os.environ))
+    os.environ.update(openmp_wait_environment(config.cpu.omp_spin_count, os.environ))
 
 
 # After --shutdown-timeout the open streams are ended with an error; uvicorn cancels

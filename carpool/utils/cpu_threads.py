@@ -17,8 +17,11 @@ How long an idle thread of those processes spins before it sleeps is the other h
 (`cpu_omp_spin_count`, `openmp_wait_environment`): libgomp reads it from the environment once,
 as torch loads, so carpool can only set it for a process it is about to start.
 
-BENCHMARKS.md sections 20 and 21 have the measurements behind the defaults. Torch-free
-(config.py validates with it); `bind_threads` imports torch when it runs.
+Pinning by default follows vLLM, which pins (measured together with the spin in
+docs/lab/20-the-server-s-sampler-pinned-threads-and.md); the short spin keeps a thread from
+waiting out a descheduled sibling (docs/lab/21-a-short-openmp-spin-for-the-engine.md).
+
+Torch-free (the config validates with it); `bind_threads` imports torch when it runs.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 NO_BIND = "nobind"
 
-# libgomp (PyTorch's OpenMP on Linux) spins about 100,000 times a millisecond: 10,000 is
-# ~0.1 ms, long enough to bridge one operator's barrier to the next within a step, short
-# enough that a thread whose sibling was descheduled soon yields the core (section 21).
+# Counted in libgomp's spins (PyTorch's OpenMP on Linux): long enough to bridge one operator's
+# barrier to the next within a step, short enough that a thread whose sibling was descheduled
+# soon yields the core (docs/lab/21-a-short-openmp-spin-for-the-engine.md).
 DEFAULT_OMP_SPIN_COUNT = 10_000
 OPENMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from carpool.cpu_options import CpuOptions
 from carpool.platform import CpuPlatform, platform_for
 from carpool.platform.cpu_huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
@@ -57,7 +58,7 @@ def test_the_switch_picks_the_allocator(monkeypatch):
                         lambda shape, dtype: used.append(shape) or torch.zeros(shape, dtype=dtype))
     cpu = torch.device("cpu")
     on = platform_for(cpu)
-    off = platform_for(cpu, cpu_kv_huge_pages=False)
+    off = platform_for(cpu, CpuOptions(kv_huge_pages=False))
     assert isinstance(on, CpuPlatform) and on.kv_huge_pages and not off.kv_huge_pages
     assert not on.kv_cache_zeros((4, 8), torch.float32, cpu).any() and used == [(4, 8)]
     assert not off.kv_cache_zeros((4, 8), torch.float32, cpu).any() and used == [(4, 8)]
@@ -70,6 +71,6 @@ def test_the_flag_reaches_the_config():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert EngineConfig.from_cli_args(parser.parse_args([])).cpu_kv_huge_pages is True
+    assert EngineConfig.from_cli_args(parser.parse_args([])).cpu.kv_huge_pages is True
     config = EngineConfig.from_cli_args(parser.parse_args(["--no-cpu-kv-huge-pages"]))
-    assert config.cpu_kv_huge_pages is False
+    assert config.cpu.kv_huge_pages is False

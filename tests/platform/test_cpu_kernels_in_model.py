@@ -250,5 +250,5 @@ def test_kernels_are_a_flag_and_a_config_field():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert EngineConfig.from_cli_args(parser.parse_args(["--no-cpu-kernels"])).cpu_kernels is False
-    assert EngineConfig.from_cli_args(parser.parse_args([])).cpu_kernels is True
+    assert EngineConfig.from_cli_args(parser.parse_args(["--no-cpu-kernels"])).cpu.kernels is False
+    assert EngineConfig.from_cli_args(parser.parse_args([])).cpu.kernels is True

@@ -4,6 +4,8 @@ result independent of its batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -12,19 +14,18 @@ from carpool import kernels as cpu_kernels
 from carpool.platform.cpu_linear import (
     MAX_ROWS,
     ROW_BUCKETS,
-    SMALL_GEMM_AMX_MAX_ROWS,
-    SMALL_GEMM_AMX_TILE_MAX_ROWS,
-    SMALL_GEMM_AVX2_MAX_ROWS,
-    SMALL_GEMM_F32_AMX_MAX_ROWS,
-    SMALL_GEMM_F32_AVX2_MAX_ROWS,
-    SMALL_GEMM_F32_MAX_ROWS,
-    SMALL_GEMM_F32_ZEN4_MAX_ROWS,
-    SMALL_GEMM_MAX_ROWS,
     PackedLinear,
     can_pack,
     pack_linears,
     padded_rows,
-    small_gemm_max_rows,
+    this_cpu_route,
+)
+from carpool.platform.cpu_route import (
+    SMALL_GEMM_AMX_TILE_MAX_ROWS,
+    SMALL_GEMM_MAX_ROWS,
+    CpuClass,
+    CpuFacts,
+    SmallGemmRoute,
 )
 from tests.kernel_builds import build_id, kernel_builds
 
@@ -45,6 +46,17 @@ def test_packed_linear_matches_linear(bias, rows, dtype):
         assert PackedLinear(linear)(x.view(1, rows, 96)).shape == (1, rows, 160)
 
 
+def this_cpu_cut(dtype: torch.dtype) -> int:
+    return SMALL_GEMM_MAX_ROWS[CpuFacts.probe().cpu_class][dtype]
+
+
+def bf16_route(kernels, max_rows: int, amx_tile_max_rows: int = 0):
+    """This CPU's bfloat16 linear route with the small GEMM cut at max_rows rows (and on AMX
+    tiles up to amx_tile_max_rows for layers whose K is in 32s; 0: never)."""
+    return dataclasses.replace(this_cpu_route(torch.bfloat16, kernels), small_gemm=SmallGemmRoute(
+        "small_gemm_bf16", max_rows, amx_tile_max_rows))
+
+
 @pytest.fixture(scope="module", params=kernel_builds(), ids=build_id)
 def bf16_kernels(request):
     """The builds with a bfloat16 small GEMM here: AVX512-BF16 CPUs, and AVX2 builds (float32
@@ -63,13 +75,13 @@ def test_small_bf16_gemm_matches_linear_and_ignores_its_batch(bf16_kernels, bias
     linear = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
     # The AVX512-BF16 GEMM at its cut whatever this CPU's (with AMX oneDNN or the tiles
     # take all but 1-2 rows).
-    packed = PackedLinear(linear, bf16_kernels, small_max_rows=SMALL_GEMM_MAX_ROWS,
-                          small_amx=False)
-    x = torch.randn(SMALL_GEMM_MAX_ROWS, in_features, dtype=torch.bfloat16)
+    cut = SMALL_GEMM_MAX_ROWS[CpuClass.AVX512_BF16][torch.bfloat16]
+    packed = PackedLinear(linear, bf16_kernels, bf16_route(bf16_kernels, cut))
+    x = torch.randn(cut, in_features, dtype=torch.bfloat16)
     with torch.inference_mode():
         reference = nn.functional.linear(x.float(), linear.weight.float(),
                                          None if linear.bias is None else linear.bias.float())
-        out = packed(x)  # SMALL_GEMM_MAX_ROWS rows: the small GEMM's largest call
+        out = packed(x)  # the small GEMM's largest call
         torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=1e-2)
         for rows in (1, 5, 13, 40):  # every row, whatever its batch, gives the same bits
             assert torch.equal(packed(x[-rows:]), out[-rows:])
@@ -114,7 +126,7 @@ def test_small_bf16_gemm_on_amx_tiles(bf16_kernels, bias, in_features, out_featu
                                      bf16_kernels.pack_bf16_weight(torch.randn(8, 6).bfloat16()),
                                      8, amx=True)
     assert PackedLinear(nn.Linear(48, 16).to(torch.bfloat16), bf16_kernels)._small_max_rows \
-        == small_gemm_max_rows(torch.bfloat16)  # K not in 32s: the AVX512-BF16 GEMM
+        == this_cpu_cut(torch.bfloat16)  # K not in 32s: the AVX512-BF16 GEMM
 
 
 @pytest.mark.parametrize("out_features", [4096, 4099])
@@ -193,7 +205,7 @@ def test_small_f32_gemm_matches_linear_and_ignores_its_batch(f32_kernels, bias, 
         for rows in (1, 5, 13, 40):  # every row, whatever its batch, gives the same bits
             assert torch.equal(small(x[-rows:]), out[-rows:])
         # PackedLinear sends calls of up to this CPU's cut to it, more to oneDNN
-        cut = small_gemm_max_rows(torch.float32)
+        cut = this_cpu_cut(torch.float32)
         x = torch.randn(cut + 1, in_features)
         out = small(x)
         assert packed._small_max_rows == cut
@@ -228,29 +240,13 @@ def test_zen4_is_told_from_cpuinfo(monkeypatch, vendor, family, flags, zen4):
     assert cpu_kernels.is_zen4() is zen4
 
 
-def test_small_gemm_cut_follows_the_cpu():
-    def cut(dtype, **cpu):
-        return small_gemm_max_rows(dtype, **{"avx2": False, **cpu})
-
-    assert cut(torch.bfloat16, amx=False) == SMALL_GEMM_MAX_ROWS
-    assert cut(torch.bfloat16, amx=True) == SMALL_GEMM_AMX_MAX_ROWS
-    assert cut(torch.float32, amx=False, zen4=False) == SMALL_GEMM_F32_MAX_ROWS
-    assert cut(torch.float32, amx=False, zen4=True) == SMALL_GEMM_F32_ZEN4_MAX_ROWS
-    assert cut(torch.float32, amx=True) == SMALL_GEMM_F32_AMX_MAX_ROWS
-    assert cut(torch.bfloat16, avx2=True) == SMALL_GEMM_AVX2_MAX_ROWS
-    assert cut(torch.float32, avx2=True) == SMALL_GEMM_F32_AVX2_MAX_ROWS
-    assert cut(torch.float32, amx=False) == cut(torch.float32, amx=False,
-                                                zen4=cpu_kernels.is_zen4())
-    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
-    assert small_gemm_max_rows(torch.bfloat16) == small_gemm_max_rows(
-        torch.bfloat16, amx=torch.cpu._is_amx_tile_supported(), avx2=avx2)
-
-
 def test_bf16_calls_above_the_cut_go_to_onednn(bf16_kernels, monkeypatch):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160).to(torch.bfloat16)
-    packed = PackedLinear(linear, bf16_kernels, small_max_rows=SMALL_GEMM_AMX_MAX_ROWS)
-    x = torch.randn(SMALL_GEMM_AMX_MAX_ROWS + 1, 96, dtype=torch.bfloat16)
+    cut = SMALL_GEMM_MAX_ROWS[CpuClass.AMX][torch.bfloat16]
+    packed = PackedLinear(linear, bf16_kernels,
+                          bf16_route(bf16_kernels, cut, cut if bf16_kernels.has_amx() else 0))
+    x = torch.randn(cut + 1, 96, dtype=torch.bfloat16)
     small_calls, onednn_calls = [], []
     small, onednn = packed._small_gemm, packed.packed_matmul
     monkeypatch.setattr(packed, "_small_gemm", lambda rows, *a: small_calls.append(
@@ -259,9 +255,9 @@ def test_bf16_calls_above_the_cut_go_to_onednn(bf16_kernels, monkeypatch):
         rows.shape[0]) or onednn(rows))
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), linear(x), atol=2e-2, rtol=2e-2)
-        packed(x[:SMALL_GEMM_AMX_MAX_ROWS])
-    assert small_calls == [SMALL_GEMM_AMX_MAX_ROWS]
-    assert onednn_calls == [padded_rows(SMALL_GEMM_AMX_MAX_ROWS + 1)]
+        packed(x[:cut])
+    assert small_calls == [cut]
+    assert onednn_calls == [padded_rows(cut + 1)]
 
 
 def test_small_bf16_gemm_checks_its_arguments(bf16_kernels):
@@ -290,7 +286,7 @@ def test_a_full_step_is_one_onednn_call_and_other_large_counts_are_pieces(dtype,
     pieces again."""
     torch.manual_seed(0)
     linear = nn.Linear(96, 160).to(dtype)
-    packed = PackedLinear(linear, full_rows=2048, small_max_rows=0)
+    packed = PackedLinear(linear, route=this_cpu_route(dtype, full_rows=2048))
     padded = dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
     assert packed._one_padded_call == padded
     calls = []
@@ -309,7 +305,8 @@ def test_a_full_step_is_one_onednn_call_and_other_large_counts_are_pieces(dtype,
             x = torch.randn(rows, 96, dtype=dtype)
             torch.testing.assert_close(packed(x), linear(x), atol=tolerance, rtol=tolerance)
             assert calls == expected_calls, rows
-    assert PackedLinear(linear, full_rows=MAX_ROWS)._full_rows == 0  # no shape of its own
+    route = this_cpu_route(dtype, full_rows=MAX_ROWS)
+    assert PackedLinear(linear, route=route)._full_rows == 0  # no shape of its own
 
 
 def test_runner_gives_its_step_budget_to_the_linears_but_not_in_batch_invariant_mode(
@@ -319,12 +316,15 @@ def test_runner_gives_its_step_budget_to_the_linears_but_not_in_batch_invariant_
     assert platform_for(torch.device("cpu"), max_num_batched_tokens=2048).full_step_rows == 2048
     linears = _runner_linears(llama_checkpoint, max_num_batched_tokens=1024)
     assert {m._full_rows for m in linears} == {1024}
+    from carpool.config import EngineConfig
     from carpool.platform.cpu_invariant_linear import RowTiledLinear
     from carpool.runner.model_runner import ModelRunner
 
-    runner = ModelRunner(llama_checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
-                         max_model_len=64, max_num_batched_tokens=1024, max_num_seqs=2,
-                         batch_invariant=True)
+    config = EngineConfig.from_args(str(llama_checkpoint), dtype="float32", device="cpu",
+                                    num_kv_blocks=8, max_model_len=64,
+                                    max_num_batched_tokens=1024, max_num_seqs=2,
+                                    batch_invariant=True)
+    runner = ModelRunner(config, llama_checkpoint)
     tiled = [m for m in runner.model.modules() if isinstance(m, RowTiledLinear)]
     assert tiled and {m.matmul.__self__._full_rows for m in tiled} == {0}  # fixed tiles only
 
@@ -338,11 +338,13 @@ def test_pack_linears_replaces_every_float32_linear_only():
 
 
 def _runner_linears(checkpoint, **kwargs):
+    from carpool.config import EngineConfig
     from carpool.runner.model_runner import ModelRunner
 
     kwargs.setdefault("max_num_batched_tokens", 64)
-    runner = ModelRunner(checkpoint, dtype="float32", device="cpu", num_kv_blocks=8,
-                         max_model_len=64, max_num_seqs=2, **kwargs)
+    config = EngineConfig.from_args(str(checkpoint), dtype="float32", device="cpu",
+                                    num_kv_blocks=8, max_model_len=64, max_num_seqs=2, **kwargs)
+    runner = ModelRunner(config, checkpoint)
     return [m for m in runner.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
 
 
@@ -363,24 +365,22 @@ def test_packing_is_a_flag_and_a_config_field():
     add_arguments(parser)
     config = EngineConfig.from_cli_args(parser.parse_args(["--no-cpu-packed-linears",
                                                            "--no-cpu-malloc-tuning"]))
-    assert config.cpu_packed_linears is False and config.cpu_malloc_tuning is False
+    assert config.cpu.packed_linears is False and config.cpu.malloc_tuning is False
     default = EngineConfig.from_cli_args(parser.parse_args([]))
-    assert default.cpu_packed_linears is True and default.cpu_malloc_tuning is True
+    assert default.cpu.packed_linears is True and default.cpu.malloc_tuning is True
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 300, 1100])
-def test_bfloat16_weights_go_through_float32_where_onednn_has_no_bfloat16(monkeypatch, bias,
-                                                                          rows):
-    """On an AVX2 CPU oneDNN's matmul has no bfloat16 (and torch's own bfloat16 GEMM ran 4-7x
-    slower than packed float32 there): the weight is packed as float32, each call's rows are
+def test_bfloat16_weights_go_through_float32_where_onednn_has_no_bfloat16(bias, rows):
+    """On an AVX2 CPU oneDNN's matmul has no bfloat16 (and torch's own bfloat16 GEMM is far
+    slower than packed float32 there, docs/lab/37-an-avx2-only-machine.md): the weight is packed as float32, each call's rows are
     converted in and its result rounded to bfloat16 once, as a bfloat16 matmul does."""
-    import carpool.platform.cpu_linear as cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "onednn_dtype", lambda dtype: torch.float32)
+    route = dataclasses.replace(this_cpu_route(torch.bfloat16, full_rows=1100),
+                                onednn_dtype=torch.float32)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    packed = PackedLinear(linear, full_rows=1100)
+    packed = PackedLinear(linear, route=route)
     assert packed._packed.dtype == torch.float32
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     with torch.inference_mode():

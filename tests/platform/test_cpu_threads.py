@@ -13,6 +13,7 @@ import pytest
 
 from carpool.arg_utils import add_engine_arguments
 from carpool.config import EngineConfig
+from carpool.cpu_options import CpuOptions
 from carpool.utils.cpu_threads import (
     DEFAULT_OMP_SPIN_COUNT,
     cpus_for_slot,
@@ -34,7 +35,7 @@ def test_a_bad_setting_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match="cpu_omp_threads_bind"):
         validate(bad)
     with pytest.raises(ValueError, match="cpu_omp_threads_bind"):
-        EngineConfig(cpu_omp_threads_bind=bad)
+        CpuOptions(omp_threads_bind=bad)
 
 
 def test_each_slot_takes_its_own_cpus():
@@ -69,8 +70,8 @@ def test_the_flag_reaches_the_config():
     add_engine_arguments(parser)
     args = parser.parse_args(["--cpu-omp-threads-bind", "0-1|2-3"])
     config = EngineConfig.from_cli_args(argparse.Namespace(model=None, **vars(args)))
-    assert config.cpu_omp_threads_bind == "0-1|2-3"
-    assert EngineConfig().cpu_omp_threads_bind == "auto"
+    assert config.cpu.omp_threads_bind == "0-1|2-3"
+    assert EngineConfig().cpu.omp_threads_bind == "auto"
 
 
 def test_the_spin_count_becomes_the_started_processes_environment():
@@ -89,7 +90,7 @@ def test_the_spin_count_becomes_the_started_processes_environment():
 @pytest.mark.parametrize("bad", [-1, 1.5, "10", True])
 def test_a_bad_spin_count_is_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match="cpu_omp_spin_count"):
-        EngineConfig(cpu_omp_spin_count=bad)
+        CpuOptions(omp_spin_count=bad)
 
 
 def test_the_spin_flag_reaches_the_config():
@@ -98,8 +99,8 @@ def test_the_spin_flag_reaches_the_config():
     add_engine_arguments(parser)
     args = parser.parse_args(["--cpu-omp-spin-count", "0"])
     config = EngineConfig.from_cli_args(argparse.Namespace(model=None, **vars(args)))
-    assert config.cpu_omp_spin_count == 0
-    assert EngineConfig().cpu_omp_spin_count is None
+    assert config.cpu.omp_spin_count == 0
+    assert EngineConfig().cpu.omp_spin_count is None
     with pytest.raises(ValueError, match="--cpu-omp-spin-count"):
         EngineConfig.from_cli_args(argparse.Namespace(
             model=None, **vars(parser.parse_args(["--cpu-omp-spin-count", "-5"]))))

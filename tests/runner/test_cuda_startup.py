@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from carpool.cpu_options import CpuOptions
 from carpool.models.llama import LlamaForCausalLM
 from carpool.platform import CudaPlatform, TorchCudaMemory, platform_for
 
@@ -116,7 +117,7 @@ def test_device_picks_its_platform():
     cuda = platform_for(torch.device("cuda", 0))
     assert isinstance(cuda, CudaPlatform) and isinstance(cuda.memory, TorchCudaMemory)
     assert cuda.profiles_memory and cuda.describe() == "cuda (cuda:0)"
-    cpu = platform_for(torch.device("cpu"), cpu_packed_linears=False)
+    cpu = platform_for(torch.device("cpu"), CpuOptions(packed_linears=False))
     assert not cpu.profiles_memory and not cpu.packed_linears and cpu.malloc_tuning
 
 

@@ -12,6 +12,7 @@ import torch
 from runner_driver import Driver, DriverRequest
 
 from carpool import kernels as cpu_kernels
+from carpool.config import EngineConfig
 from carpool.platform import cpu_linear
 from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.runner.model_runner import ModelRunner
@@ -24,7 +25,7 @@ def make_runner(path, dtype: str, **kwargs) -> ModelRunner:
     settings = dict(max_model_len=256, max_num_batched_tokens=128, max_num_seqs=8,
                     num_kv_blocks=96, block_size=4, device="cpu", dtype=dtype)
     settings.update(kwargs)
-    return ModelRunner(path, **settings)
+    return ModelRunner(EngineConfig.from_args(str(path), **settings), path)
 
 
 def compare_each_step(runner: ModelRunner, monkeypatch) -> list[bool]:
