@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "gemm/amx_tiles.h"
+#include "attention/attend.h"
 #include "attention/block_ops.h"
 #include "kernel_api.h"
 #include "layers/layer_stack.h"
@@ -169,6 +170,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("slot_mapping"), py::arg("paged_rows"), py::arg("prefill_rows"),
            py::arg("sliding_window"), py::arg("prefill_amx"),
            py::call_guard<py::gil_scoped_release>());
+  m.def("attend", &carpool_attention::attend,
+        "A step's attention into a new [T, H, D]: prefill_rows by prefill_attention_bf16 "
+        "(amx: on AMX tiles), paged_rows by paged_attention; each list empty or "
+        "[block_tables, query_starts, query_lens, seq_lens], together every row of q.",
+        py::arg("q"), py::arg("kv_cache"), py::arg("paged_rows"), py::arg("prefill_rows"),
+        py::arg("scale"), py::arg("sliding_window"), py::arg("prefill_amx"),
+        py::arg("batch_invariant"), py::call_guard<py::gil_scoped_release>());
   m.def("paged_attention", &paged_attention,
         "Paged attention over the cache's block tables; writes out [T, H, D] in place.",
         py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"),

@@ -1,5 +1,6 @@
 // The kernels' C++ entry points, one declaration each, for the files that call them across
-// files: the Python bindings (bindings.cpp) and the layer stack (layer_stack.cpp).
+// files: the Python bindings (bindings.cpp), the attention entry (attention/attend.h) and the
+// layer stack (layer_stack.cpp).
 
 #pragma once
 

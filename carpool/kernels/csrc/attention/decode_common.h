@@ -75,9 +75,9 @@ __attribute__((always_inline)) inline void prefetch_block_l1(const void* p, int6
 }
 
 // Whether attend_decode also prefetches the block after next into L2. On AMD's Zen 4 the
-// one-block-ahead L1 prefetches alone leave the reads and the arithmetic nearly serial
-// (decode_read_rate.py from memory: 14-16 GB/s, 19-23 with this, 24-27 read-only); on
-// Intel's Sapphire Rapids L2 prefetches ahead of the L1 ones cost 5-10% (BENCHMARKS §28).
+// one-block-ahead L1 prefetches alone leave the reads and the arithmetic nearly serial; on
+// Intel's Sapphire Rapids L2 prefetches ahead of the L1 ones only cost time
+// (docs/lab/28-the-decode-kernel-is-not-at-the.md).
 inline bool prefetch_block_after_next() {
   static const bool amd = __builtin_cpu_is("amd");
   return amd;

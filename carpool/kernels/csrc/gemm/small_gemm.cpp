@@ -53,15 +53,14 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // output columns per register
 // Tile shapes, rows x blocks of 16 columns: 24 accumulators either way. The wide one takes 6
-// broadcasts of x and 4 weight loads a k step, and ran in 0.91-0.94x the narrow one's time on
-// Zen 4 (where the broadcasts compete with `vdpbf16ps` for its units) from 13 rows on. Up to
-// 12 rows the narrow one is a single pass over the weight with half the loads a step: the
-// wide one's two passes took 1.15x its time at 7 rows with the weight in L3 (BENCHMARKS §30).
+// broadcasts of x and 4 weight loads a k step, and wins on Zen 4 (where the broadcasts compete
+// with `vdpbf16ps` for its units) from 13 rows on. Up to 12 rows the narrow one is a single
+// pass over the weight with half the loads a step (docs/lab/30-the-small-gemms-prefetch-their-next-weight.md).
 struct NarrowTile { static constexpr int kRows = 12, kBlocks = 2; };
 struct WideTile { static constexpr int kRows = 6, kBlocks = 4; };
 constexpr int64_t kChunk = 8;   // k steps between a tile's prefetches of the next weight
 // Below this many rows the product is a plain stream over the weight, which the hardware
-// prefetcher keeps up with; prefetching ahead as well slowed 1 row by 3-7% (§30).
+// prefetcher keeps up with; prefetching ahead as well only slows it (docs/lab/30-the-small-gemms-prefetch-their-next-weight.md).
 constexpr int64_t kMinPrefetchRows = 3;
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -187,7 +186,7 @@ struct Avx2Sums {
 // tile's own array (its address taken by the capture, and __m256 may alias the float loads
 // of x) had GCC store all 2R sums back after every k step, 2R stores a step, which held the
 // float32 tile to a third of its FMA rate; a copy per chunk still stored and reloaded them
-// between chunks (BENCHMARKS §38). Forced inline, so the copy lives in registers.
+// between chunks (docs/lab/38-the-avx2-small-gemms-were-store-bound.md). Forced inline, so the copy lives in registers.
 template <int R, typename Steps>
 __attribute__((always_inline)) inline void in_chunks(int64_t count, NextWeight next,
                                                      Avx2Sums<R>& sums, const Steps& steps) {
@@ -311,7 +310,7 @@ void dispatch_tile(int64_t rows, int64_t nb, const F& f) {
 // Shape::kBlocks blocks, rows in tiles of at most Shape::kRows rows, as even as they can be
 // (7 rows as 4 + 3 rather than 6 + 1). A group's row tiles share the prefetching of the
 // thread's next group's weight (`next`): the first row tile would otherwise stall on memory
-// for the whole group's weight, ~15% of a 100-row GEMM over the 135M model's layers (§30).
+// for the whole group's weight (docs/lab/30-the-small-gemms-prefetch-their-next-weight.md).
 template <typename Shape, typename Tile>
 void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes,
                    const Tile& tile) {
@@ -363,9 +362,8 @@ void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes
 // are 9.8 MB) is written by non-temporal stores where a row's 32 columns are one whole cache
 // line. Its lines are in no cache (its buffer was last touched a step before), so an ordinary
 // store first reads its line from memory, and those reads held the fill buffers that the
-// weight stream needs: the 135M model's LM head took 4.4 ms at 100 rows and 10.6 at 200,
-// 2.4 and 3.9 ms streamed (same bits; BENCHMARKS §47). Smaller outputs, which the next kernel
-// reads from cache, keep ordinary stores.
+// weight stream needs; streamed, the same bits come much sooner (docs/lab/47-the-decoder-layers-in-one-c-call.md). Smaller
+// outputs, which the next kernel reads from cache, keep ordinary stores.
 constexpr int64_t kStreamedOutputBytes = int64_t{4} << 20;
 
 struct PendingRows {
@@ -397,9 +395,8 @@ struct PendingRows {
 
 // The next column pair's weight panel (its two blocks are adjacent: one contiguous range),
 // prefetched into L2 a few lines each k step of the current pair's tiles, so that it arrives
-// from memory while the tile unit works instead of when its first tile loads ask for it. At
-// decode sizes (1-200 rows, the 135M model's weights from memory) the GEMM took 0.82-0.98x
-// its time without it (BENCHMARKS §43).
+// from memory while the tile unit works instead of when its first tile loads ask for it
+// (docs/lab/43-the-amx-small-gemm.md).
 struct PanelPrefetch {
   const char* next = nullptr;
   int64_t left = 0, per_step = 0;
@@ -413,9 +410,9 @@ struct PanelPrefetch {
 // column block b, r < RT, b < BT (1 or 2 each): per k step 2 A and 2 B tiles feed 4 products
 // (tiles 0-3 hold C, 4-5 A, 6-7 B). A first version kept 6 row tiles' C against one B tile (7
 // tile loads for 6 products) and lost to oneDNN from 96 rows on; this one is ahead of it from
-// 3 to 512 rows (BENCHMARKS). Each operand tile is reloaded for the next k step right after
-// the products that read it are issued, so its load runs under the remaining products: 0.85-
-// 0.99x the time of loading all four first at 64-256 rows (2 threads, BENCHMARKS §44).
+// 3 to 512 rows (docs/lab/43-the-amx-small-gemm.md). Each operand tile is reloaded for the next k step right after
+// the products that read it are issued, so its load runs under the remaining products
+// (docs/lab/44-the-amx-small-gemm-s-threads-steal.md).
 // `pending` (the previous tiles' epilogue, whose buffer is not c) advances once a k step.
 template <int RT, int BT>
 CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const uint16_t* x1,
@@ -455,19 +452,16 @@ CARPOOL_AMX_TARGET void amx_tile_2x2(const uint16_t* x0, int64_t x0_bytes, const
 // row tiles; x_stride elements a row, K % 32 == 0. A unit of work is one pair over one block
 // of rows; each thread owns the pairs of an even split, runs them block by block and then
 // steals units from the back of the others' (`StealableShares`). A unit's sums are the same
-// whichever thread runs it. In phases where one vCPU's tile unit ran 4-5x slower than the
-// other's (a shared VM), the 135M model's layers took down to 0.54-0.89x the static split's
-// time (three runs of five, at 1-256 rows); in the other two runs 0.98-1.03x, and 1.00-1.02x
-// on one thread (BENCHMARKS §44). A last partial row tile is read from `tail`
-// instead: its rows copied into 16 rows of K zero-padded elements (the tile unit reads whole
-// 16-row tiles; copying only these rows, not padding all of x, saved 3-5 us a call).
+// whichever thread runs it; stealing pays where one vCPU's tile unit runs slower than the
+// other's (a shared VM) and costs nothing elsewhere (docs/lab/44-the-amx-small-gemm-s-threads-steal.md). A last partial row tile is
+// read from `tail` instead: its rows copied into 16 rows of K zero-padded elements (the tile
+// unit reads whole 16-row tiles; copying only these rows is cheaper than padding all of x).
 // Two sum buffers alternate: the tiles of one step fill one while the other's epilogue runs.
 // Up to kOneBlockRowTiles row tiles (256 rows: decode steps) run as one block of rows, so each
 // column pair's weight is read from memory once. Larger calls run in blocks of
 // kRowTilesPerBlock (96 rows), each block meeting all of the thread's column pairs while its
-// x rows stay in L2; as one block, all of x streamed from L3 once per column pair. At 4,096
-// rows the blocks took 0.88-0.89x the time of one block (oneDNN's one call still 0.87x
-// theirs), at 1,024 0.78-1.03x (BENCHMARKS §43, linear_routing.py --against).
+// x rows stay in L2; as one block, all of x streamed from L3 once per column pair
+// (docs/lab/43-the-amx-small-gemm.md).
 constexpr int64_t kOneBlockRowTiles = 16, kRowTilesPerBlock = 6;
 CARPOOL_AMX_TARGET void amx_gemm(const uint16_t* x, int64_t x_stride, const uint16_t* tail,
                                  int64_t m, int64_t k, const uint16_t* w, int64_t blocks,

@@ -2,9 +2,8 @@
 // front to back and, once that is empty, taking units from the back of the others'.
 //
 // A static split (at::parallel_for's) makes a call wait for its slowest thread. On the
-// shared Xeon VMs this project benchmarks on, one vCPU's AMX tile unit ran 4-5x slower than
-// the other's for seconds at a time (2,500 against 560 GFLOP/s, the AVX-512 units level;
-// BENCHMARKS §44), and a laptop's efficiency cores are slower than its performance cores all
+// shared Xeon VMs this project benchmarks on, one vCPU's AMX tile unit ran several times
+// slower than the other's for seconds at a time (docs/lab/44-the-amx-small-gemm-s-threads-steal.md), and a laptop's efficiency cores are slower than its performance cores all
 // the time. With the shares stealable, a fast thread finishes a slow one's work instead of
 // waiting for it; where the threads run at one speed each runs its own share, as before, in
 // the same order (the same locality), for one uncontended compare-and-swap a unit.

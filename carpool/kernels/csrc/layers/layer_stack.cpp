@@ -1,23 +1,26 @@
 // A model's decoder layers in one call.
 //
 // The layers of models/llama.py, as the CPU platform prepares them (packed linears, the fused
-// norm, RoPE and SiLU x up, the CPU attention backend's kernels), call one kernel after another
-// from Python: about 16 module and tensor calls a layer, each a few microseconds with the
-// caches cold from the kernel before it. At decode sizes that was 3-4 ms of a 135M model's
-// step. Here the same kernels run in the same order on the same tensors, so the hidden states
-// are the modules' to the bit (tests/runner/test_layer_stack.py), with the GIL released for
-// the whole stack except a linear's calls of more rows than its small GEMM takes, which go to
-// the module's own forward (prompt-sized steps, where they are oneDNN's and the Python around
-// them is a small share). platform/cpu_layer_stack.py builds it and says when a step takes it.
+// norm, RoPE and SiLU x up, the kernels attention backend), call one kernel after another from
+// Python: about 16 module and tensor calls a layer, each paid with the caches cold from the
+// kernel before it, which at decode sizes is a large share of the step
+// (docs/lab/47-the-decoder-layers-in-one-c-call.md). Here the same kernels run in the same
+// order on the same tensors, attention through the one entry the Python backend calls too
+// (attention/attend.h), so the hidden states are the modules' to the bit
+// (tests/runner/test_layer_stack.py), with the GIL released for the whole stack except a
+// linear's calls of more rows than its small GEMM takes, which go to the module's own forward
+// (prompt-sized steps, where they are oneDNN's and the Python around them is a small share).
+// platform/cpu_layer_stack.py builds it where the route (platform/cpu_route.py) says the
+// stack runs the layers.
 
 #include "layers/layer_stack.h"
 
 #include <ATen/ops/add.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <utility>
 
+#include "attention/attend.h"
 #include "kernel_api.h"
 
 namespace carpool_layers {
@@ -30,13 +33,6 @@ at::Tensor multiply(const StackLinear& linear, const at::Tensor& x) {
                                                       linear.bias);
   return carpool_gemm::small_gemm_bf16(x, linear.packed, linear.out_features, linear.bias,
                                        linear.amx);
-}
-
-// Four int32 row tensors (KernelRows' fields), or none.
-bool has_rows(const std::vector<at::Tensor>& rows, const char* name) {
-  TORCH_CHECK(rows.empty() || rows.size() == 4, "LayerStack: ", name,
-              " must be empty or [block_tables, query_starts, query_lens, seq_lens]");
-  return !rows.empty();
 }
 
 }  // namespace
@@ -72,20 +68,13 @@ at::Tensor LayerStack::attention(const DecoderWeights& layer, const at::Tensor& 
     k = std::get<0>(carpool_fused::rms_norm(k, c10::nullopt, *layer.k_norm, shape_.eps));
   }
   carpool_fused::rotary_(q, k, cos, sin);
-  // CpuBackend.forward: the KV write, then prompt chunks and decodes into one output.
+  // CpuKernelBackend.forward: the KV write, then the one attention entry both of them call.
   at::Tensor cache = kv_cache;
   carpool_fused::write_kv_(cache, slot_mapping, k, v);
-  at::Tensor out = at::empty_like(q);
-  if (!prefill_rows.empty()) {
-    carpool_prefill::prefill_attention_bf16(out, q, kv_cache, prefill_rows[0], prefill_rows[1],
-                                            prefill_rows[2], prefill_rows[3], shape_.scale,
-                                            switches.prefill_amx);
-  }
-  if (!paged_rows.empty()) {
-    paged_attention(out, q, kv_cache, paged_rows[0], paged_rows[1], paged_rows[2],
-                    paged_rows[3], shape_.scale, switches.sliding_window,
-                    /*batch_invariant=*/false, /*bf16_widen=*/-1);
-  }
+  const at::Tensor out =
+      carpool_attention::attend(q, kv_cache, paged_rows, prefill_rows, shape_.scale,
+                                switches.sliding_window, switches.prefill_amx,
+                                /*batch_invariant=*/false);
   return multiply(layer.o, out.reshape({tokens, heads * d}));
 }
 
@@ -97,10 +86,6 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const
                                AttentionSwitches switches) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LayerStack: ", layers_.size(),
               " layers but ", kv_caches.size(), " caches");
-  const bool paged = has_rows(paged_rows, "paged_rows");
-  const bool prefill = has_rows(prefill_rows, "prefill_rows");
-  TORCH_CHECK(paged || prefill,
-              "LayerStack: a step has rows for paged_attention, prefill_attention_bf16 or both");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "LayerStack: x must be a contiguous [T, hidden]");
   // DecoderLayer.forward: (x, residual) -> (the MLP's output, the residual stream before it).
   at::Tensor hidden = x, residual;

@@ -39,7 +39,7 @@ struct StackShape {
   double eps = 0, scale = 0;
 };
 
-// The attention backend's switches: the kernels' arguments that are not the step's rows.
+// The route's attention switches: `attend`'s arguments that are not the step's rows.
 struct AttentionSwitches {
   int64_t sliding_window = 0;  // 0: none
   bool prefill_amx = false;    // prefill_attention_bf16 on AMX tiles
@@ -50,9 +50,9 @@ class LayerStack {
   LayerStack(std::vector<DecoderWeights> layers, StackShape shape);
 
   // x [T, hidden] (the embedded tokens), cos and sin [T, head_dim] contiguous, one cache per
-  // layer; the rows paged_attention attends and those prefill_attention_bf16 attends (each
-  // the four int32 tensors of the backend's KernelRows: block tables, query starts, query
-  // lens, seq lens; empty where the step has none). Returns the last layer's output plus its
+  // layer; the rows paged_attention attends and those prefill_attention_bf16 attends, as
+  // `attend` takes them (each the four int32 tensors of the backend's KernelRows: block
+  // tables, query starts, query lens, seq lens; empty where the step has none). Returns the last layer's output plus its
   // residual stream (the hidden states before the final norm).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,

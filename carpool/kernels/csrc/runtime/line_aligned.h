@@ -3,8 +3,8 @@
 // A 512-bit load or store, or an AMX tile row of 64 bytes, that straddles two cache lines
 // costs two accesses. malloc aligns only to 16 bytes (glibc puts a large block 16 bytes past
 // a page boundary), so a scratch buffer read and written a line at a time straddled lines on
-// every access: with the prefill kernel's packed keys and values and its per-item buffers on
-// 64-byte lines, its prompts ran 1.08-1.26x faster (BENCHMARKS §46).
+// every access; the prefill kernel's packed keys and values and its per-item buffers sit on
+// 64-byte lines (docs/lab/46-decode-blocks-in-runs-of-consecutive-ids.md).
 
 #pragma once
 

@@ -2,8 +2,8 @@
 // gives it (the first of equal maxima; a row holding NaN: its first NaN).
 //
 // Why its own loop: every plain greedy step takes the argmax of [rows, vocab] logits, and
-// torch's max over a bfloat16 row widens and compares one element at a time: 3.6-4.2 ms for
-// 200 x 49,152 on 2 threads, about 4% of the 135M model's decode step (BENCHMARKS §27).
+// torch's max over a bfloat16 row widens and compares one element at a time, a visible share
+// of a small model's decode step (docs/lab/27-dtype-auto-as-vllm-s-the-servers.md).
 // Here each row is read once in whole vectors: a lane keeps the largest value it has seen and
 // its index (indices held as floats: exact below 2^24, far above any vocabulary), a strict
 // "greater" keeps the first of equals in each lane, and the lanes are merged at the end by
