@@ -25,7 +25,7 @@ from torch import nn
 
 from benchmarks.kernels.cpu_attention_kernel import load_other_kernels
 from carpool import kernels as cpu_kernels
-from carpool.platform.cpu_linear import MAX_ROWS, PackedLinear
+from carpool.platform.cpu_linear import MAX_ROWS, PackedLinear, this_cpu_route
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out), SmolLM2-135M
 
@@ -43,7 +43,8 @@ def main() -> None:
     torch.set_num_threads(ns.threads)
     dtype = getattr(torch, ns.dtype)
     kernels = cpu_kernels.load()
-    layers = [PackedLinear(nn.Linear(i, o, bias=False).to(dtype), kernels, full_rows=4096)
+    route = this_cpu_route(dtype, kernels, full_rows=4096)
+    layers = [PackedLinear(nn.Linear(i, o, bias=False).to(dtype), kernels, route)
               for _ in range(ns.copies) for i, o in SHAPES]
     small_gemm = None if kernels is None else small_gemm_of(kernels, dtype)
     print(f"{len(layers)} {ns.dtype} layers, {ns.threads} threads, min of {ns.repeats}, ms a pass")

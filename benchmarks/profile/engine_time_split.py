@@ -41,7 +41,7 @@ from benchmarks.compare.vs_vllm import build_requests
 from benchmarks.compare.vs_vllm_common import MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS
 from carpool import kernels as cpu_kernels
 from carpool.llm import LLM
-from carpool.platform import cpu_linear
+from carpool.platform import cpu_linear, cpu_route
 from carpool.runner import model_runner
 from carpool.sampling_params import SamplingParams
 
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--f32-small-max-rows", type=int, default=None,
                         help="the float32 small GEMM's cut (default: this CPU's)")
     parser.add_argument("--amx-tile-max-rows", type=int, default=None,
-                        help="the AMX small GEMM's cut (cpu_linear.SMALL_GEMM_AMX_TILE_MAX_ROWS)")
+                        help="the AMX small GEMM's cut (cpu_route.SMALL_GEMM_AMX_TILE_MAX_ROWS)")
     parser.add_argument("--kernel-times", action="store_true")
     parser.add_argument("--block-runs", action="store_true",
                         help="count how contiguous the decode rows' KV blocks are")
@@ -165,15 +165,13 @@ def main() -> None:
                         help="the KV cache on transparent huge pages (cpu_kv_huge_pages)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.bf16_small_max_rows is not None:
-        cpu_linear.SMALL_GEMM_MAX_ROWS = cpu_linear.SMALL_GEMM_AMX_MAX_ROWS = \
-            cpu_linear.SMALL_GEMM_AVX2_MAX_ROWS = args.bf16_small_max_rows
+    for cut_dtype, rows in ((torch.bfloat16, args.bf16_small_max_rows),
+                            (torch.float32, args.f32_small_max_rows)):
+        if rows is not None:  # every CPU class's cut (cpu_route's table)
+            for cuts in cpu_route.SMALL_GEMM_MAX_ROWS.values():
+                cuts[cut_dtype] = rows
     if args.amx_tile_max_rows is not None:
-        cpu_linear.SMALL_GEMM_AMX_TILE_MAX_ROWS = args.amx_tile_max_rows
-    if args.f32_small_max_rows is not None:
-        cpu_linear.SMALL_GEMM_F32_MAX_ROWS = cpu_linear.SMALL_GEMM_F32_AMX_MAX_ROWS = \
-            cpu_linear.SMALL_GEMM_F32_ZEN4_MAX_ROWS = cpu_linear.SMALL_GEMM_F32_AVX2_MAX_ROWS = \
-            args.f32_small_max_rows
+        cpu_route.SMALL_GEMM_AMX_TILE_MAX_ROWS = args.amx_tile_max_rows
     timer = KernelTimer()
     if args.kernel_times:
         timer.install()
@@ -194,11 +192,11 @@ def main() -> None:
     seconds, phase = run(engine, requests, "timed", timer)
     num_out = sum(n for _, n in requests)
     kernels = cpu_kernels.load()
-    if kernels is not None and kernels.has_amx():  # K in 32s: AMX tiles up to 512 rows
-        cut = f"AMX tiles up to {cpu_linear.SMALL_GEMM_AMX_TILE_MAX_ROWS} rows, else " \
-              f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)}"
+    bf16_cut = cpu_route.SMALL_GEMM_MAX_ROWS[cpu_route.CpuFacts.probe().cpu_class][torch.bfloat16]
+    if kernels is not None and kernels.has_amx():  # K in 32s: AMX tiles
+        cut = f"AMX tiles up to {cpu_route.SMALL_GEMM_AMX_TILE_MAX_ROWS} rows, else {bf16_cut}"
     else:
-        cut = f"{cpu_linear.small_gemm_max_rows(torch.bfloat16)} rows"
+        cut = f"{bf16_cut} rows"
     print(f"{args.model}: {args.requests} requests, {args.threads} threads, dtype {args.dtype}, "
           f"block size {args.block_size}, bf16 small GEMM {cut}, KV huge pages "
           f"{'on' if args.kv_huge_pages else 'off'}: {seconds:.2f} s, "

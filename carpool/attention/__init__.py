@@ -1,27 +1,35 @@
 """Attention backends: how keys and values are written to the paged cache and attended.
 
 A backend builds its per-step metadata once, from the step's packed layout, and
-every layer reads it unchanged. `cpu` holds the CPU-specific fast paths; `sdpa`
-is portable PyTorch and what CUDA runs. A backend's module is imported only
-when it is chosen.
+every layer reads it unchanged; each backend has one metadata shape. The name `cpu`
+resolves to one of two backends, as the CPU route decides
+(`carpool.platform.cpu_route.decide_attention`): `cpu_kernel` (the compiled kernels) or
+`cpu_torch` (PyTorch paths); `sdpa` is portable PyTorch and what CUDA runs. A backend's
+module is imported only when it is chosen.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
 
+if TYPE_CHECKING:
+    from carpool.platform.cpu_route import AttentionRoute
+
 __all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionShape", "StepLayout",
            "create_backend", "resolve_backend_name"]
 
-# name -> "module:class"
-_REGISTRY = {"cpu": "carpool.attention.cpu:CpuBackend",
+# what `attention_backend` may be; "cpu" is one of the two cpu-* backends below, by the route
+BACKEND_NAMES = ("auto", "cpu", "sdpa")
+# backend -> "module:class"
+_REGISTRY = {"cpu-kernel": "carpool.attention.cpu_kernel:CpuKernelBackend",
+             "cpu-torch": "carpool.attention.cpu_torch:CpuTorchBackend",
              "sdpa": "carpool.attention.sdpa:SdpaBackend"}
-BACKEND_NAMES = ("auto", *_REGISTRY)  # what `attention_backend` may be
 _DEVICE_TYPES = {"cpu": ("cpu",), "sdpa": ("cpu", "cuda")}
 
 
@@ -38,19 +46,33 @@ def resolve_backend_name(name: str, device_type: str) -> str:
 
 
 def create_backend(name: str, shape: AttentionShape, device: torch.device,
-                   kernels: ModuleType | None = None,
-                   batch_invariant: bool = False) -> AttentionBackend:
-    """The backend `name` ("auto" resolved for `device`), built for layers of `shape`, using
-    the compiled `kernels` where it has a use for them. `batch_invariant` asks for one fixed
-    reduction order per query row whatever the step holds: only the cpu backend with the
-    kernels offers it (ValueError otherwise)."""
+                   kernels: ModuleType | None = None, batch_invariant: bool = False,
+                   route: AttentionRoute | None = None) -> AttentionBackend:
+    """The backend `name` ("auto" resolved for `device`), built for layers of `shape`.
+
+    On the CPU, `route` (the platform's, `CpuPlatform.attention_backend`) says which backend
+    and kernels run; without one it is decided here by the same function from `kernels` (the
+    compiled module, or None) and `batch_invariant` (one fixed reduction order per query row
+    whatever the step holds: only the cpu backend with the kernels offers it, ValueError
+    otherwise)."""
     resolved = resolve_backend_name(name, device.type)
-    module_name, _, class_name = _REGISTRY[resolved].partition(":")
-    backend_cls = getattr(importlib.import_module(module_name), class_name)
-    if not batch_invariant:
-        return backend_cls(shape, device, kernels)
-    if resolved != "cpu" or kernels is None:
-        raise ValueError(f"batch_invariant needs the cpu attention backend with the C++ "
-                         f"kernels (got {resolved!r}, kernels "
-                         f"{'on' if kernels is not None else 'off'})")
-    return backend_cls(shape, device, kernels, batch_invariant=True)
+    if route is None:
+        if device.type != "cpu":
+            if batch_invariant:
+                raise ValueError(f"batch_invariant needs the cpu attention backend with the "
+                                 f"C++ kernels (got {resolved!r}, kernels "
+                                 f"{'on' if kernels is not None else 'off'})")
+            return _backend_class("sdpa")(shape, device, kernels)
+        from carpool.platform.cpu_route import KernelFacts, decide_attention
+
+        facts = None if kernels is None else KernelFacts.of(kernels, shape.head_dim)
+        route = decide_attention(shape.dtype, shape.head_dim, shape.sliding_window, facts,
+                                 batch_invariant=batch_invariant, attention_backend=resolved)
+    if route.backend == "cpu-kernel":
+        return _backend_class(route.backend)(shape, device, kernels, route)
+    return _backend_class(route.backend)(shape, device, kernels)
+
+
+def _backend_class(backend: str) -> type[AttentionBackend]:
+    module_name, _, class_name = _REGISTRY[backend].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)

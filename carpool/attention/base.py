@@ -72,7 +72,7 @@ class AttentionShape:
 class AttentionBackend(ABC):
     """Writes new K/V into a layer's paged cache and attends; one instance per model.
 
-    `kernels` is the compiled C++ kernels module (`carpool.attention.cpu_kernels.load()`)
+    `kernels` is the compiled C++ kernels module (`carpool.kernels.load()`)
     when the platform provides one; a backend that has no use for it ignores it.
     """
 

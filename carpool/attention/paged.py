@@ -132,7 +132,7 @@ def gather(kv_cache: torch.Tensor, group: PagedGroup,
     unless `values_too`), each [Hkv, S, B * block_size, D].
 
     index_select along dim 0 copies whole blocks (memcpy); along another dim, or by
-    advanced indexing, it copies element by element, 2-3x slower. So the cache is viewed
+    advanced indexing, it copies element by element, several times slower. So the cache is viewed
     as [2 * Hkv * num_blocks, block_size, D] and read in one call.
     """
     num_seqs, num_blocks = group.block_tables.shape

@@ -7,7 +7,8 @@ over keys and values gathered from their block tables.
 
 On CUDA every decode is in one group: each group is a handful of kernel launches per
 layer, and a decode step there is bound by the host issuing launches, not by the
-padding a group of mixed context lengths adds (BENCHMARKS.md §35).
+padding a group of mixed context lengths adds
+(docs/lab/35-the-first-run-on-a-gpu-h200.md).
 """
 
 from __future__ import annotations

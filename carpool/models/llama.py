@@ -13,6 +13,14 @@ Under tensor parallelism each rank builds its shard of the network (sizes from
 `sharding.ShardLayout`) and sums partial results over its `TensorParallelGroup`
 after o_proj, down_proj and the embedding; with the one-rank group every
 collective is the identity.
+
+Who runs the decoder loop: on the CPU with the C++ kernels, the C++ layer stack
+(`carpool/kernels/csrc/layers/`, installed as `layer_stack` by `CpuPlatform` where its route
+says so) runs every layer of the steps the kernels attention backend attends, and this file
+is its reference: the stack makes the same kernel calls in the same order and matches these
+modules to the bit (tests/runner/test_layer_stack.py). On CUDA, on the CPU without the
+kernels, under tensor parallelism or batch invariance, the loop in
+`LlamaForCausalLM.forward` below runs the modules itself.
 """
 
 from __future__ import annotations
@@ -236,8 +244,8 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # (T, head_dim) each
         stack = self.layer_stack
-        if stack is not None and stack.takes(attention, meta):
-            return stack(x, cos, sin, kv_caches, attention, meta)
+        if stack is not None and stack.takes(meta):
+            return stack(x, cos, sin, kv_caches, meta)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, attention, meta)

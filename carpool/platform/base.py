@@ -7,6 +7,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from carpool.attention import AttentionBackend, AttentionShape, create_backend
+
 
 class Platform:
     # True: the KV cache is sized from a memory budget measured after a profiling
@@ -18,6 +20,11 @@ class Platform:
 
     def prepare_model(self, model: nn.Module) -> None:
         """Rewrite the loaded model for this device (e.g. pack its linear layers)."""
+
+    def attention_backend(self, name: str, shape: AttentionShape,
+                          device: torch.device) -> AttentionBackend:
+        """The attention backend `name` ("auto" resolved for `device`) for layers of `shape`."""
+        return create_backend(name, shape, device, kernels=self.compiled_kernels())
 
     def compiled_kernels(self) -> ModuleType | None:
         """The compiled kernels module the attention backend and model may use, if any."""

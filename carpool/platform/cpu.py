@@ -4,10 +4,14 @@ The KV cache goes on transparent huge pages (`cpu_huge_pages`). Each is a config
 (`cpu_malloc_tuning`, `cpu_kv_huge_pages`, `cpu_omp_threads_bind`, `cpu_packed_linears`,
 `cpu_kernels`), on by default because each helps here (threads are pinned by default only
 in the processes carpool starts, see `utils/cpu_threads`). The C++ kernels (paged
-attention, the KV write, fused RoPE, residual add + RMSNorm, SiLU x up) are built on first
-use; without a compiler the PyTorch paths run, after one warning line. With them, the
-steps whose linears all take the small GEMM run the decoder layers in one C++ call
-(`cpu_layer_stack`).
+attention, the KV write, fused RoPE, residual add + RMSNorm, SiLU x up, the small GEMMs, the
+layer stack) are built on first use; without a compiler the PyTorch paths run, after one
+warning line.
+
+Which of them a step runs is decided once, at load, by `cpu_route.decide_route` from this
+CPU, the model's dtype and attention shape, the kernels and these switches: the platform logs
+the route, shows it in `describe()`, and hands each part to what it picks (`prepare_model`:
+linears, fused modules, the layer stack; `attention_backend`: the attention paths).
 
 `batch_invariant` (off by default) makes every linear, packed or not, multiply only a few
 fixed row counts per call (`cpu_invariant_linear`), so a row's result never depends on how
@@ -15,13 +19,20 @@ many rows its step has."""
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from carpool.attention import (
+    AttentionBackend,
+    AttentionShape,
+    create_backend,
+    resolve_backend_name,
+)
 from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.rope import Rotary
 from carpool.platform.base import Platform
@@ -29,12 +40,32 @@ from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMu
 from carpool.platform.cpu_huge_pages import zeros_on_huge_pages
 from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_layer_stack import KernelLayerStack
-from carpool.platform.cpu_linear import can_pack, pack_linears
+from carpool.platform.cpu_linear import pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
+from carpool.platform.cpu_route import CpuFacts, CpuRoute, KernelFacts, decide_route
 from carpool.utils.cpu_threads import NO_BIND, bind_threads
+
+logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_FRACTION = 0.10  # of available RAM
 CPU_DEFAULT_MAX_BYTES = 4 * 1024**3
+
+
+class DecidedRoute:
+    """The platform's route, set once (its switches are frozen; the route needs the model)."""
+
+    route: CpuRoute | None = None
+
+    def keep(self, route: CpuRoute) -> CpuRoute:
+        """`route`, kept and logged if it is the first; the kept one if it equals it (a second
+        model of the same dtype and shape); ValueError for a different one."""
+        if self.route is None:
+            self.route = route
+            logger.info("CPU route: %s", route.describe())
+        elif route != self.route:
+            raise ValueError(f"this CpuPlatform already runs the route {self.route.describe()}; "
+                             f"a model needing {route.describe()} needs a platform of its own")
+        return self.route
 
 
 @dataclass(frozen=True)
@@ -49,22 +80,52 @@ class CpuPlatform(Platform):
     # The step token budget: a linear called on exactly that many rows (a full prefill
     # step) runs as one oneDNN call (`cpu_linear.PackedLinear`); 0: none.
     full_step_rows: int = 0
+    _decided: DecidedRoute = field(default_factory=DecidedRoute, init=False, repr=False,
+                                   compare=False)
+
+    @property
+    def route(self) -> CpuRoute | None:
+        """The route this platform decided (None before the first backend or model)."""
+        return self._decided.route
+
+    def decide_route(self, dtype: torch.dtype, head_dim: int, sliding_window: int | None,
+                     attention_backend: str = "cpu") -> CpuRoute:
+        """The route of a `dtype` model of `head_dim` (`cpu_route.decide_route`), decided and
+        logged once: a second call gets the same route or a ValueError."""
+        kernels = self.compiled_kernels()
+        facts = None if kernels is None else KernelFacts.of(kernels, head_dim)
+        return self._decided.keep(decide_route(
+            CpuFacts.probe(), dtype, head_dim, sliding_window, facts,
+            packed_linears=self.packed_linears, batch_invariant=self.batch_invariant,
+            full_step_rows=self.full_step_rows, attention_backend=attention_backend))
 
     def prepare_process(self) -> None:
         if self.malloc_tuning:
             keep_freed_memory_in_heap()
         bind_threads(self.omp_threads_bind, self.thread_slot, self.compiled_kernels())
 
+    def attention_backend(self, name: str, shape: AttentionShape,
+                          device: torch.device) -> AttentionBackend:
+        """The backend `name` resolves to on this route (the route is decided here when the
+        runner asks for its backend before its model)."""
+        route = self.decide_route(shape.dtype, shape.head_dim, shape.sliding_window,
+                                  resolve_backend_name(name, device.type))
+        return create_backend(name, shape, device, self.compiled_kernels(),
+                              route=route.attention)
+
     def prepare_model(self, model: nn.Module) -> None:
+        """Rewrite `model` as the route says: linears packed (their small-GEMM cut) or tiled,
+        the fused elementwise modules, the C++ layer stack."""
+        config = model.config
+        backend = "sdpa" if self.route and self.route.attention.backend == "sdpa" else "cpu"
+        route = self.decide_route(next(model.parameters()).dtype, config.head_dim,
+                                  config.sliding_window, backend)
         kernels = self.compiled_kernels()
-        if self.packed_linears and can_pack(model):
-            if self.batch_invariant:  # tile_linears fixes the row counts instead
-                pack_linears(model)
-            else:
-                pack_linears(model, kernels, self.full_step_rows)
-        if self.batch_invariant:
+        if route.linears.packed:
+            pack_linears(model, kernels, route.linears)
+        if route.linears.tiles:
             tile_linears(model)
-        if kernels is not None:
+        if route.fused_elementwise:
             fused = {Rotary: lambda _: FusedRotary(kernels),
                      SiluAndMul: lambda _: FusedSiluAndMul(kernels),
                      RMSNorm: lambda norm: FusedRMSNorm(norm, kernels)}
@@ -72,8 +133,11 @@ class CpuPlatform(Platform):
                 for name, child in module.named_children():
                     if type(child) in fused:
                         setattr(module, name, fused[type(child)](child))
-            if hasattr(model, "layer_stack") and not self.batch_invariant:
-                model.layer_stack = KernelLayerStack.of(model, kernels)
+        if route.layer_stack and hasattr(model, "layer_stack"):
+            model.layer_stack = KernelLayerStack.of(model, kernels, route)
+            if model.layer_stack is None:
+                logger.info("C++ layer stack off for this model: tensor parallel, a linear "
+                            "its small GEMM does not take, or norms of differing eps")
 
     def compiled_kernels(self) -> ModuleType | None:
         if not self.kernels:
@@ -95,10 +159,11 @@ class CpuPlatform(Platform):
         def state(on: bool) -> str:
             return "on" if on else "off"
         kernels = self.kernels and self.compiled_kernels() is not None
+        route = "" if self.route is None else f"; route: {self.route.describe()}"
         return (f"cpu (oneDNN-packed linears {state(self.packed_linears)}, malloc tuning "
                 f"{state(self.malloc_tuning)}, KV cache huge pages {state(self.kv_huge_pages)}, "
                 f"C++ kernels {state(kernels)}, batch-invariant "
-                f"{state(self.batch_invariant)})")
+                f"{state(self.batch_invariant)}{route})")
 
 
 def available_ram_bytes() -> int:

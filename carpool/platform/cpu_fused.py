@@ -1,10 +1,10 @@
 """A decoder layer's elementwise passes through the compiled kernels, one pass each.
 
 Drop-ins for the model's `Rotary`, `RMSNorm` and `SiluAndMul` modules that
-`CpuPlatform.prepare_model` swaps in when the C++ kernels are built
-(`csrc/fused_ops.cpp`). At decode sizes the eager versions are mostly per-op
-overhead (a bfloat16 `F.rms_norm` alone is six ATen ops; 61 norms a step on the
-135M model), and at prefill sizes each extra op is another pass over the rows.
+`CpuPlatform.prepare_model` swaps in where the route says so (`CpuRoute.fused_elementwise`:
+the C++ kernels are built; `csrc/elementwise/fused_ops.cpp`). At decode sizes the eager
+versions are mostly per-op overhead (a bfloat16 `F.rms_norm` alone is six ATen ops; 61 norms
+a step on the 135M model), and at prefill sizes each extra op is another pass over the rows.
 
 - `FusedRotary`: `apply_rope`'s results to the bit, in every dtype.
 - `FusedSiluAndMul`: the eager `F.silu(gate) * up` to the bit, in every dtype.

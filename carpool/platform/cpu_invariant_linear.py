@@ -1,11 +1,11 @@
 """Batch-invariant linears: a row's result never depends on how many rows its step has.
 
 A GEMM library picks its kernel, and with it the order in which a row's products are
-summed, from the call's shape: on this project's machine oneDNN's 1-row path (K = 1536,
-the 135M model's down_proj) differs in the last bits from its many-row kernel, and MKL's
-float32 sgemm differs at every row count. So in batch-invariant mode every call has one of
-a few fixed row counts: the step's rows are cut into tiles of the largest `TILES` while they
-fill, the rest in one call zero-padded to the smallest size that holds it (`in_row_tiles`).
+summed, from the call's shape: oneDNN's 1-row path differs in the last bits from its
+many-row kernel, and MKL's float32 sgemm differs at every row count. So in batch-invariant
+mode every call has one of a few fixed row counts: the step's rows are cut into tiles of the
+largest `TILES` while they fill, the rest in one call zero-padded to the smallest size that
+holds it (`in_row_tiles`).
 A row's place within a call does not change its sums (measured; the invariance tests hold
 it).
 
@@ -15,8 +15,9 @@ calls give (`agreeing_tiles`). A kernel's summation order depends on the shape, 
 the values, and two orders differ on random data at some of a call's thousands of outputs,
 so one check per shape settles it. Here every size from 2 rows up agrees, so a lone decode
 is padded to 2 rows, not 16, and prefills go in 256-row calls; a machine whose small calls
-sum otherwise keeps the sizes from 16 up (16 is where oneDNN's cost per row stops falling
-on the 135M shapes: 31 us per row at 16, 23 at 512 in bfloat16).
+sum otherwise keeps the sizes from 16 up (about where oneDNN's cost per row stops falling:
+docs/lab/16-batch-invariant-mode.md). Whether linears take tiles is the route's
+(`cpu_route.LinearRoute.tiles`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
-"""A model's decoder layers in one C++ call (`csrc/layer_stack.cpp`).
+"""A model's decoder layers in one C++ call (`csrc/layers/layer_stack.cpp`).
 
-Prepared for the CPU (packed linears, the fused norm, RoPE and SiLU x up, the CPU
-attention backend's kernels), a layer still calls its kernels one by one from Python:
-about 16 module and tensor calls a layer, 3-4 ms of a 135M model's decode step (21.8 of
-a 20-request step, 65.7 of a 100-request one: BENCHMARKS §47). `LayerStack` makes the
-same kernel calls in the same order on the same tensors in C++, with the GIL released, so
-its hidden states are the modules' to the bit; a linear's calls of more rows than its
-small GEMM takes go back to the module's own forward (oneDNN's, at prompt sizes). The
-model hands it every step `takes` accepts: those whose attention is the CPU backend's
-kernels alone.
+Prepared for the CPU (packed linears, the fused norm, RoPE and SiLU x up, the kernels
+attention backend), a layer still calls its kernels one by one from Python: about 16 module
+and tensor calls a layer, a large share of a small model's decode step
+(docs/lab/47-the-decoder-layers-in-one-c-call.md). `LayerStack` makes the same kernel calls
+in the same order on the same tensors in C++, attention through the same `attend` entry as
+the backend, with the GIL released, so its hidden states are the modules' to the bit; a
+linear's calls of more rows than its small GEMM takes go back to the module's own forward
+(oneDNN's, at prompt sizes).
 
-`KernelLayerStack.of` builds one only for a model whose every layer the CPU platform
-prepared that way (not under tensor parallelism or batch invariance, which change what the
-modules do).
+Whether it runs is the route's (`cpu_route.CpuRoute.layer_stack`): `CpuPlatform` builds it
+where the route says so, and it then takes every step the kernels backend attends.
 """
 
 from __future__ import annotations
@@ -22,20 +20,26 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from carpool.attention.cpu import CpuBackend, CpuMetadata, KernelRows
-from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMul
+from carpool.attention.cpu_kernel import KernelMetadata
 from carpool.platform.cpu_linear import PackedLinear
+from carpool.platform.cpu_route import CpuRoute
 
 
 class KernelLayerStack:
-    """`LlamaForCausalLM.layer_stack` on the CPU: `takes` a step, then runs its layers."""
+    """`LlamaForCausalLM.layer_stack` on the CPU: runs the decoder layers of the steps it
+    `takes`."""
 
-    def __init__(self, stack) -> None:
+    def __init__(self, stack, route: CpuRoute) -> None:
         self._stack = stack
+        self._sliding_window = route.sliding_window or 0
+        self._prefill_amx = route.attention.prefill_amx
 
     @classmethod
-    def of(cls, model: nn.Module, kernels: ModuleType) -> KernelLayerStack | None:
-        """The stack of `model`'s layers, or None where one of them is not all kernels."""
+    def of(cls, model: nn.Module, kernels: ModuleType, route: CpuRoute) -> KernelLayerStack | None:
+        """The stack of `model`'s layers as the route prepared them (every linear packed with
+        a small GEMM, the fused norm, RoPE and SiLU x up), or None where the model itself rules
+        it out: tensor parallelism (collectives between the modules), a linear its small GEMM
+        does not take (odd in_features in bfloat16), norms of differing eps."""
         if getattr(model, "tp", None) is None or model.tp.is_parallel:
             return None
         layers = list(model.model.layers)
@@ -46,10 +50,7 @@ class KernelLayerStack:
             if attn.qk_norm:
                 layer_norms += [attn.q_norm, attn.k_norm]
             layer_linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            if not (all(type(n) is FusedRMSNorm for n in layer_norms)
-                    and type(attn.rotary) is FusedRotary and type(mlp.act) is FusedSiluAndMul
-                    and all(type(lin) is PackedLinear and lin.small is not None
-                            for lin in layer_linears)):
+            if any(lin.small is None for lin in layer_linears):
                 return None
             norms += layer_norms
             small = [_stack_linear(kernels, lin) for lin in layer_linears]
@@ -62,25 +63,22 @@ class KernelLayerStack:
         attn = layers[0].self_attn
         shape = kernels.StackShape(attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                    norms[0].eps, attn.scale)
-        return cls(kernels.LayerStack(weights, shape))
+        return cls(kernels.LayerStack(weights, shape), route)
 
-    def takes(self, attention, meta) -> bool:
-        """Whether this step's layers run here: attention by the CPU backend's kernels alone
-        (its PyTorch paths and batch-invariant mode stay with the modules)."""
-        return (type(attention) is CpuBackend
-                and attention.kernels is not None and not attention.batch_invariant
-                and type(meta) is CpuMetadata
-                and (meta.kernel_rows is not None or meta.prefill_rows is not None))
+    def takes(self, meta) -> bool:
+        """Whether this step's layers run here: those the kernels backend attends (the route
+        builds the stack only beside it; a backend made apart from the platform, as some tests
+        make one, keeps the modules)."""
+        return isinstance(meta, KernelMetadata)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[torch.Tensor], attention: CpuBackend,
-                 meta: CpuMetadata) -> torch.Tensor:
+                 kv_caches: list[torch.Tensor], meta: KernelMetadata) -> torch.Tensor:
         """The hidden states after the last layer (before the final norm), as the modules'
         loop returns them."""
+        paged_rows, prefill_rows = meta.attend_args()
         return self._stack.forward(x, cos.contiguous(), sin.contiguous(), kv_caches,
-                                   meta.slot_mapping, _rows(meta.kernel_rows),
-                                   _rows(meta.prefill_rows),
-                                   attention.shape.sliding_window or 0, attention.prefill_amx)
+                                   meta.slot_mapping, paged_rows, prefill_rows,
+                                   self._sliding_window, self._prefill_amx)
 
 
 def _stack_linear(kernels: ModuleType, linear: PackedLinear):
@@ -88,9 +86,3 @@ def _stack_linear(kernels: ModuleType, linear: PackedLinear):
     bias = None if small.bias is None else small.bias.detach()
     return kernels.StackLinear(small.packed, small.out_features, bias, small.float32, small.amx,
                                small.max_rows, linear.forward)
-
-
-def _rows(rows: KernelRows | None) -> list[torch.Tensor]:
-    if rows is None:
-        return []
-    return [rows.block_tables, rows.query_starts, rows.query_lens, rows.seq_lens]

@@ -17,6 +17,8 @@ import torch
 
 from carpool import kernels as cpu_kernels
 from carpool.attention import AttentionShape, create_backend, paged, resolve_backend_name
+from carpool.attention.cpu_kernel import CpuKernelBackend, KernelMetadata
+from carpool.attention.cpu_torch import CpuTorchBackend, CpuTorchMetadata
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.runner.input_batch import build_input_batch
 from carpool.sampling_params import SamplingParams
@@ -229,20 +231,35 @@ def test_cpu_backend_keeps_its_pytorch_paths_above_the_kernels_head_dim():
     kernels = cpu_kernels.load()
     assert kernels.max_head_dim() >= 128
     wide = AttentionShape(2, 1, kernels.max_head_dim() + 16)
-    assert create_backend("cpu", wide, CPU, kernels=kernels).kernels is None
+    backend = create_backend("cpu", wide, CPU, kernels=kernels)
+    assert type(backend) is CpuTorchBackend and backend.kernels is None
     fits = AttentionShape(2, 1, kernels.max_head_dim())
-    assert create_backend("cpu", fits, CPU, kernels=kernels).kernels is kernels
+    backend = create_backend("cpu", fits, CPU, kernels=kernels)
+    assert type(backend) is CpuKernelBackend and backend.kernels is kernels
+
+
+def test_the_cpu_name_resolves_to_one_backend_with_one_metadata_shape():
+    """Without kernels the PyTorch backend and its groups; with them the kernels backend and
+    its rows, every field set by every step."""
+    step = Step([(9, 1), (0, 7), (4, 3)])
+    shape = AttentionShape(HEADS, KV_HEADS, HEAD_DIM)
+    meta = make_backend("cpu-pytorch", shape).build_metadata(step.batch.layout)
+    assert type(meta) is CpuTorchMetadata and len(meta.fresh_spans) == 1
+    assert meta.chunk_group is not None and len(meta.decode_groups) == len(meta.decode_bags) == 1
+    meta = make_backend("cpu", shape).build_metadata(step.batch.layout)
+    assert type(meta) is KernelMetadata and meta.paged_rows.query_lens.tolist() == [1, 7, 3]
 
 
 def test_the_kernel_takes_every_row_long_fresh_prompts_included():
     """With the kernels, fresh prompts of any length go through the kernel too (it beats the
-    query-block matmuls at every length measured, BENCHMARKS section 17)."""
+    query-block matmuls at every length measured,
+    docs/lab/17-the-paged-attention-kernel-second-pass.md)."""
     long = 2 * 16 * 64 + 5  # two of the kernel's query tiles over more than 30 key chunks
     step = Step([(0, 9), (12, 1), (0, long), (0, 3)], seed=4)
     backend = make_backend("cpu", AttentionShape(HEADS, KV_HEADS, HEAD_DIM, None))
     meta = backend.build_metadata(step.batch.layout)
-    assert meta.fresh_spans == ()
-    assert meta.kernel_rows.query_lens.tolist() == [9, 1, long, 3]
+    assert isinstance(meta, KernelMetadata) and meta.prefill_rows is None  # float32 shape
+    assert meta.paged_rows.query_lens.tolist() == [9, 1, long, 3]
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         out, _ = step.run("cpu", dtype=dtype)
         step.assert_matches_reference(out, None, tolerance)

@@ -27,7 +27,7 @@ from carpool.platform.cpu_route import (
     CpuFacts,
     SmallGemmRoute,
 )
-from tests.kernel_builds import build_id, kernel_builds
+from tests.kernels.builds import build_id, kernel_builds
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 

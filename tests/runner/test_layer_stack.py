@@ -1,7 +1,8 @@
-"""The CPU platform's layer stack (`platform/cpu_layer_stack.py`, `csrc/layer_stack.cpp`):
-the steps it takes give the modules' hidden states to the bit, on every architecture, in
-float32 and bfloat16, decode and mixed steps alike; it is built only where every layer is
-the kernels', and the steps it does not take go through the modules."""
+"""The CPU platform's layer stack (`platform/cpu_layer_stack.py`,
+`csrc/layers/layer_stack.cpp`): the steps it takes give the modules' hidden states to the
+bit, on every architecture, in float32 and bfloat16, decode and mixed steps alike; it is
+built only where the route says every layer is the kernels', and the steps it does not take
+go through the modules."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from runner_driver import Driver, DriverRequest
 
 from carpool import kernels as cpu_kernels
 from carpool.config import EngineConfig
-from carpool.platform import cpu_linear
+from carpool.platform import cpu_linear, cpu_route
 from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.runner.model_runner import ModelRunner
 from carpool.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ def compare_each_step(runner: ModelRunner, monkeypatch) -> list[bool]:
 
     def both(input_ids, positions, kv_caches, attention, meta):
         stack = model.layer_stack
-        taken.append(stack.takes(attention, meta))
+        taken.append(stack.takes(meta))
         got = forward(input_ids, positions, kv_caches, attention, meta)
         model.layer_stack = None
         try:
@@ -83,11 +84,10 @@ def test_calls_beyond_the_small_gemm_run_the_linears_own_forward(make_checkpoint
                                                                  dtype):
     # Small GEMMs of 3 rows at most: the stack hands every larger call (prompt chunks, and
     # decodes beside them) back to PackedLinear.forward (oneDNN), under the GIL.
-    for cut in ("SMALL_GEMM_AMX_TILE_MAX_ROWS", "SMALL_GEMM_MAX_ROWS", "SMALL_GEMM_AMX_MAX_ROWS",
-                "SMALL_GEMM_F32_MAX_ROWS", "SMALL_GEMM_F32_AMX_MAX_ROWS",
-                "SMALL_GEMM_F32_ZEN4_MAX_ROWS", "SMALL_GEMM_AVX2_MAX_ROWS",
-                "SMALL_GEMM_F32_AVX2_MAX_ROWS"):
-        monkeypatch.setattr(cpu_linear, cut, 3)
+    monkeypatch.setattr(cpu_route, "SMALL_GEMM_AMX_TILE_MAX_ROWS", 3)
+    for cpu_class in cpu_route.CpuClass:
+        monkeypatch.setitem(cpu_route.SMALL_GEMM_MAX_ROWS, cpu_class,
+                            {torch.bfloat16: 3, torch.float32: 3})
     runner = make_runner(make_checkpoint("qwen2"), dtype)
     linears = [m for m in runner.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     assert linears and all(lin.small.max_rows == 3 for lin in linears)
@@ -95,7 +95,8 @@ def test_calls_beyond_the_small_gemm_run_the_linears_own_forward(make_checkpoint
     for lin in linears:
         forward = lin.forward
         monkeypatch.setattr(lin, "forward", lambda x, f=forward: calls.append(x.shape[0]) or f(x))
-    runner.model.layer_stack = KernelLayerStack.of(runner.model, cpu_kernels.load())
+    runner.model.layer_stack = KernelLayerStack.of(runner.model, cpu_kernels.load(),
+                                                   runner.platform.route)
     taken = compare_each_step(runner, monkeypatch)
     Driver(runner, chunk=4).run(requests(seed=5))
     assert all(taken) and max(calls) > 3
@@ -110,9 +111,23 @@ def test_no_stack_where_a_layer_is_not_all_kernels(make_checkpoint, setting):
 
 
 @needs_kernels
-def test_other_attention_backends_keep_the_modules(make_checkpoint, monkeypatch):
+def test_other_attention_backends_keep_the_modules(make_checkpoint):
     runner = make_runner(make_checkpoint("llama"), "bfloat16", attention_backend="sdpa")
-    assert runner.model.layer_stack is not None  # the layers are the kernels', attention not
+    route = runner.platform.route  # the layers are the kernels', attention not
+    assert route.linears.small_gemm is not None and not route.layer_stack
+    assert runner.model.layer_stack is None
+    Driver(runner, chunk=4).run(requests(seed=1))
+
+
+@needs_kernels
+def test_the_stack_keeps_the_modules_for_a_backend_made_apart(make_checkpoint, monkeypatch):
+    """A backend not made by the platform (here the PyTorch one) never hands the stack a
+    step: its metadata is not the kernels backend's."""
+    from carpool.attention import create_backend
+
+    runner = make_runner(make_checkpoint("llama"), "bfloat16")
+    assert runner.model.layer_stack is not None
+    runner.attention = create_backend("cpu", runner.attention.shape, runner.device)
     taken = compare_each_step(runner, monkeypatch)
     Driver(runner, chunk=4).run(requests(seed=1))
     assert taken and not any(taken)

@@ -1,0 +1,346 @@
+"""Which code runs a CPU step, decided once at load: the one table of the CPU hot path.
+
+`decide_route` turns the CPU's class (`CpuFacts`), the model's dtype and attention shape, the
+loaded kernels (`KernelFacts`, None without them) and the platform's switches into a frozen
+`CpuRoute`; `CpuPlatform` logs it at start, shows it in its description, and hands each part
+to what it picks: `PackedLinear` (the small-GEMM cut), the fused elementwise modules, the
+attention backend (decode and prompt paths) and the C++ layer stack. Nothing else on the hot
+path asks what the CPU is. `describe()` prints a route in one line. The routes per CPU class
+and dtype (tests/platform/test_cpu_route.py holds this table):
+
+    class        dtype     small GEMM (rows up to)             prompt chunks
+    AMX          bfloat16  AMX tiles 1024 (K in 32s), else 2   prefill_attention_bf16 on AMX
+    AMX          float32   small_gemm_f32 128                  paged_attention
+    AVX512-BF16  bfloat16  small_gemm_bf16 256                 prefill_attention_bf16
+    AVX512-BF16  float32   small_gemm_f32 4                    paged_attention
+    Zen 4        bfloat16  small_gemm_bf16 256                 prefill_attention_bf16
+    Zen 4        float32   small_gemm_f32 128                  paged_attention
+    AVX512       bfloat16  none (oneDNN only; no layer stack)  paged_attention
+    AVX512       float32   small_gemm_f32 4                    paged_attention
+    AVX2         bfloat16  small_gemm_bf16 32 (oneDNN in f32)  paged_attention
+    AVX2         float32   small_gemm_f32 32                   paged_attention
+    no kernels   any       none (oneDNN only)                  PyTorch
+
+With the kernels, decodes take paged_attention and the layer stack runs the decoder layers
+(not under batch invariance, whose linears take fixed tiles and no small GEMM). A sliding
+window or a head_dim the prefill kernel does not take sends bfloat16 prompts to
+paged_attention; a head_dim above the build's `max_head_dim` sends attention to PyTorch.
+Measurements behind each cut live in docs/lab/ (linked at the table); the code gives reasons.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from carpool.kernels.cpu_info import cpu_flags, is_zen4
+
+
+class CpuClass(enum.Enum):
+    """What moves a cut: the vector ISA torch and the kernels dispatch to, AMX tiles, and Zen 4's
+    half-width AVX-512 units."""
+
+    AMX = "AMX"
+    AVX512_BF16 = "AVX512-BF16"
+    ZEN4 = "Zen 4"
+    AVX512 = "AVX512"
+    AVX2 = "AVX2"
+    OTHER = "no AVX2"
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """This CPU as the route sees it (`probe()`; tests build their own)."""
+
+    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT"
+    amx: bool  # oneDNN runs AMX tiles (torch.cpu._is_amx_tile_supported)
+    zen4: bool  # an AMD Zen 4 core (carpool.kernels.is_zen4)
+    avx512_bf16: bool  # the avx512_bf16 flag
+    onednn: bool = True  # torch.backends.mkldnn.is_available()
+    onednn_bf16: bool = True  # oneDNN's matmul has a bfloat16 kernel (AVX512BW/VL/DQ or newer)
+
+    @property
+    def cpu_class(self) -> CpuClass:
+        """AVX2 first (its builds run 256-bit code whatever the flags), then AMX, Zen 4."""
+        if self.capability == "AVX2":
+            return CpuClass.AVX2
+        if self.amx:
+            return CpuClass.AMX
+        if self.zen4:
+            return CpuClass.ZEN4
+        if self.capability != "AVX512":
+            return CpuClass.OTHER
+        return CpuClass.AVX512_BF16 if self.avx512_bf16 else CpuClass.AVX512
+
+    @staticmethod
+    @functools.cache
+    def probe() -> CpuFacts:
+        """This machine's facts, read once per process."""
+        return CpuFacts(capability=torch.backends.cpu.get_cpu_capability(),
+                        amx=torch.cpu._is_amx_tile_supported(), zen4=is_zen4(),
+                        avx512_bf16="avx512_bf16" in cpu_flags(),
+                        onednn=torch.backends.mkldnn.is_available(),
+                        onednn_bf16=torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """What the loaded kernels build runs here (`of(module, head_dim)`; tests build their own)."""
+
+    max_head_dim: int  # paged_attention keeps a query row in registers up to this
+    small_gemm_bf16: bool  # has_small_gemm_bf16: AVX512-BF16, or AVX2 builds in float32 FMAs
+    small_gemm_f32: bool  # has_f32_gemm: AVX-512 or AVX2 builds
+    bf16_gemm: bool  # has_bf16_gemm: AVX512-BF16 (prefill_attention_bf16 runs)
+    amx: bool  # has_amx: the build and CPU run AMX tiles
+    prefill_head_dim_ok: bool  # prefill_attention_bf16 takes the model's head_dim
+
+    @staticmethod
+    def of(kernels: ModuleType, head_dim: int) -> KernelFacts:
+        return KernelFacts(max_head_dim=kernels.max_head_dim(),
+                           small_gemm_bf16=kernels.has_small_gemm_bf16(),
+                           small_gemm_f32=kernels.has_f32_gemm(),
+                           bf16_gemm=kernels.has_bf16_gemm(), amx=kernels.has_amx(),
+                           prefill_head_dim_ok=kernels.prefill_head_dim_ok(head_dim))
+
+
+# The small-GEMM cut: a call of at most this many rows takes the compiled small GEMM, a larger
+# one oneDNN. One row per CPU class; each is where the two cross on the 135M model's layers.
+SMALL_GEMM_MAX_ROWS: dict[CpuClass, dict[torch.dtype, int]] = {
+    # oneDNN's bfloat16 matmul runs on the tile unit and wins from 3 rows
+    # (docs/lab/24-an-amx-machine.md); float32 stays level with the small GEMM much longer
+    # (docs/lab/26-prefix-blocks-shared-within-the-step-that.md,
+    # docs/lab/47-the-decoder-layers-in-one-c-call.md).
+    CpuClass.AMX: {torch.bfloat16: 2, torch.float32: 128},
+    # The bfloat16 GEMM streams the weight once at about memory bandwidth, ahead of oneDNN's
+    # padded rows up to 256; float32 turns compute-bound from a few rows
+    # (docs/lab/22-the-server-at-vllm-s-cpu-defaults.md).
+    CpuClass.AVX512_BF16: {torch.bfloat16: 256, torch.float32: 4},
+    # AVX-512 on 256-bit units: oneDNN's float32 kernel loses its edge up to about 128 rows
+    # (docs/lab/30-the-small-gemms-prefetch-their-next-weight.md).
+    CpuClass.ZEN4: {torch.bfloat16: 256, torch.float32: 128},
+    CpuClass.AVX512: {torch.bfloat16: 256, torch.float32: 4},
+    # Both AVX2 GEMMs run float32 FMAs and level with oneDNN at 32 rows
+    # (docs/lab/38-the-avx2-small-gemms-were-store-bound.md).
+    CpuClass.AVX2: {torch.bfloat16: 32, torch.float32: 32},
+    CpuClass.OTHER: {torch.bfloat16: 256, torch.float32: 4},
+}
+# bfloat16 calls of up to this many rows take small_gemm_bf16 on AMX tiles, where the build has
+# them and in_features is a multiple of 32: it stays ahead of oneDNN's 512-row pieces that far
+# (2 x cpu_linear.MAX_ROWS; docs/lab/43-the-amx-small-gemm.md).
+SMALL_GEMM_AMX_TILE_MAX_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class SmallGemmCut:
+    """One linear layer's few-row path: calls of up to max_rows rows, on AMX tiles or not."""
+
+    max_rows: int
+    amx: bool
+
+
+@dataclass(frozen=True)
+class SmallGemmRoute:
+    """The compiled small GEMM of the model's dtype and its cut on this CPU."""
+
+    kernel: str  # "small_gemm_bf16" or "small_gemm_f32"
+    max_rows: int  # the vector GEMM's cut (SMALL_GEMM_MAX_ROWS)
+    amx_tile_max_rows: int  # bfloat16 on AMX tiles up to this (layers with K in 32s); 0: none
+
+    def cut(self, in_features: int) -> SmallGemmCut | None:
+        """The cut of a layer with `in_features` inputs; None where the kernel does not take it
+        (the bfloat16 GEMM reads weight pairs: K even)."""
+        if self.kernel == "small_gemm_bf16":
+            if in_features % 2:
+                return None
+            if self.amx_tile_max_rows and in_features % 32 == 0:
+                return SmallGemmCut(self.amx_tile_max_rows, amx=True)
+        return SmallGemmCut(self.max_rows, amx=False)
+
+    def describe(self) -> str:
+        vector = f"{self.kernel} up to {self.max_rows} rows"
+        if self.amx_tile_max_rows:
+            return f"{self.kernel} on AMX tiles up to {self.amx_tile_max_rows} rows (K in 32s), " \
+                   f"else {vector}"
+        return vector
+
+
+@dataclass(frozen=True)
+class LinearRoute:
+    """How a linear layer multiplies (`cpu_linear`, `cpu_invariant_linear`)."""
+
+    packed: bool  # oneDNN on a weight packed once (else F.linear)
+    tiles: bool  # batch-invariant: a few fixed row counts per call
+    onednn_dtype: torch.dtype | None  # what oneDNN multiplies in (None: not packed)
+    full_step_rows: int  # a call of exactly this many rows is one oneDNN call (0: none)
+    # bfloat16 calls between 2 pieces and a full step as one padded call: AMX tiles reuse each
+    # weight block over the rows (docs/lab/26-prefix-blocks-shared-within-the-step-that.md)
+    one_padded_call: bool
+    small_gemm: SmallGemmRoute | None  # few-row calls by the compiled kernels
+
+    def describe(self, dtype: torch.dtype) -> str:
+        """One line, for a model of `dtype`."""
+        if not self.packed:
+            return "F.linear in batch-invariant tiles" if self.tiles else "F.linear"
+        if self.tiles:
+            return "oneDNN packed, in batch-invariant tiles"
+        onednn = "oneDNN packed" + (f" in {_name(self.onednn_dtype)}"
+                                    if self.onednn_dtype != dtype else "")
+        if self.full_step_rows:
+            onednn += f", full steps of {self.full_step_rows} rows in one call"
+        if self.one_padded_call:
+            onednn += ", mid-size calls in one padded call"
+        return onednn if self.small_gemm is None else f"{onednn}; {self.small_gemm.describe()}"
+
+
+class DecodePath(enum.Enum):
+    PAGED_ATTENTION = "paged_attention"
+    PYTORCH = "PyTorch (matmul + embedding_bag)"
+    SDPA = "SDPA"
+
+
+class PromptPath(enum.Enum):
+    PREFILL_AMX = "prefill_attention_bf16 on AMX"
+    PREFILL_BF16 = "prefill_attention_bf16"
+    PAGED_ATTENTION = "paged_attention"
+    PYTORCH = "PyTorch (query-block matmuls, SDPA for chunks)"
+    SDPA = "SDPA"
+
+
+@dataclass(frozen=True)
+class AttentionRoute:
+    """Which backend attends and by which kernels (`carpool.attention.create_backend`)."""
+
+    backend: str  # "cpu-kernel", "cpu-torch" or "sdpa" (a key of the attention registry)
+    decodes: DecodePath
+    prompts: PromptPath
+    batch_invariant: bool  # the kernels score every row the same way
+
+    @property
+    def prefill_kernel(self) -> bool:
+        """Prompt chunks go to prefill_attention_bf16 (decodes stay with paged_attention)."""
+        return self.prompts in (PromptPath.PREFILL_AMX, PromptPath.PREFILL_BF16)
+
+    @property
+    def prefill_amx(self) -> bool:
+        return self.prompts is PromptPath.PREFILL_AMX
+
+    def describe(self) -> str:
+        text = f"decodes {self.decodes.value}, prompts {self.prompts.value}"
+        return text + (" (batch-invariant)" if self.batch_invariant else "")
+
+
+@dataclass(frozen=True)
+class CpuRoute:
+    """Every decision of the CPU hot path for one model on this CPU (`decide_route`)."""
+
+    cpu_class: CpuClass
+    dtype: torch.dtype
+    head_dim: int
+    sliding_window: int | None
+    linears: LinearRoute
+    attention: AttentionRoute
+    fused_elementwise: bool  # RoPE, RMSNorm and SiLU x up by the kernels (`cpu_fused`)
+    layer_stack: bool  # the C++ layer stack runs the decoder layers (`cpu_layer_stack`)
+
+    def describe(self) -> str:
+        """One line: the CPU, the model, then each decision."""
+        window = f", window {self.sliding_window}" if self.sliding_window else ""
+        return (f"{self.cpu_class.value} {_name(self.dtype)} head_dim {self.head_dim}{window}: "
+                f"linears {self.linears.describe(self.dtype)}; "
+                f"attention {self.attention.describe()}; "
+                f"fused elementwise {'on' if self.fused_elementwise else 'off'}; "
+                f"C++ layer stack {'on' if self.layer_stack else 'off'}")
+
+
+def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_window: int | None,
+                 kernels: KernelFacts | None, *, packed_linears: bool = True,
+                 batch_invariant: bool = False, full_step_rows: int = 0,
+                 attention_backend: str = "cpu") -> CpuRoute:
+    """The route of a `dtype` model of `head_dim` (and `sliding_window`) on `cpu` with `kernels`
+    (None: switched off or not built), under the platform's switches. attention_backend: the
+    resolved name the user asked for ("cpu" or "sdpa"). ValueError where batch_invariant cannot
+    be honoured."""
+    linears = decide_linears(cpu, dtype, kernels, packed_linears=packed_linears,
+                             batch_invariant=batch_invariant, full_step_rows=full_step_rows)
+    attention = decide_attention(dtype, head_dim, sliding_window, kernels,
+                                 batch_invariant=batch_invariant,
+                                 attention_backend=attention_backend)
+    # The stack makes the modules' kernel calls itself: every one of them must be a kernel
+    # (and batch invariance changes what the linears do).
+    layer_stack = (kernels is not None and not batch_invariant and linears.packed
+                   and linears.small_gemm is not None
+                   and attention.backend == "cpu-kernel")
+    return CpuRoute(cpu_class=cpu.cpu_class, dtype=dtype, head_dim=head_dim,
+                    sliding_window=sliding_window, linears=linears, attention=attention,
+                    fused_elementwise=kernels is not None, layer_stack=layer_stack)
+
+
+def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | None, *,
+                   packed_linears: bool = True, batch_invariant: bool = False,
+                   full_step_rows: int = 0) -> LinearRoute:
+    """oneDNN-packed (float32 and bfloat16 with oneDNN), in batch-invariant tiles, or F.linear;
+    the small GEMM of few-row calls where the kernels have one for `dtype`."""
+    packed = packed_linears and cpu.onednn and dtype in (torch.float32, torch.bfloat16)
+    if not packed:
+        return LinearRoute(packed=False, tiles=batch_invariant, onednn_dtype=None,
+                           full_step_rows=0, one_padded_call=False, small_gemm=None)
+    # Without oneDNN bfloat16 (AVX2 CPUs) torch's own bfloat16 GEMM is far slower than oneDNN
+    # in float32 (docs/lab/37-an-avx2-only-machine.md).
+    onednn = torch.float32 if dtype == torch.bfloat16 and not cpu.onednn_bf16 else dtype
+    if batch_invariant:  # fixed row counts through packed_matmul only
+        return LinearRoute(packed=True, tiles=True, onednn_dtype=onednn, full_step_rows=0,
+                           one_padded_call=False, small_gemm=None)
+    return LinearRoute(packed=True, tiles=False, onednn_dtype=onednn,
+                       full_step_rows=full_step_rows,
+                       one_padded_call=dtype == torch.bfloat16 and cpu.amx,
+                       small_gemm=decide_small_gemm(cpu, dtype, kernels))
+
+
+def decide_small_gemm(cpu: CpuFacts, dtype: torch.dtype,
+                      kernels: KernelFacts | None) -> SmallGemmRoute | None:
+    """The compiled small GEMM of `dtype` and its cut (SMALL_GEMM_MAX_ROWS), or None."""
+    if kernels is None:
+        return None
+    cuts = SMALL_GEMM_MAX_ROWS[cpu.cpu_class]
+    if dtype == torch.bfloat16 and kernels.small_gemm_bf16:
+        return SmallGemmRoute("small_gemm_bf16", cuts[torch.bfloat16],
+                              SMALL_GEMM_AMX_TILE_MAX_ROWS if kernels.amx else 0)
+    if dtype == torch.float32 and kernels.small_gemm_f32:
+        return SmallGemmRoute("small_gemm_f32", cuts[torch.float32], 0)
+    return None
+
+
+def decide_attention(dtype: torch.dtype | None, head_dim: int, sliding_window: int | None,
+                     kernels: KernelFacts | None, *, batch_invariant: bool = False,
+                     attention_backend: str = "cpu") -> AttentionRoute:
+    """The kernels backend where the kernels take head_dim, else the PyTorch one (SDPA where
+    asked for). Prompt chunks of bfloat16 take prefill_attention_bf16 where the CPU has
+    AVX512-BF16 (no sliding window), on AMX tiles where it has them and head_dim is in 32s;
+    every other row takes paged_attention, which also beats the PyTorch query-block matmuls
+    on fresh prompts (docs/lab/17-the-paged-attention-kernel-second-pass.md)."""
+    if batch_invariant and (attention_backend != "cpu" or kernels is None):
+        raise ValueError(f"batch_invariant needs the cpu attention backend with the C++ "
+                         f"kernels (got {attention_backend!r}, kernels "
+                         f"{'on' if kernels is not None else 'off'})")
+    if attention_backend == "sdpa":
+        return AttentionRoute("sdpa", DecodePath.SDPA, PromptPath.SDPA, False)
+    if kernels is None or head_dim > kernels.max_head_dim:
+        if batch_invariant:
+            raise ValueError(f"batch_invariant needs the C++ attention kernel, which takes "
+                             f"head_dim up to {kernels.max_head_dim} in this build "
+                             f"(the model's is {head_dim})")
+        return AttentionRoute("cpu-torch", DecodePath.PYTORCH, PromptPath.PYTORCH, False)
+    prompts = PromptPath.PAGED_ATTENTION
+    if (not batch_invariant and dtype == torch.bfloat16 and sliding_window is None
+            and kernels.bf16_gemm and kernels.prefill_head_dim_ok):
+        prompts = (PromptPath.PREFILL_AMX if head_dim % 32 == 0 and kernels.amx
+                   else PromptPath.PREFILL_BF16)
+    return AttentionRoute("cpu-kernel", DecodePath.PAGED_ATTENTION, prompts, batch_invariant)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
