@@ -1,12 +1,17 @@
 """Builds and loads the compiled CPU kernels (`csrc/`), once per process and build folder.
 
 The extension is compiled with `torch.utils.cpp_extension.load` the first time `load()` is
-called and cached on disk across processes (torch's extension folder unless `build_dir` is
-given) under a name that carries a hash of the sources, flags, Python and torch, so two
-checkouts or an upgrade never build over, or load, each other's binary. The vector width
+called and cached on disk across processes (in $TORCH_EXTENSIONS_DIR, else torch's extension
+folder, unless `build_dir` is given) under a name that carries a hash of everything its
+build reads: the sources, flags, Python, torch and the compiler. So two checkouts, two
+environments or an upgrade never build over, or load, each other's binary. The vector width
 matches the capability torch itself dispatches to on this CPU. When the build cannot run,
-`load()` logs one warning naming what falls back and returns None; callers keep the
-PyTorch path (`carpool.kernels.reference` computes the same thing).
+`load()` logs one warning naming what falls back and returns None; callers keep the PyTorch
+path (`carpool.kernels.reference` computes the same thing).
+
+[NOTE] A build folder is shared by every process that loads the same sources: they take
+turns through a lock the OS drops when its holder dies (torch's own lock file outlives a
+killed builder, and then every later load waits on it forever).
 
 `python3 -m carpool.kernels` builds it ahead of time (`.ci/run` does, so no test pays for
 the build).
@@ -14,11 +19,15 @@ the build).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import sys
+import sysconfig
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -28,11 +37,9 @@ from carpool.kernels.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
+# Every file under it goes into the build's name and copy; every .cpp is a translation unit
+# (headers are included from its root).
 CSRC = Path(__file__).parent / "csrc"
-# The translation units, relative to csrc/ (headers are included from csrc/'s root).
-SOURCES = ["bindings.cpp", "attention/paged_attention.cpp", "attention/prefill_attention.cpp",
-           "elementwise/fused_ops.cpp", "gemm/small_gemm.cpp", "layers/layer_stack.cpp",
-           "runtime/threads.cpp", "sampling/greedy.cpp"]
 # Flags that make ATen's Vectorized<float> use the same registers as torch's own kernels here.
 CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
@@ -78,25 +85,47 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
     flags = build_flags(capability)
     try:
         csrc = _csrc_files()
-        name = _extension_name(capability.lower() if flags else "default", flags, csrc)
+        name = _extension_name(capability.lower() if flags else "default", flags, csrc,
+                               build_dir)
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed")
-        root = (Path(build_dir) if build_dir is not None
-                else Path(cpp_extension.get_default_build_root()) / name)
-        staged = _stage(root / "src", csrc)
-        # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here); without
-        # it the loop runs on one thread. The libgomp.so.1 torch already loaded serves it.
-        return cpp_extension.load(name=name, sources=[str(staged / s) for s in SOURCES],
-                                  extra_cflags=["-O3", "-fopenmp", *flags],
-                                  extra_include_paths=[str(staged)],
-                                  extra_ldflags=["-fopenmp"], build_directory=str(root),
-                                  verbose=False)
+        root = Path(build_dir) if build_dir is not None else _cache_root() / name
+        with _exclusive(root):
+            staged = _stage(root / "src", csrc)
+            # Torch's lock file, if there is one, was left by a builder that died (every
+            # live one holds _exclusive): torch would wait on it forever.
+            (root / "lock").unlink(missing_ok=True)
+            # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here);
+            # without it the loop runs on one thread. The libgomp.so.1 torch already loaded
+            # serves it.
+            return cpp_extension.load(
+                name=name, sources=[str(staged / s) for s in csrc if s.endswith(".cpp")],
+                extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(staged)],
+                extra_ldflags=["-fopenmp"], build_directory=str(root), verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         logger.warning("C++ CPU kernels unavailable (%s build): paged attention, the small "
                        "GEMMs, the fused layer passes, the C++ layer stack and the greedy "
                        "argmax fall back to PyTorch: %s", capability, first_line)
         return None
+
+
+def _cache_root() -> Path:
+    """The shared extension cache: $TORCH_EXTENSIONS_DIR, as for torch's own builds, else
+    torch's folder in the user's cache."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """Holds root/carpool.lock (an flock) while the block runs: one process at a time stages
+    and builds in `root`, and the lock dies with its holder."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "carpool.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes or the process ends
+        yield
 
 
 def _csrc_files() -> dict[str, bytes]:
@@ -118,15 +147,29 @@ def _stage(folder: Path, csrc: dict[str, bytes]) -> Path:
         if not target.exists() or target.read_bytes() != data:
             partial = target.with_name(f".{target.name}.{os.getpid()}")
             partial.write_bytes(data)
-            os.replace(partial, target)  # whole files only, for a process building beside
+            os.replace(partial, target)  # whole files only
     return folder
 
 
-def _extension_name(capability: str, flags: list[str], csrc: dict[str, bytes]) -> str:
-    """carpool_cpu_kernels_<capability>_<hash of csrc/, flags, Python and torch>: each version
-    of the sources gets its own build in the shared extension cache."""
+def _extension_name(capability: str, flags: list[str], csrc: dict[str, bytes],
+                    build_dir: str | None = None) -> str:
+    """carpool_cpu_kernels_<capability>_<hash>: each version of the sources, and each
+    toolchain that compiles them, gets its own build in the shared extension cache.
+
+    The hash covers what torch writes into the build's ninja file besides the sources: the
+    flags, the compiler ($CXX), torch's and Python's include folders; another value of any
+    would make ninja rebuild the shared folder for one environment, then for the other. A
+    build folder of the caller's own is in it too: torch renames a second load of a name it
+    has loaded from another folder (name_v1) and rebuilds it from scratch.
+    """
+    from torch.utils import cpp_extension
+
     digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
     digest.update(f"{sys.version_info.major}.{sys.version_info.minor} {torch.__version__}".encode())
+    toolchain = [os.environ.get("CXX", "c++"), *cpp_extension.include_paths(),
+                 str(sysconfig.get_path("include", scheme="posix_prefix")),
+                 "" if build_dir is None else str(Path(build_dir).resolve())]
+    digest.update("\0".join(toolchain).encode())
     for name, data in csrc.items():  # sorted by path
         digest.update(name.encode())
         digest.update(data)
