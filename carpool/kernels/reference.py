@@ -1,10 +1,34 @@
-"""The PyTorch reference of the compiled kernels: what each bound op computes, written for
-reading, not speed. Each kernel test compares its op with the function of the same name here.
+"""The PyTorch reference of the compiled kernels: what each bound op of `csrc/bindings.cpp`
+computes, written for reading, not speed. Each kernel test (`tests/kernels/`) compares its op
+with the function named after it here (`paged_attention` with `paged_attention_reference`;
+an in-place op's trailing underscore dropped: `rotary_` with `rotary_reference`).
+
+Where the model already holds the computation (RoPE, RMSNorm, SiLU x up, the KV write, the
+greedy argmax), the reference calls it, so the kernel is held to what the PyTorch path runs.
+
+Ops without a function here:
+- `LayerStack.forward`: the model's own decoder loop is its reference (`DecoderLayer.forward`
+  over `LlamaModel.layers` in `carpool/models/llama.py`); `tests/runner/test_layer_stack.py`
+  compares the two step by step.
+- `pack_bf16_weight` / `pack_f32_weight`: layouts only; the small GEMMs' references take the
+  weight unpacked.
+- `bind_threads`, `parallel_width`, `shares_claims`, `max_head_dim`, `has_*`,
+  `prefill_head_dim_ok`: facts about the build, the CPU and its threads, no numbers to
+  compare; their tests check them directly.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from carpool.attention.base import write_kv
+from carpool.models.llama import RMSNorm, SiluAndMul
+from carpool.models.rope import apply_rope
+from carpool.runner.sampler import greedy_ids
+
+# --- attention/ -------------------------------------------------------------------------
 
 
 def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -37,3 +61,91 @@ def paged_attention_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torc
             allowed &= q_pos - k_pos < sliding_window
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         out[start:start + q_len] = (probs @ values).transpose(0, 1).to(out.dtype)
+
+
+def prefill_attention_bf16_reference(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                                     block_tables: torch.Tensor, query_starts: torch.Tensor,
+                                     query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                                     scale: float) -> None:
+    """paged_attention without a sliding window (the kernel takes bfloat16 prompt chunks;
+    `amx` picks how it multiplies, not what)."""
+    paged_attention_reference(out, q, kv_cache, block_tables, query_starts, query_lens,
+                              seq_lens, scale, sliding_window=0)
+
+
+def attend_reference(q: torch.Tensor, kv_cache: torch.Tensor, paged_rows: list[torch.Tensor],
+                     prefill_rows: list[torch.Tensor], scale: float,
+                     sliding_window: int) -> torch.Tensor:
+    """A step's attention into a new [T, H, D]: the two kernels' references over their rows
+    (each list empty or [block_tables, query_starts, query_lens, seq_lens]; together they
+    cover every row of q). `prefill_amx` and `batch_invariant` pick how, not what."""
+    out = torch.empty_like(q)
+    if paged_rows:
+        paged_attention_reference(out, q, kv_cache, *paged_rows, scale, sliding_window)
+    if prefill_rows:
+        prefill_attention_bf16_reference(out, q, kv_cache, *prefill_rows, scale)
+    return out
+
+
+# --- gemm/ ------------------------------------------------------------------------------
+
+
+def small_gemm_bf16_reference(x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T + bias -> [M, N] in x's dtype, for the unpacked weight [N, K]:
+    products and sums in float32, one rounding at the end (the kernel adds the bias in
+    float32 too). `amx` picks how the kernel multiplies, not what."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def small_gemm_f32_reference(x: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """small_gemm_bf16_reference's sum in float32 throughout (nn.Linear's)."""
+    return small_gemm_bf16_reference(x, weight, bias)
+
+
+# --- elementwise/ -----------------------------------------------------------------------
+
+
+def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+    """q [T, H, D] and k [T, Hkv, D] rotated in place by cos/sin [T, D]: the model's
+    `apply_rope` (the kernel gives its bits in every dtype)."""
+    q.copy_(apply_rope(q, cos, sin))
+    k.copy_(apply_rope(k, cos, sin))
+
+
+def rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(norm(x + residual), x + residual), or (norm(x), None) without a residual: the model's
+    `RMSNorm` over the last dim of rows [T, dim] or heads [T, H, dim] (heads take no
+    residual). float32 is Hugging Face's eager ops, which the kernel gives to the bit;
+    bfloat16/float16 is `F.rms_norm`, which it gives up to a last bit of some rows."""
+    norm = RMSNorm(weight.shape[0], eps)
+    norm.weight = nn.Parameter(weight, requires_grad=False)
+    if residual is None:
+        return norm(x), None
+    return norm(x, residual)
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] [T, 2I] -> [T, I]: the model's `SiluAndMul`
+    (the kernel gives its bits, NaNs aside: which NaN a NaN x NaN keeps is the compiler's)."""
+    return SiluAndMul()(gate_up)
+
+
+def write_kv_reference(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] stored at their slots of kv_cache [2, Hkv, blocks, block_size, D]
+    (slot = block * block_size + offset), in place: the attention backends' `write_kv`
+    without kernels (two `index_copy_`)."""
+    write_kv(kv_cache, slot_mapping, k, v)
+
+
+# --- sampling/ --------------------------------------------------------------------------
+
+
+def argmax_rows_reference(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's largest value's index: the runner's `greedy_ids` (`max(-1).indices`: the
+    first of equal maxima, and a row's first NaN above everything)."""
+    return greedy_ids(logits)
