@@ -2,8 +2,8 @@
 
 A backend builds its per-step metadata once, from the step's packed layout, and
 every layer reads it unchanged; each backend has one metadata shape. The name `cpu`
-resolves to one of two backends, as the CPU route decides
-(`carpool.platform.cpu_route.decide_attention`): `cpu_kernel` (the compiled kernels) or
+resolves to one of two backends, as the attention route decides (`paths.decide_attention`,
+part of the CPU platform's route): `cpu_kernel` (the compiled kernels) or
 `cpu_torch` (PyTorch paths); `sdpa` is portable PyTorch and what CUDA runs. A backend's
 module is imported only when it is chosen.
 """
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
 from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
-
-if TYPE_CHECKING:
-    from carpool.platform.cpu_route import AttentionRoute
+from carpool.attention.paths import AttentionRoute, decide_attention
 
 __all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionShape", "StepLayout",
            "create_backend", "resolve_backend_name"]
@@ -51,10 +48,10 @@ def create_backend(name: str, shape: AttentionShape, device: torch.device,
     """The backend `name` ("auto" resolved for `device`), built for layers of `shape`.
 
     On the CPU, `route` (the platform's, `CpuPlatform.attention_backend`) says which backend
-    and kernels run; without one it is decided here by the same function from `kernels` (the
-    compiled module, or None) and `batch_invariant` (one fixed reduction order per query row
-    whatever the step holds: only the cpu backend with the kernels offers it, ValueError
-    otherwise)."""
+    and kernels run; without one it is decided here by the same function
+    (`paths.decide_attention`) from `kernels` (the compiled module, or None) and
+    `batch_invariant` (one fixed reduction order per query row whatever the step holds: only
+    the cpu backend with the kernels offers it, ValueError otherwise)."""
     resolved = resolve_backend_name(name, device.type)
     if route is None:
         if device.type != "cpu":
@@ -63,11 +60,13 @@ def create_backend(name: str, shape: AttentionShape, device: torch.device,
                                  f"C++ kernels (got {resolved!r}, kernels "
                                  f"{'on' if kernels is not None else 'off'})")
             return _backend_class("sdpa")(shape, device, kernels)
-        from carpool.platform.cpu_route import KernelFacts, decide_attention
-
-        facts = None if kernels is None else KernelFacts.of(kernels, shape.head_dim)
-        route = decide_attention(shape.dtype, shape.head_dim, shape.sliding_window, facts,
-                                 batch_invariant=batch_invariant, attention_backend=resolved)
+        route = decide_attention(
+            shape.dtype, shape.head_dim, shape.sliding_window,
+            max_head_dim=None if kernels is None else kernels.max_head_dim(),
+            prefill_bf16=kernels is not None and kernels.has_bf16_gemm()
+            and kernels.prefill_head_dim_ok(shape.head_dim),
+            amx=kernels is not None and kernels.has_amx(), batch_invariant=batch_invariant,
+            attention_backend=resolved)
     if route.backend == "cpu-kernel":
         return _backend_class(route.backend)(shape, device, kernels, route)
     return _backend_class(route.backend)(shape, device, kernels)

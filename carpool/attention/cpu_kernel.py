@@ -3,7 +3,7 @@ row of the step, reading keys and values in place through the block tables.
 
 `attend` (csrc/attention/attend.h) is the one attention entry of a CPU step; the C++ layer
 stack calls it too, so a row goes the same way whichever runs the layers. The route
-(`carpool.platform.cpu_route.decide_attention`) decides, once, which rows go where: bfloat16
+(`carpool.attention.paths.decide_attention`) decides, once, which rows go where: bfloat16
 prompt chunks (every request of 2+ tokens) to `prefill_attention_bf16` where the CPU has
 AVX512-BF16, on AMX tiles where it has them; every other row to `paged_attention` (decodes,
 and prompt chunks elsewhere: it beats PyTorch's query-block matmuls on fresh prompts too,
@@ -19,16 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from carpool.attention import paged
 from carpool.attention.base import AttentionBackend, AttentionShape, StepLayout
-
-if TYPE_CHECKING:  # the route is the platform's; attention imports nothing of it at run time
-    from carpool.platform.cpu_route import AttentionRoute
+from carpool.attention.paths import AttentionRoute
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ above what they take): PyTorch paths that beat SDPA's CPU kernels here.
   the cache.
 - Chunks that continue a cached prompt by SDPA over gathered blocks.
 
-The route (`carpool.platform.cpu_route.decide_attention`) picks this backend or the kernels'
+The route (`carpool.attention.paths.decide_attention`) picks this backend or the kernels'
 (`cpu_kernel`); measurements: docs/lab/09-attention-backends-and-the-c-cpu-kernels.md.
 """
 

@@ -37,6 +37,7 @@ from types import ModuleType
 
 import torch
 
+from carpool.attention.paths import AttentionRoute, decide_attention
 from carpool.kernels.cpu_info import cpu_flags, is_zen4
 
 
@@ -196,43 +197,6 @@ class LinearRoute:
         return onednn if self.small_gemm is None else f"{onednn}; {self.small_gemm.describe()}"
 
 
-class DecodePath(enum.Enum):
-    PAGED_ATTENTION = "paged_attention"
-    PYTORCH = "PyTorch (matmul + embedding_bag)"
-    SDPA = "SDPA"
-
-
-class PromptPath(enum.Enum):
-    PREFILL_AMX = "prefill_attention_bf16 on AMX"
-    PREFILL_BF16 = "prefill_attention_bf16"
-    PAGED_ATTENTION = "paged_attention"
-    PYTORCH = "PyTorch (query-block matmuls, SDPA for chunks)"
-    SDPA = "SDPA"
-
-
-@dataclass(frozen=True)
-class AttentionRoute:
-    """Which backend attends and by which kernels (`carpool.attention.create_backend`)."""
-
-    backend: str  # "cpu-kernel", "cpu-torch" or "sdpa" (a key of the attention registry)
-    decodes: DecodePath
-    prompts: PromptPath
-    batch_invariant: bool  # the kernels score every row the same way
-
-    @property
-    def prefill_kernel(self) -> bool:
-        """Prompt chunks go to prefill_attention_bf16 (decodes stay with paged_attention)."""
-        return self.prompts in (PromptPath.PREFILL_AMX, PromptPath.PREFILL_BF16)
-
-    @property
-    def prefill_amx(self) -> bool:
-        return self.prompts is PromptPath.PREFILL_AMX
-
-    def describe(self) -> str:
-        text = f"decodes {self.decodes.value}, prompts {self.prompts.value}"
-        return text + (" (batch-invariant)" if self.batch_invariant else "")
-
-
 @dataclass(frozen=True)
 class CpuRoute:
     """Every decision of the CPU hot path for one model on this CPU (`decide_route`)."""
@@ -266,9 +230,12 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
     be honoured."""
     linears = decide_linears(cpu, dtype, kernels, packed_linears=packed_linears,
                              batch_invariant=batch_invariant, full_step_rows=full_step_rows)
-    attention = decide_attention(dtype, head_dim, sliding_window, kernels,
-                                 batch_invariant=batch_invariant,
-                                 attention_backend=attention_backend)
+    attention = decide_attention(
+        dtype, head_dim, sliding_window,
+        max_head_dim=None if kernels is None else kernels.max_head_dim,
+        prefill_bf16=kernels is not None and kernels.bf16_gemm and kernels.prefill_head_dim_ok,
+        amx=kernels is not None and kernels.amx, batch_invariant=batch_invariant,
+        attention_backend=attention_backend)
     # The stack makes the modules' kernel calls itself: every one of them must be a kernel
     # (and batch invariance changes what the linears do).
     layer_stack = (kernels is not None and not batch_invariant and linears.packed
@@ -312,34 +279,6 @@ def decide_small_gemm(cpu: CpuFacts, dtype: torch.dtype,
     if dtype == torch.float32 and kernels.small_gemm_f32:
         return SmallGemmRoute("small_gemm_f32", cuts[torch.float32], 0)
     return None
-
-
-def decide_attention(dtype: torch.dtype | None, head_dim: int, sliding_window: int | None,
-                     kernels: KernelFacts | None, *, batch_invariant: bool = False,
-                     attention_backend: str = "cpu") -> AttentionRoute:
-    """The kernels backend where the kernels take head_dim, else the PyTorch one (SDPA where
-    asked for). Prompt chunks of bfloat16 take prefill_attention_bf16 where the CPU has
-    AVX512-BF16 (no sliding window), on AMX tiles where it has them and head_dim is in 32s;
-    every other row takes paged_attention, which also beats the PyTorch query-block matmuls
-    on fresh prompts (docs/lab/17-the-paged-attention-kernel-second-pass.md)."""
-    if batch_invariant and (attention_backend != "cpu" or kernels is None):
-        raise ValueError(f"batch_invariant needs the cpu attention backend with the C++ "
-                         f"kernels (got {attention_backend!r}, kernels "
-                         f"{'on' if kernels is not None else 'off'})")
-    if attention_backend == "sdpa":
-        return AttentionRoute("sdpa", DecodePath.SDPA, PromptPath.SDPA, False)
-    if kernels is None or head_dim > kernels.max_head_dim:
-        if batch_invariant:
-            raise ValueError(f"batch_invariant needs the C++ attention kernel, which takes "
-                             f"head_dim up to {kernels.max_head_dim} in this build "
-                             f"(the model's is {head_dim})")
-        return AttentionRoute("cpu-torch", DecodePath.PYTORCH, PromptPath.PYTORCH, False)
-    prompts = PromptPath.PAGED_ATTENTION
-    if (not batch_invariant and dtype == torch.bfloat16 and sliding_window is None
-            and kernels.bf16_gemm and kernels.prefill_head_dim_ok):
-        prompts = (PromptPath.PREFILL_AMX if head_dim % 32 == 0 and kernels.amx
-                   else PromptPath.PREFILL_BF16)
-    return AttentionRoute("cpu-kernel", DecodePath.PAGED_ATTENTION, prompts, batch_invariant)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -10,13 +10,12 @@ import logging
 import pytest
 import torch
 
+from carpool.attention.paths import DecodePath, PromptPath
 from carpool.platform.cpu_route import (
     SMALL_GEMM_AMX_TILE_MAX_ROWS,
     CpuClass,
     CpuFacts,
-    DecodePath,
     KernelFacts,
-    PromptPath,
     SmallGemmCut,
     decide_route,
 )
