@@ -77,7 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &carpool_fused::silu_and_mul,
-        "silu(gate) * up for gate_up = [gate | up] [T, 2I] -> [T, I]; bfloat16/float16 only.",
+        "silu(gate) * up for gate_up = [gate | up] [T, 2I] -> [T, I]; float32, bfloat16 or float16.",
         py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   m.def("write_kv_", &carpool_fused::write_kv_,
         "k, v [T, Hkv, D] stored at their slots of kv_cache [2, Hkv, blocks, block_size, D].",
