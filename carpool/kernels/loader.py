@@ -89,7 +89,7 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
                                build_dir)
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed")
-        root = Path(build_dir) if build_dir is not None else _cache_root() / name
+        root = Path(build_dir) if build_dir is not None else _cache_folder(name)
         with _exclusive(root):
             staged = _stage(root / "src", csrc)
             # Torch's lock file, if there is one, was left by a builder that died (every
@@ -110,12 +110,12 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
         return None
 
 
-def _cache_root() -> Path:
-    """The shared extension cache: $TORCH_EXTENSIONS_DIR, as for torch's own builds, else
-    torch's folder in the user's cache."""
+def _cache_folder(name: str) -> Path:
+    """The build `name`'s folder in the shared extension cache, where torch puts its own
+    (honouring TORCH_EXTENSIONS_DIR): torch reads its settings, carpool never the environment."""
     from torch.utils import cpp_extension
 
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
 @contextlib.contextmanager
@@ -166,7 +166,7 @@ def _extension_name(capability: str, flags: list[str], csrc: dict[str, bytes],
 
     digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
     digest.update(f"{sys.version_info.major}.{sys.version_info.minor} {torch.__version__}".encode())
-    toolchain = [os.environ.get("CXX", "c++"), *cpp_extension.include_paths(),
+    toolchain = [cpp_extension.get_cxx_compiler(), *cpp_extension.include_paths(),
                  str(sysconfig.get_path("include", scheme="posix_prefix")),
                  "" if build_dir is None else str(Path(build_dir).resolve())]
     digest.update("\0".join(toolchain).encode())

@@ -45,6 +45,7 @@ MAX_ROWS = 512  # rows per oneDNN call; above this, throughput no longer grows w
 # batches), then multiples of 16: at most 7 or 15 padding rows.
 ROW_BUCKETS = (1, 2, 4) + tuple(range(8, 129, 8)) + tuple(range(144, MAX_ROWS + 1, 16))
 
+
 def padded_rows(rows: int) -> int:
     """The smallest bucket holding `rows` (1 <= rows <= MAX_ROWS)."""
     if rows <= 8:
