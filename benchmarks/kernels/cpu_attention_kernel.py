@@ -14,7 +14,8 @@ fresh prompts read the same keys on every side).
 
 The kernel sides take every row, fresh prompts of any length included (the PyTorch side
 runs the query-block matmuls for those). `--against DIR` adds a third side: the kernel
-built from another checkout's `carpool/attention/csrc` (e.g. `git archive <commit>`
+built from another checkout's `carpool/kernels/csrc` (or, before the kernels package,
+`carpool/attention/csrc`; e.g. `git archive <commit>`
 unpacked), called through this checkout's backend, and the share of output values in which
 the two builds differ (0: the same bits).
 
@@ -71,10 +72,13 @@ def make_step(num_decodes: int, chunks: list[tuple[int, int]], seed: int,
     return SchedulerOutput(scheduled=scheduled), num_blocks
 
 
-def load_other_kernels(tree: str, build_dir: str | None):
-    """The kernels module built from another checkout's csrc (its own cpu_kernels loader, so
-    the build is named by that tree's sources and both modules load side by side)."""
-    path = Path(tree) / "carpool" / "attention" / "cpu_kernels.py"
+def load_other_kernels(tree: str, build_dir: str | None = None):
+    """The kernels module built from another checkout's csrc (its own loader, so the build is
+    named by that tree's sources and both modules load side by side): `carpool/kernels/
+    loader.py` in a tree of today's layout, `carpool/attention/cpu_kernels.py` in an older one."""
+    path = Path(tree) / "carpool" / "kernels" / "loader.py"
+    if not path.exists():
+        path = Path(tree) / "carpool" / "attention" / "cpu_kernels.py"
     spec = importlib.util.spec_from_file_location("other_cpu_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -20,28 +20,18 @@ rows (a saved list of [N, 3072] tensors) instead of random ones for silu_and_mul
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.kernels.cpu_attention_kernel import load_other_kernels
 from carpool import kernels as cpu_kernels
 from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.rope import Rotary
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64  # SmolLM2-135M
-
-
-def other_kernels(checkout: str):
-    """The compiled kernels of another checkout: its own cpu_kernels.py builds its own csrc/."""
-    path = Path(checkout) / "carpool" / "attention" / "cpu_kernels.py"
-    spec = importlib.util.spec_from_file_location("carpool_other_cpu_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.load()
 
 
 class EagerOps:
@@ -134,7 +124,7 @@ def main() -> None:
     if args.against == "eager":
         builds["against"] = EagerOps()
     elif args.against:
-        builds["against"] = other_kernels(args.against)
+        builds["against"] = load_other_kernels(args.against)
     if any(k is None for k in builds.values()):
         sys.exit("the compiled kernels did not build")
     activations = torch.load(args.activations) if args.activations else None
