@@ -1,19 +1,12 @@
 """README stays true as a front page: its first lines are the two commands that set
-everything up, every `carpool` command it shows parses, its serve examples on the built-in
-model resolve, the results table gives each row its machine, date, commit and command,
-and the files it links exist. (The flag table lives in docs/serving.md:
-`tests/test_serving_doc.py`.)"""
+everything up, the results table gives each row its machine, date, commit and command, and
+the files it links exist. (Its commands: `tests/test_doc_commands.py`; the flag table lives
+in docs/serving.md: `tests/test_serving_doc.py`.)"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-
-import pytest
-
-from carpool.config import EngineConfig
-from carpool.server.cli import server_settings_from_args
-from tests.flags import command_parser, doc_commands, serve_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -25,34 +18,6 @@ def test_the_first_lines_are_the_two_set_up_commands():
     assert lines[3].startswith("pip install -e . && carpool serve ")
     assert lines[4].startswith("pip install -e '.[dev]' && python3 -m pytest -q ")
     assert "2 cores" in "\n".join(lines[5:10])
-
-
-@pytest.mark.parametrize("command", doc_commands(README), ids=lambda c: " ".join([c[0], *c[1]]))
-def test_every_command_parses(command):
-    name, argv = command
-    try:
-        command_parser(name).parse_args(argv)
-    except SystemExit as exc:
-        pytest.fail(f"`carpool {name} {' '.join(argv)}` does not parse (exit {exc.code})")
-
-
-def built_in_serve_examples() -> list[list[str]]:
-    return [argv for name, argv in doc_commands(README)
-            if name == "serve" and (not argv or argv[0].startswith("-"))]
-
-
-@pytest.mark.parametrize("argv", built_in_serve_examples(),
-                         ids=lambda argv: " ".join(argv) or "(no flags)")
-def test_serve_examples_on_the_built_in_model_resolve(argv):
-    args = serve_parser().parse_args(argv)
-    config = EngineConfig.from_cli_args(args)
-    server_settings_from_args(args)  # what `carpool serve` checks before binding
-    assert config.model is None and config.max_model_len <= 512
-
-
-def test_there_are_commands_to_check():
-    assert built_in_serve_examples()
-    assert {name for name, _ in doc_commands(README)} >= {"serve", "bench"}
 
 
 def results_rows() -> list[list[str]]:
