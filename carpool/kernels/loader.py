@@ -27,6 +27,7 @@ import os
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -95,13 +96,22 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
             # Torch's lock file, if there is one, was left by a builder that died (every
             # live one holds _exclusive): torch would wait on it forever.
             (root / "lock").unlink(missing_ok=True)
+            # A first start compiles for a while before it serves: say so, and how long it took.
+            compiling = not (root / f"{name}.so").exists()
+            if compiling:
+                logger.info("C++ CPU kernels: compiling the %s build in %s (once for these "
+                            "sources; the engine starts when it is done)", capability, root)
+            started = time.monotonic()
             # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here);
             # without it the loop runs on one thread. The libgomp.so.1 torch already loaded
             # serves it.
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 name=name, sources=[str(staged / s) for s in csrc if s.endswith(".cpp")],
                 extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(staged)],
                 extra_ldflags=["-fopenmp"], build_directory=str(root), verbose=False)
+            if compiling:
+                logger.info("C++ CPU kernels: compiled in %.0f s", time.monotonic() - started)
+            return module
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         logger.warning("C++ CPU kernels unavailable (%s build): paged attention, the small "

@@ -156,3 +156,27 @@ def test_concurrent_loads_build_once(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert results == ["module", "module"] and len(calls) == 1
+
+
+def test_a_compile_is_logged_at_its_start_and_end(tmp_path, monkeypatch, caplog):
+    """A first start spends a while compiling before the engine serves: the log says so
+    (and a load of a build already there says nothing)."""
+    from torch.utils import cpp_extension
+
+    def build(**kwargs):
+        (Path(kwargs["build_directory"]) / f"{kwargs['name']}.so").touch()
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        assert cpu_kernels.load(tmp_path) == "module"
+    messages = [r.getMessage() for r in caplog.records if r.name == loader.__name__]
+    assert len(messages) == 2
+    assert "compiling" in messages[0] and str(tmp_path) in messages[0]
+    assert messages[1].startswith("C++ CPU kernels: compiled in ")
+    caplog.clear()
+    monkeypatch.delitem(loader._modules, (str(tmp_path), None))  # as a new process would
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        assert cpu_kernels.load(tmp_path) == "module"
+    assert not [r for r in caplog.records if r.name == loader.__name__]
+
