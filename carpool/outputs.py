@@ -128,6 +128,8 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why, when finish_reason == "error"
+    # "grammar_error": the request's own grammar failed (a 400, not the engine's 500); else None
+    error_code: str | None = None
     request_metrics: RequestMetrics | None = None  # on the finishing output only
 
     @property

@@ -32,7 +32,7 @@ from carpool.engine.tokenizer import encode_prompt, load_engine_tokenizer
 from carpool.outputs import EngineStats, PromptLogprobs, RequestMetrics, StepOutput
 from carpool.runner.executor import RankFailedError
 from carpool.sampling_params import SamplingParams
-from carpool.structured.manager import StructuredOutputs
+from carpool.structured.manager import GrammarError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -248,14 +248,19 @@ class LLMEngine:
 
     def _advance(self, state: RequestState, position_logprobs) -> StepOutput:
         """The delta of one request that got a token this step; finishes it on a stop string,
-        or with `stop` when its grammar is complete."""
+        with `stop` when its grammar is complete, or with `error` when its grammar failed."""
         request = state.request
         output_token_ids = request.output_token_ids
         new_token_ids = output_token_ids[state.num_sent_tokens:]
         state.num_sent_tokens = len(output_token_ids)
-        if state.matcher is not None and self._structured.advance(
-                request.request_id, state.matcher, new_token_ids):
-            self._finish_on_complete_grammar(request)
+        grammar_error = None
+        if state.matcher is not None:
+            try:
+                if self._structured.advance(request.request_id, state.matcher, new_token_ids):
+                    self._finish_on_complete_grammar(request)
+            except GrammarError as exc:
+                grammar_error = str(exc)
+                self._finish_with_status(request, RequestStatus.FINISHED_ERROR)
         self._stats.num_generated_tokens += len(new_token_ids)
         if state.num_sent_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
@@ -282,6 +287,8 @@ class LLMEngine:
             output.finish_reason = request.finish_reason
             output.stop_reason = request.stop_reason
             output.request_metrics = self._metrics(request)
+            if request.status == RequestStatus.FINISHED_ERROR:  # (a stop string still wins)
+                output.error, output.error_code = grammar_error, "grammar_error"
         return output
 
     @staticmethod
@@ -298,6 +305,13 @@ class LLMEngine:
             request.status = RequestStatus.FINISHED_STOPPED
         elif not request.is_finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _finish_with_status(self, request: Request, status: RequestStatus) -> None:
+        """Finish `request` with `status`, also over a token-level stop on the same token."""
+        if request.is_finished:
+            request.status, request.stop_reason = status, None
+        else:
+            self.scheduler.finish_requests([request.request_id], status)
 
     def _finish_on_stop_string(self, request: Request, stop_string: str) -> None:
         if request.is_finished:  # a token-level stop fired on the same token: the string wins

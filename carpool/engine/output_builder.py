@@ -30,6 +30,7 @@ class CompletionBuilder:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_code: str | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # from the first delta, when asked
@@ -48,7 +49,7 @@ class CompletionBuilder:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
-            self.error = out.error
+            self.error, self.error_code = out.error, out.error_code
             self.metrics = out.request_metrics
 
     @property

@@ -71,7 +71,11 @@ def not_found_model(name: str, served: str) -> APIError:
                     param="model", code="model_not_found")
 
 
-def engine_error(message: str) -> APIError:
+def engine_error(message: str, code: str | None = None) -> APIError:
+    """A request that failed in the engine: a 500, or a 400 when the request's own grammar
+    failed (`code` "grammar_error"), which no retry would fix."""
+    if code == "grammar_error":
+        return APIError(400, message, code=code)
     return APIError(500, f"The engine failed on this request: {message}", code="engine_error")
 
 

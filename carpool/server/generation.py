@@ -176,7 +176,8 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
         settings = request.app.state.settings
         stream.max_backlog = settings.max_stream_backlog
         stream.pause_backlog = settings.stream_pause_backlog or None
-        return EventStreamResponse(_ended(events(stream)),
+        failures = _FailureWatch(stream)
+        return EventStreamResponse(_ended(events(failures), failures),
                                    on_close=lambda: admission.release(stream))
     try:
         choices = await collect(stream, request, len(requests))
@@ -201,15 +202,37 @@ def log_request(request: Request, requests: list[GenerationRequest], prompts: li
     logger.info(line)
 
 
-async def _ended(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The route's events, an error event if the engine died or the server is stopping,
+async def _ended(events: AsyncIterator[str], failures: _FailureWatch) -> AsyncIterator[str]:
+    """The route's events, an error event if the engine died or the server is stopping, or
+    naming why the first failed choice failed (its chunk said only `finish_reason: error`),
     and always `[DONE]`."""
     try:
         async for event in events:
             yield event
     except (EngineDeadError, ServerClosingError, StreamBacklogError) as exc:
         yield sse_event(stream_error(exc).body())
+    else:
+        if failures.first is not None:
+            yield sse_event(engine_error(failures.first.error or "unknown error",
+                                         failures.first.error_code).body())
     yield DONE
+
+
+class _FailureWatch:
+    """An `OutputStream`'s (index, delta) pairs, keeping the first that finished with `error`."""
+
+    def __init__(self, stream: OutputStream) -> None:
+        self._stream = stream
+        self.first: StepOutput | None = None
+
+    def __aiter__(self) -> _FailureWatch:
+        return self
+
+    async def __anext__(self) -> tuple[int, StepOutput]:
+        index, out = await self._stream.__anext__()
+        if out.finish_reason == "error" and self.first is None:
+            self.first = out
+        return index, out
 
 
 @dataclass
@@ -241,7 +264,7 @@ async def collect(stream: OutputStream, request: Request, num_choices: int) -> l
         raise stream_error(exc) from None
     failed = [c for c in choices if c.finish_reason == "error"]
     if failed:
-        raise engine_error(failed[0].error or "unknown error")
+        raise engine_error(failed[0].error or "unknown error", failed[0].error_code)
     return choices
 
 

@@ -2,7 +2,10 @@
 
 The engine asks for a matcher when a request arrives (compiled through the cache; a bad
 grammar is a ValueError naming the field), starts each step's masks before the model runs,
-and advances a request's matcher with every token it samples. Nothing is built until the
+and advances a request's matcher with every token it samples. A grammar that fails during
+generation (one that matches nothing, or outgrows the parser's limits on the way) is a
+`GrammarError`: the request ends with `error`, never `stop`, since its text breaks the
+constraint. Nothing is built until the
 first constrained request, so servers that never see one never load the tokenizer view.
 """
 
@@ -19,6 +22,17 @@ from carpool.structured.bitmask import BitmaskFiller
 from carpool.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+# llguidance's error text is one line of reason, then its state and the whole grammar (which
+# can be megabytes of the client's text): messages and logs keep the reason, this long at most.
+MAX_ERROR_CHARS = 300
+# Reasons llguidance names without saying what they mean.
+_REASONS = {"NoExtensionBias": "no token can continue the output (the grammar may match "
+                               "nothing here)"}
+
+
+class GrammarError(Exception):
+    """A request's matcher failed during generation; the message says why, without the grammar."""
 
 
 class StructuredOutputs:
@@ -51,9 +65,23 @@ class StructuredOutputs:
     @staticmethod
     def advance(request_id: str, matcher: llguidance.LLMatcher, token_ids: list[int]) -> bool:
         """Feed the request's new tokens to its matcher; True when the grammar is complete
-        (nothing but EOS may follow), so the request should finish with `stop`."""
-        if token_ids and not matcher.consume_tokens(token_ids):
-            # Never under the matcher's own mask; its next mask allows only EOS.
-            logger.warning("request %s: grammar refused a sampled token: %s", request_id,
-                           matcher.get_error())
-        return matcher.is_stopped() or matcher.is_error()
+        (nothing but EOS may follow), so the request should finish with `stop`.
+        GrammarError when the matcher failed, on these tokens or computing their mask (it
+        then allowed only EOS): the output breaks the grammar."""
+        if token_ids:
+            matcher.consume_tokens(token_ids)
+        if matcher.is_error():
+            reason = error_reason(matcher.get_error())
+            logger.warning("request %s: its grammar failed: %s", request_id, reason)
+            raise GrammarError(f"the structured output's grammar failed during generation: "
+                               f"{reason}")
+        return matcher.is_stopped()
+
+
+def error_reason(error: str) -> str:
+    """The reason in a matcher's error text, on one line, without its state or grammar."""
+    reason = " ".join(error.split("\n<state>", 1)[0].split())
+    reason = _REASONS.get(reason, reason)
+    if len(reason) > MAX_ERROR_CHARS:
+        reason = reason[:MAX_ERROR_CHARS - 3] + "..."
+    return reason

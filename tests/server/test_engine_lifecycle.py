@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -36,7 +37,8 @@ def _fail_next_step(llm_engine) -> None:
 
 
 async def _check_step_faults_fail_only_their_requests(http, engine, body) -> None:
-    """A contained fault: a 500 (or finish_reason "error" when streaming), blocks freed."""
+    """A contained fault: a 500 (streaming: finish_reason "error", then an error event naming
+    the fault), blocks freed."""
     await engine.call(_fail_next_step)
     response = await http.post("/v1/completions", json=body)
     assert response.status_code == 500
@@ -48,7 +50,8 @@ async def _check_step_faults_fail_only_their_requests(http, engine, body) -> Non
         **body, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
     lines = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
-    assert '"finish_reason":"error"' in lines[-2]
+    assert '"finish_reason":"error"' in lines[-3]
+    assert "injected step fault" in json.loads(lines[-2][len("data: "):])["error"]["message"]
 
     response = await http.post("/v1/completions", json=body)  # the engine serves on
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4

@@ -112,3 +112,30 @@ def test_constrained_requests_survive_preemption():
             jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
         else:
             assert len(out.outputs[0].token_ids) == 40
+
+
+@pytest.mark.parametrize("structured, reason", [
+    (StructuredOutputsParams(regex=r"[^\s\S]"), "no token can continue"),  # matches nothing
+    (StructuredOutputsParams(json={"$ref": "#"}), "no token can continue"),
+    # compiles, then outgrows the parser's row limit on the first token
+    (StructuredOutputsParams(choice=[f"option number {i}" for i in range(2010)]),
+     "max is 2000"),
+])
+def test_a_grammar_failing_mid_generation_is_an_error_not_stop(llm, caplog, structured, reason):
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=40,
+                            structured_outputs=structured)
+    with pytest.raises(RuntimeError, match=f"grammar failed during generation: .*{reason}"):
+        llm.generate("A person:", params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+    logged = [r.getMessage() for r in caplog.records if r.name == "carpool.structured.manager"]
+    assert len(logged) == 1 and reason in logged[0]
+    assert "option number 2009" not in logged[0] and "<grammar>" not in logged[0]
+
+    engine = llm.engine  # the engine's own output: `error` with the reason, never `stop`
+    engine.add_request("failing", "A person:", params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "error" and outs[-1].error_code == "grammar_error"
+    assert reason in outs[-1].error

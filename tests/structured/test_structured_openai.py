@@ -84,3 +84,27 @@ def test_max_tokens_first_is_length(client):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0,
                                          max_tokens=2, response_format=response_format)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2
+
+
+def test_a_grammar_failing_mid_generation_is_a_400_or_an_error_event(client):
+    import openai
+    many = [f"option number {i}" for i in range(2010)]  # outgrows the parser on the way
+    with pytest.raises(openai.BadRequestError, match="max is 2000") as failed:
+        client.completions.create(model=MODEL, prompt="Pick:", max_tokens=20,
+                                  extra_body={"guided_choice": many})
+    assert failed.value.code == "grammar_error" and "option number 2009" not in str(failed.value)
+    with pytest.raises(openai.BadRequestError, match="no token can continue"):  # matches nothing
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                       extra_body={"guided_regex": r"[^\s\S]"})
+    looping = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
+    with pytest.raises(openai.BadRequestError, match="grammar failed during generation"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                       tools=[looping], tool_choice="required")
+
+    chunks = []
+    with pytest.raises(openai.APIError, match="max is 2000"):  # the stream's error event
+        for chunk in client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=20, stream=True,
+                extra_body={"guided_choice": many}):
+            chunks.append(chunk)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "error"
