@@ -86,24 +86,41 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, "Invalid request body.")
     # In a union (a prompt is text or token ids) the member that matched the type but not
     # its check says most: prefer a value error to "should be a valid list".
-    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    # Otherwise the member that got furthest into the value: for `[{"content": 5}]` in a
+    # text-or-items field, the item's content, not "should be a valid string".
+    first = next((e for e in errors if e.get("type") == "value_error"),
+                 max(errors, key=lambda e: len(_path(e.get("loc", ())))))
     if first.get("type") == "json_invalid":
         return APIError(400,
                         f"Malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}",
                         code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if not _is_type_tag(part)]
-    param = loc[0] if loc else None
-    where = f"{'.'.join(loc)}: " if loc else ""
+    loc = _path(first.get("loc", ()))
+    param = str(loc[0]) if loc else None
+    where = f"{_where(loc)}: " if loc else ""
     message = f"{where}{first.get('msg', 'invalid value')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return APIError(400, message, param=param)
 
 
+def _path(loc: tuple) -> list[str | int]:
+    return [part for part in loc if not _is_type_tag(part)]
+
+
+def _where(path: list[str | int]) -> str:
+    """OpenAI's spelling of a location: ['input', 0, 'content'] -> 'input[0].content'."""
+    where = ""
+    for part in path:
+        where += f"[{part}]" if isinstance(part, int) else f".{part}" if where else str(part)
+    return where
+
+
 def _is_type_tag(part: object) -> bool:
-    """Pydantic's location parts that name a union member ('str', 'list[int]'), not a field."""
+    """Pydantic's location parts that name a union member ('str', 'list[int]', a model's
+    class name as a tagged union's tag), not a field: API fields are snake_case."""
     return part == "body" or (isinstance(part, str) and (
-        part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part))
+        part in ("str", "int", "float", "bool", "list", "dict", "none") or "[" in part
+        or part[:1].isupper()))
 
 
 def install_error_handlers(app: FastAPI) -> None:

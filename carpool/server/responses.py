@@ -17,9 +17,10 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from carpool.outputs import StepOutput
 from carpool.server.chat import ChatContext, chat_message, prepare_chat
@@ -54,8 +55,9 @@ class _Context:
                 "max_output_tokens": body.max_output_tokens,
                 "parallel_tool_calls": body.parallel_tool_calls,
                 "temperature": body.temperature, "top_p": body.top_p,
-                "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
-                "text": body.text or {"format": {"type": "text"}}, "store": False,
+                "tool_choice": _dump(body.tool_choice) or "auto",
+                "tools": [_dump(tool) for tool in body.tools or ()],
+                "text": _text_config(body), "store": False,
                 "background": False, "previous_response_id": None}
 
 
@@ -75,6 +77,18 @@ async def create_response(body: ResponsesRequest, request: Request):
         return _Context(f"resp_{uuid.uuid4().hex}", int(time.time()), chat_ctx, body), prompts
 
     return await serve_generation(request, chat, prepare, _events, _whole, shape_usage=_usage)
+
+
+def _text_config(body: ResponsesRequest) -> dict:
+    if body.text is None or body.text.format is None:
+        return {"format": {"type": "text"}}
+    return _dump(body.text)
+
+
+def _dump(value: Any) -> Any:
+    """A request's model as the JSON the client sent (its fields this server reads)."""
+    return value.model_dump(by_alias=True, exclude_none=True) if isinstance(
+        value, BaseModel) else value
 
 
 def _first_error(exc: Exception) -> Exception:
