@@ -14,6 +14,7 @@ import re
 
 from carpool.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_GRAMMAR_CACHE_MEMORY,
     DEFAULT_MAX_LOGPROBS,
     DTYPE_ALIASES,
     DTYPES,
@@ -116,6 +117,11 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
                        help="Most logprobs a request may ask per token, sampled or prompt "
                             f"(default {DEFAULT_MAX_LOGPROBS}; -1: the vocabulary).")
+    group.add_argument("--grammar-cache-memory", type=parse_bytes,
+                       default=DEFAULT_GRAMMAR_CACHE_MEMORY, metavar="BYTES",
+                       help="Most memory the compiled structured-output grammars kept for reuse "
+                            "may hold, estimated from their size, e.g. 64MiB (default "
+                            f"{DEFAULT_GRAMMAR_CACHE_MEMORY // 2**20}MiB; 0: keep none).")
     group.add_argument("--enforce-eager", action="store_true",
                        help="Accepted for vLLM launch lines; carpool always runs eagerly (no "
                             "CUDA graphs or compilation to disable).")

@@ -26,6 +26,8 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 GENERATION_CONFIG_AUTO = "auto"  # the model's generation_config.json
 GENERATION_CONFIG_NONE = "vllm"  # none: SamplingParams' own defaults
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's; -1 lifts the cap to the vocabulary
+# Estimated bytes the compiled-grammar cache may hold (carpool.structured.compiler).
+DEFAULT_GRAMMAR_CACHE_MEMORY = 128 * 2**20
 # auto: cpu on CPU, sdpa elsewhere (carpool.attention holds the backends under these names).
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa")
 
@@ -70,6 +72,7 @@ class EngineConfig:
     # GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE, or a folder with generation_config.json
     generation_config: str = GENERATION_CONFIG_AUTO
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # per token, sampled or prompt; -1: no cap
+    grammar_cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY  # compiled grammars, estimated
     # Tensor parallelism: ranks each holding 1/N of every layer (see carpool.distributed).
     tensor_parallel_size: int = 1
     # None: carpool starts ranks 1..N-1 on this machine. "env://": the ranks meet through
@@ -137,6 +140,10 @@ class EngineConfig:
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
+        if isinstance(self.grammar_cache_memory, bool) or not isinstance(
+                self.grammar_cache_memory, int) or self.grammar_cache_memory < 0:
+            raise ValueError(f"grammar_cache_memory must be a number of bytes >= 0, "
+                             f"got {self.grammar_cache_memory!r}")
 
     @property
     def is_resolved(self) -> bool:
@@ -159,6 +166,7 @@ class EngineConfig:
                   chat_template: str | None = None,
                   generation_config: str = GENERATION_CONFIG_AUTO,
                   max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                  grammar_cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY,
                   enforce_eager: bool = False, usage: str = "offline",
                   **cpu_args) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
@@ -209,6 +217,7 @@ class EngineConfig:
                    batch_invariant=batch_invariant, tokenizer=tokenizer,
                    chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,
+                   grammar_cache_memory=grammar_cache_memory,
                    tensor_parallel_size=tensor_parallel_size,
                    distributed_init_method=distributed_init_method, usage=usage,
                    max_num_seqs=requested_max_num_seqs,

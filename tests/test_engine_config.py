@@ -67,6 +67,7 @@ def test_default_unchunked_budget_grows_to_max_model_len(make_checkpoint):
     (dict(max_model_len=0), "max_model_len must be a positive integer"),
     (dict(block_size=0), "block_size must be a positive integer"),
     (dict(dtype="int4"), "dtype must be one of"),
+    (dict(grammar_cache_memory=-1), "grammar_cache_memory must be a number of bytes"),
 ])
 def test_errors_name_the_argument(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -82,6 +83,12 @@ def test_tensor_parallel_size_must_split_the_kv_heads_and_mlp(make_checkpoint):
     with pytest.raises(ValueError, match=r"--tensor-parallel-size \(3\) must divide the "
                                          r"model's intermediate_size \(130\)"):
         EngineConfig.from_cli_args(serve_args(model, "--tensor-parallel-size", "3"))
+
+
+def test_grammar_cache_memory_flag_reaches_the_config():
+    assert EngineConfig.from_cli_args(
+        serve_args("--grammar-cache-memory", "64MiB")).grammar_cache_memory == 64 * 2**20
+    assert EngineConfig.from_cli_args(serve_args()).grammar_cache_memory == 128 * 2**20
 
 
 def test_errors_in_flag_words():

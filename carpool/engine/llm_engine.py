@@ -73,7 +73,7 @@ class LLMEngine:
         self._extra_eos_ids = tuple(eos_ids[1:])
         self._eos_token_ids = tuple(eos_ids)
         self._structured = StructuredOutputs(tokenizer, self.model_config.vocab_size,
-                                             self._eos_token_ids)
+                                             self._eos_token_ids, config.grammar_cache_memory)
 
     @classmethod
     def from_config(cls, config: EngineConfig, detokenize: bool = True) -> LLMEngine:

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 import llguidance
 
+from carpool.config import DEFAULT_GRAMMAR_CACHE_MEMORY
 from carpool.sampling_params import SamplingParams
 from carpool.structured.bitmask import BitmaskFiller
 from carpool.structured.compiler import GrammarCompiler
@@ -36,10 +37,12 @@ class GrammarError(Exception):
 
 
 class StructuredOutputs:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = tuple(eos_token_ids)
+        self._cache_memory = cache_memory
         self._compiler: GrammarCompiler | None = None
         self._filler: BitmaskFiller | None = None
 
@@ -50,7 +53,7 @@ class StructuredOutputs:
             return None
         if self._compiler is None:
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size,
-                                             self._eos_token_ids)
+                                             self._eos_token_ids, self._cache_memory)
             self._filler = BitmaskFiller(self._vocab_size, self._compiler.eos_token_ids)
         return self._compiler.matcher(params.structured_outputs)
 

@@ -12,14 +12,15 @@ from carpool.engine.tokenizer import load_tokenizer
 from carpool.runner.sampler import apply_grammar_bitmask
 from carpool.sampling_params import SamplingParams, StructuredOutputsParams
 from carpool.structured.bitmask import BitmaskFiller
-from carpool.structured.compiler import GrammarCompiler
+from carpool.structured.compiler import GrammarCompiler, estimated_bytes
+from carpool.structured.grammar import grammar_text
 
 VOCAB = 4096
 EOS = (0,)
 
 
-def _compiler() -> GrammarCompiler:
-    return GrammarCompiler(load_tokenizer(default_model_path()), VOCAB, EOS, cache_size=2)
+def _compiler(cache_memory: int = 2**20) -> GrammarCompiler:
+    return GrammarCompiler(load_tokenizer(default_model_path()), VOCAB, EOS, cache_memory)
 
 
 def test_filled_rows_equal_each_matchers_own_mask_and_stopped_rows_allow_only_eos():
@@ -57,12 +58,40 @@ def test_sampler_masks_only_the_named_rows():
     assert bool(torch.isinf(logits[1][~allowed]).all()) and 0 < int(allowed.sum()) < VOCAB
 
 
-def test_compile_cache_is_bounded_and_hands_out_fresh_matchers():
+def test_compile_cache_hands_out_fresh_matchers():
     compiler = _compiler()
     first = compiler.matcher(StructuredOutputsParams(regex="ab"))
     assert first.consume_tokens(compiler.tokenizer.tokenize_str("a"))
     again = compiler.matcher(StructuredOutputsParams(regex="ab"))  # from the cache
+    assert compiler.num_cached == 1
     assert again.consume_tokens(compiler.tokenizer.tokenize_str("ab"))
-    for regex in ("c", "d", "e"):
-        compiler.matcher(StructuredOutputsParams(regex=regex))
-    assert compiler.num_cached == 2
+
+
+def test_compile_cache_is_bounded_by_bytes_least_recently_used_out():
+    small = [StructuredOutputsParams(regex=r) for r in ("a", "b", "c")]
+    big = StructuredOutputsParams(choice=[f"option {i}" for i in range(400)])
+    sizes = [estimated_bytes(grammar_text(p)) for p in small]
+    compiler = _compiler(cache_memory=sum(sizes) + 10)  # the three small ones fit
+    for params in small:
+        compiler.matcher(params)
+    assert compiler.num_cached == 3 and compiler.num_cached_bytes == sum(sizes)
+    compiler.matcher(small[0])  # used again: now the most recent
+    compiler.matcher(StructuredOutputsParams(regex="d"))  # one must go: "b", the oldest
+    assert _cached(compiler) == ["c", "a", "d"]
+    assert compiler.num_cached_bytes <= compiler.cache_memory
+
+    assert estimated_bytes(grammar_text(big)) > compiler.cache_memory
+    compiler.matcher(big)  # served, but larger than the bound alone: not kept, none evicted
+    assert _cached(compiler) == ["c", "a", "d"]
+
+    room = _compiler(cache_memory=estimated_bytes(grammar_text(big)))
+    for params in small:
+        room.matcher(params)
+    room.matcher(big)  # evicts every small one, by bytes, not by count
+    assert room.num_cached == 1 and room.num_cached_bytes == estimated_bytes(grammar_text(big))
+
+
+def _cached(compiler: GrammarCompiler) -> list[str]:
+    """The cached one-letter regexes, least recently used first."""
+    names = {grammar_text(StructuredOutputsParams(regex=r)): r for r in "abcd"}
+    return [names.get(text, "?") for text in compiler._templates]

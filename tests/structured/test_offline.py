@@ -139,3 +139,14 @@ def test_a_grammar_failing_mid_generation_is_an_error_not_stop(llm, caplog, stru
         outs += engine.step()
     assert outs[-1].finish_reason == "error" and outs[-1].error_code == "grammar_error"
     assert reason in outs[-1].error
+
+
+def test_grammar_cache_memory_reaches_the_compiler():
+    keep_none = LLM(max_model_len=256, num_kv_blocks=16, grammar_cache_memory=0)
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    for _ in range(2):
+        out = keep_none.generate("A person:", params, use_tqdm=False)[0].outputs[0]
+        assert re.fullmatch(REGEX, out.text)
+    compiler = keep_none.engine._structured._compiler
+    assert compiler.cache_memory == 0 and compiler.num_cached == 0
