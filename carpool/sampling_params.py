@@ -27,6 +27,10 @@ FLOAT32_TINY = 1.1754943508222875e-38
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000  # each
 MAX_STOP_TOTAL_CHARS = 8192  # all of a request's stop strings together
+# A request's stop_token_ids are validated one by one on admission (vLLM sets no limit), so
+# their number is capped: room for every special token of today's vocabularies (Llama 3
+# reserves 256) many times over. The engine adds the model's extra EOS ids, which count too.
+MAX_STOP_TOKEN_IDS = 4096
 
 
 _SEED_MODULUS = 2**64  # seed is at most 2**64 - 1; child seeds wrap
@@ -93,7 +97,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None  # same seed, same output, whatever the batch
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
-    stop_token_ids: tuple[int, ...] = ()
+    # a set: the scheduler looks every sampled token up in it (any iterable of ids is taken)
+    stop_token_ids: frozenset[int] = frozenset()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per output token (plus the chosen one)
@@ -107,7 +112,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", _stop_token_id_set(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -137,8 +142,6 @@ class SamplingParams:
             _require_float32_normal(name, getattr(self, name))
         if self.seed is not None:
             _require_int("seed", self.seed, minimum=-(2**63), maximum=2**64 - 1)
-        for token_id in self.stop_token_ids:
-            _require_int("stop_token_ids", token_id, minimum=0)
         _check_stop_strings(self.stop)
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs, minimum=0)
@@ -200,6 +203,20 @@ def _require_float(name: str, value: object, low: float, high: float) -> None:
         raise ValueError(f"{name} must be a finite number, got {value}")
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _stop_token_id_set(ids: object) -> frozenset[int]:
+    """The ids as a set; ValueError for more than MAX_STOP_TOKEN_IDS of them (duplicates count:
+    the cap bounds the work of reading them) or one that is not an integer >= 0."""
+    if isinstance(ids, (str, bytes, int)):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+    given = ids if isinstance(ids, frozenset) else tuple(ids or ())
+    if len(given) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                         f"got {len(given)}")
+    for token_id in given:
+        _require_int("stop_token_ids", token_id, minimum=0)
+    return frozenset(given)
 
 
 def _check_stop_strings(stop: tuple) -> None:

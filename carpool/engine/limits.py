@@ -67,6 +67,14 @@ def check_fits_kv_cache(num_prompt_tokens: int, params: SamplingParams, max_mode
     check_fits_pool(num_prompt_tokens, num_output_tokens, block_size, num_total_blocks)
 
 
+def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError for a stop token id outside [0, vocab_size): it could never be sampled, so
+    it is a client's mistake (another model's tokenizer), refused as a prompt's would be."""
+    bad = sorted(token_id for token_id in params.stop_token_ids if token_id >= vocab_size)
+    if bad:
+        raise ValueError(f"stop_token_ids must be ids in [0, {vocab_size}), got {bad[:5]}")
+
+
 def check_some_token_allowed(params: SamplingParams, vocab_size: int,
                              eos_token_ids: Sequence[int]) -> None:
     """ValueError when, before `min_tokens` outputs, the stop tokens (and EOS unless

@@ -133,6 +133,7 @@ class LLMEngine:
         limits.check_num_logprobs(sampling_params, self.config.max_logprobs,
                                   self.model_config.vocab_size)
         limits.check_context_length(len(prompt_token_ids), sampling_params, self.max_model_len)
+        limits.check_stop_token_ids(sampling_params, self.model_config.vocab_size)
         limits.check_some_token_allowed(sampling_params, self.model_config.vocab_size,
                                         self._eos_token_ids)
         limits.check_fits_kv_cache(len(prompt_token_ids), sampling_params, self.max_model_len,
@@ -155,8 +156,7 @@ class LLMEngine:
         prompt_token_ids = self.encode_prompt(prompt)
         self.validate_request(prompt_token_ids, sampling_params)
         if self._extra_eos_ids and not sampling_params.ignore_eos:
-            stop_ids = sampling_params.stop_token_ids + tuple(
-                i for i in self._extra_eos_ids if i not in sampling_params.stop_token_ids)
+            stop_ids = sampling_params.stop_token_ids.union(self._extra_eos_ids)
             sampling_params = _replace(sampling_params, stop_token_ids=stop_ids)
         request = Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids,

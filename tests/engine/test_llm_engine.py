@@ -60,6 +60,8 @@ def prompts(seed: int, num: int, low: int = 1, high: int = 60) -> list[list[int]
      r"you requested 260 tokens \(250 in the prompt, 10 for the completion\)"),
     ([1] * 256, SamplingParams(max_tokens=None), "maximum context length is 256"),
     ([1, 2], SamplingParams(n=2), "n=1"),
+    ([1, 2], SamplingParams(stop_token_ids=[3, 600, 512]),
+     r"^stop_token_ids must be ids in \[0, 512\), got \[512, 600\]"),
     # too long, refused before its ids are walked (or a huge text tokenized whole)
     ([1] * 2_000_000, SamplingParams(), "maximum context length is 256 tokens. However, the "
      "prompt has 2000000 tokens"),

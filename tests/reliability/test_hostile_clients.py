@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from carpool import SamplingParams
-from carpool.sampling_params import MAX_STOP_STRINGS
+from carpool.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from tests.reliability.live import API_KEY, MODEL, assert_openai_error, greedy_texts, wait_idle_and_intact
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
@@ -89,6 +89,45 @@ def test_a_hundred_thousand_stop_strings_get_a_quick_400(edge_server):
     error = assert_openai_error(response, 400, "at most 64 strings", "100000")
     assert error["param"] == "stop"
     assert elapsed < 5, elapsed
+    wait_idle_and_intact(edge_server)
+
+
+def test_stop_token_ids_are_a_set_capped_in_number():
+    params = SamplingParams(stop_token_ids=[7, 3, 7, 3, 9])
+    assert params.stop_token_ids == frozenset({3, 7, 9})
+    assert isinstance(params.stop_token_ids, frozenset)  # looked up per token: O(1)
+    assert SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS)).stop_token_ids == frozenset(
+        range(MAX_STOP_TOKEN_IDS))
+    # the cap counts ids as given, duplicates too: it bounds the work of reading them
+    for ids in (range(MAX_STOP_TOKEN_IDS + 1), [1] * 700_000):
+        with pytest.raises(ValueError, match=rf"^stop_token_ids must hold at most "
+                                             rf"{MAX_STOP_TOKEN_IDS} ids, got {len(ids)}$"):
+            SamplingParams(stop_token_ids=ids)
+    for bad in ([1, -1], [1, True], [2.0], 5, "12"):
+        with pytest.raises(ValueError, match=r"^stop_token_ids must be"):
+            SamplingParams(stop_token_ids=bad)
+
+
+def test_four_hundred_thousand_stop_token_ids_get_a_quick_400(edge_server):
+    with edge_server.http() as http:
+        start = time.monotonic()
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 4,
+            "stop_token_ids": [i % 10 for i in range(400_000)]})  # under the 1MiB body limit
+        elapsed = time.monotonic() - start
+    error = assert_openai_error(response, 400, f"at most {MAX_STOP_TOKEN_IDS} ids", "400000")
+    assert error["param"] == "stop_token_ids"
+    assert elapsed < 5, elapsed
+    wait_idle_and_intact(edge_server)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_a_400(edge_server):
+    with edge_server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 4,
+            "stop_token_ids": [5, VOCAB_SIZE, 10**9]})
+    error = assert_openai_error(response, 400, f"[0, {VOCAB_SIZE})", str(VOCAB_SIZE))
+    assert error["param"] == "stop_token_ids"
     wait_idle_and_intact(edge_server)
 
 

@@ -54,6 +54,7 @@ INVALID_COMPLETION_FIELDS = [
     ({"stop_token_ids": [-1]}, "stop_token_ids", ()),
     ({"seed": "abc"}, "seed", ()),
     ({"stream": "sometimes"}, "stream", ()),
+    ({"stop_token_ids": [1] * 4097}, "stop_token_ids", ("4096",)),
     ({"prompt": []}, "prompt", ()),
     ({"prompt": [[]]}, "prompt", ()),
     ({"prompt": [1, 2, 10**9]}, None, ("10", "out of range")),

@@ -107,7 +107,7 @@ def test_sampling_fields_map_to_sampling_params():
     assert (params.max_tokens, params.temperature, params.top_p, params.n) == (7, 0.5, 0.9, 3)
     assert (params.stop, params.seed, params.top_k, params.min_p) == (("x",), 4, 5, 0.1)
     assert (params.repetition_penalty, params.min_tokens, params.ignore_eos) == (1.2, 2, True)
-    assert (params.stop_token_ids, params.logprobs) == ((9,), 2)
+    assert (params.stop_token_ids, params.logprobs) == (frozenset({9}), 2)
     assert CompletionRequest(prompt="a").to_sampling_params().max_tokens == 16
 
 
