@@ -94,7 +94,8 @@ class _ModelAction(argparse.Action):
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, action=_ModelAction,
                         metavar="MODEL",
-                        help="Hugging Face model folder or hub id (default: the built-in model).")
+                        help="Hugging Face model folder or hub id (default: the built-in model, "
+                             "carpool-default).")
     parser.add_argument("--model", dest="model", default=None, metavar="MODEL", action=_ModelAction,
                         help="The model, as a flag (vLLM's form; same as the positional MODEL).")
 

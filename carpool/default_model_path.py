@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+# What clients call the built-in model (its folder path is no name to type); as a model
+# argument it names the built-in model too, so a launch line may repeat the served name.
+DEFAULT_MODEL_NAME = "carpool-default"
 
 
 def default_model_path() -> Path:

@@ -23,6 +23,7 @@ from typing import Any
 from carpool.config import EngineConfig, generation_config_folder
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
+from carpool.default_model_path import DEFAULT_MODEL_NAME
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.request_state import RequestState
@@ -36,8 +37,7 @@ from carpool.structured.manager import GrammarError, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
-# What clients call the built-in model (its folder path is no name to type).
-DEFAULT_SERVED_MODEL_NAME = "carpool-default"
+DEFAULT_SERVED_MODEL_NAME = DEFAULT_MODEL_NAME
 
 
 class LLMEngine:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from carpool.default_model_path import DEFAULT_MODEL_NAME, default_model_path
+
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id fetched with huggingface_hub (cache first).
+    """A local folder as is; the built-in model for its served name (`carpool-default`, unless
+    a folder has that name); otherwise a hub id fetched with huggingface_hub (cache first).
 
     Honours HF_HUB_OFFLINE. Raises FileNotFoundError naming what is missing.
     """
@@ -22,6 +25,8 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
         return path
     if path.exists():
         raise FileNotFoundError(f"model path {path} is not a folder")
+    if str(model) == DEFAULT_MODEL_NAME:
+        return default_model_path()
     if str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
         raise FileNotFoundError(f"model folder {path} does not exist")
     try:
@@ -30,7 +35,15 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
         local = snapshot_download(repo_id=str(model), allow_patterns=[
             "*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.model", "*.txt"])
     except Exception as exc:  # offline, unknown repo, gated, no network
+        # Name HF_HUB_OFFLINE only when it is what kept the hub out of the search.
+        offline = ("; HF_HUB_OFFLINE is set, so only the local hub cache was searched"
+                   if _hub_offline() else "")
         raise FileNotFoundError(
-            f"model {model!r} is neither a local folder nor a downloadable hub id "
-            f"(with HF_HUB_OFFLINE=1 only the local cache is searched): {exc}") from exc
+            f"model {model!r} is neither a local folder nor a downloadable hub id{offline} "
+            f"(the built-in model is {DEFAULT_MODEL_NAME!r}): {exc}") from exc
     return Path(local)
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE set to a value huggingface_hub reads as true."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")

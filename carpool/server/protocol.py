@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API (plus vLLM's sampling extras), and their SamplingParams.
 
-Pydantic checks types, strictly for numbers: an integer field takes only a JSON
-integer (not `true`, `1.0` or `"1"`) and a number field a JSON number (not
-`true` or `"1"`); OpenAI's API refuses booleans there too. Ranges are checked
+Pydantic checks types strictly: an integer field takes only a JSON integer (not
+`true`, `1.0` or `"1"`), a number field a JSON number (not `true` or `"1"`) and a
+boolean field only `true` or `false` (not `1` or `"true"`); OpenAI's API refuses
+those lookalikes too. Ranges are checked
 once, by `SamplingParams`, whose `ValueError` names the field and becomes a 400.
 Unknown fields are ignored, as vLLM does, so newer clients keep working; the
 routes log one warning per request naming them (`ignored_fields`).
@@ -14,7 +15,15 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+)
 
 from carpool.sampling_params import SamplingParams
 from carpool.server.constraints import structured_outputs_of
@@ -41,7 +50,7 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingRequest(BaseModel):
@@ -58,7 +67,7 @@ class SamplingRequest(BaseModel):
     seed: StrictInt | None = None
     presence_penalty: StrictFloat = 0.0
     frequency_penalty: StrictFloat = 0.0
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
     # vLLM's extras
@@ -66,10 +75,10 @@ class SamplingRequest(BaseModel):
     min_p: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None
     min_tokens: StrictInt = 0
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # top-N logprobs of every prompt token (vLLM's; such requests skip the prefix cache)
     prompt_logprobs: StrictInt | None = None
     # Prefix caching: requests share cached prompt blocks only with the same salt.
@@ -123,7 +132,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: StrictInt | None = 16  # OpenAI's default for legacy completions
     logprobs: StrictInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: Text | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -200,12 +209,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     tools: list | None = None
     tool_choice: Text | dict | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
     def tool_choice_of(self, auto_enabled: bool = True) -> ToolChoice:
         """What `tools` and `tool_choice` allow; ValueError naming the field."""
@@ -242,8 +251,8 @@ class TokenizeRequest(BaseModel):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictFloat, StrictInt, Tag
 
-from carpool.server.protocol import ChatCompletionRequest, StreamOptions, Text
+from carpool.server.protocol import ChatCompletionRequest, StreamOptions, StrictBool, Text
 
 
 class _Item(BaseModel):
@@ -65,7 +65,7 @@ class JsonSchemaFormat(_Item):
     name: Text | None = None  # OpenAI requires one; chat's response_format does not
     schema_: dict = Field(alias="schema")
     description: Text | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 def _tagged(default: str | None, *models: type[_Item]) -> Any:
@@ -100,7 +100,7 @@ class FunctionTool(_Item):
     name: Text
     description: Text | None = None
     parameters: dict | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class FunctionChoice(_Item):
@@ -116,14 +116,14 @@ class ResponsesRequest(BaseModel):
     instructions: Text | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     max_output_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
-    stream: bool = False
+    stream: StrictBool = False
     text: TextConfig | None = None
-    store: bool | None = None
-    background: bool | None = None
+    store: StrictBool | None = None
+    background: StrictBool | None = None
     previous_response_id: Text | None = None
     conversation: Any = None
     metadata: dict | None = None

@@ -82,6 +82,34 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
         resolve_model_path("nobody/no-such-model")
 
 
+@pytest.mark.parametrize("offline", [None, "0", "1"])
+def test_unfound_hub_id_names_hf_hub_offline_only_when_it_is_set(monkeypatch, offline):
+    import huggingface_hub
+
+    def unreachable(**_):
+        raise OSError("cannot reach the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    if offline is None:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    with pytest.raises(FileNotFoundError, match="'no-such-model'.*cannot reach the hub") as info:
+        resolve_model_path("no-such-model")
+    assert ("HF_HUB_OFFLINE" in str(info.value)) == (offline == "1"), str(info.value)
+    assert "'carpool-default'" in str(info.value)  # the name that would have worked
+
+
+def test_the_built_in_models_served_name_resolves_to_it(monkeypatch, tmp_path):
+    from carpool.default_model_path import DEFAULT_MODEL_DIR
+
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("carpool-default") == DEFAULT_MODEL_DIR
+    (tmp_path / "carpool-default").mkdir()  # a folder of that name is what it names
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        resolve_model_path("carpool-default")
+
+
 def test_missing_tensor_is_named(llama_copy):
     from safetensors.torch import load_file, save_file
 

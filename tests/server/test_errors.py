@@ -54,6 +54,8 @@ INVALID_COMPLETION_FIELDS = [
     ({"stop_token_ids": [-1]}, "stop_token_ids", ()),
     ({"seed": "abc"}, "seed", ()),
     ({"stream": "sometimes"}, "stream", ()),
+    ({"stream": 1}, "stream", ("boolean",)),
+    ({"echo": "true"}, "echo", ("boolean",)),
     ({"stop_token_ids": [1] * 4097}, "stop_token_ids", ("4096",)),
     ({"prompt": []}, "prompt", ()),
     ({"prompt": [[]]}, "prompt", ()),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from fastapi.exceptions import RequestValidationError
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from carpool.arg_utils import parse_bytes
 from carpool.config import EngineConfig
@@ -13,8 +15,9 @@ from carpool.metrics import ServerMetrics
 from carpool.outputs import EngineStats, RequestMetrics, StepOutput
 from carpool.server import cli
 from carpool.server.app import ServerSettings
-from carpool.server.errors import APIError, bad_request
+from carpool.server.errors import APIError, bad_request, validation_error
 from carpool.server.protocol import REQUEST_FIELDS, ChatCompletionRequest, CompletionRequest
+from carpool.server.responses_protocol import ResponsesRequest
 from carpool.server.sse import DONE, sse_event
 from tests.flags import serve_parser
 
@@ -133,6 +136,33 @@ def test_bad_request_names_known_fields_only():
     body = APIError(401, "no", code="invalid_api_key").body()
     assert body == {"error": {"message": "no", "type": "invalid_request_error", "param": None,
                               "code": "invalid_api_key"}}
+
+
+BOOLEAN_LOOKALIKES = [
+    (CompletionRequest, {"prompt": "a"}, "stream", 1),
+    (CompletionRequest, {"prompt": "a"}, "echo", "true"),
+    (CompletionRequest, {"prompt": "a"}, "ignore_eos", 0),
+    (CompletionRequest, {"prompt": "a"}, "stream_options", {"include_usage": "yes"}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}]}, "logprobs", 1),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}]},
+     "parallel_tool_calls", "false"),
+    (ResponsesRequest, {"input": "a"}, "stream", 1),
+    (ResponsesRequest, {"input": "a"}, "store", "false"),
+    (ResponsesRequest, {"input": "a"}, "text",
+     {"format": {"type": "json_schema", "schema": {}, "strict": 1}}),
+]
+
+
+@pytest.mark.parametrize("model,body,field,value", BOOLEAN_LOOKALIKES)
+def test_boolean_fields_take_only_json_booleans(model, body, field, value):
+    with pytest.raises(ValidationError) as info:
+        model.model_validate({**body, field: value})
+    error = validation_error(RequestValidationError(info.value.errors()))
+    assert (error.status_code, error.param) == (400, field)
+    assert "valid boolean" in error.message, error.message
+    fine = {"stream_options": {"include_usage": True},
+            "text": {"format": {"type": "json_schema", "schema": {}, "strict": True}}}
+    model.model_validate({**body, field: fine.get(field, False)})  # a real boolean is fine
 
 
 def test_sse_event_format():

@@ -4,6 +4,7 @@ errors are one line, before anything is served, exit status 1."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -16,6 +17,7 @@ from carpool import LLM
 from carpool.arg_utils import human_readable_int, human_readable_int_or_auto
 from carpool.bench.local_server import LocalServer, free_port
 from carpool.config import EngineConfig, read_chat_template
+from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.tokenizer import load_tokenizer
 from tests.flags import serve_parser
 
@@ -48,6 +50,15 @@ def test_max_model_len_auto_and_model_flag_forms():
     config = EngineConfig.from_cli_args(args)
     assert config.dtype == "float16" and config.kv_cache_memory == 2 * 2**30
     assert parser.parse_args(["--kv-cache-memory", "2GiB"]).kv_cache_memory == 2 * 2**30
+
+
+@pytest.mark.parametrize("argv", [["carpool-default"], ["--model", "carpool-default"]])
+def test_the_built_in_models_served_name_is_a_model_argument(argv):
+    config = EngineConfig.from_cli_args(serve_parser().parse_args(argv), usage="server")
+    engine = LLMEngine.from_config(dataclasses.replace(config, num_kv_blocks=8))
+    assert engine.served_model_name == "carpool-default"
+    assert engine.model_config == LLMEngine.from_config(dataclasses.replace(
+        config, model=None, num_kv_blocks=8)).model_config  # the built-in model's
 
 
 def test_chat_template_file_or_inline(tmp_path):
