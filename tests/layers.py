@@ -5,7 +5,8 @@ from __future__ import annotations
 # part -> the parts it may import (a part is a subpackage or a top-level module).
 ALLOWED = {
     "core": {"sampling_params"},
-    "models": {"attention", "distributed"},  # the backend arrives as a forward argument
+    # the backend arrives as a forward argument; the built-in model's name resolves in paths
+    "models": {"attention", "default_model_path", "distributed"},
     "attention": set(),
     "distributed": set(),
     "kernels": {"attention", "models"},  # reference.py computes with the modules' own code
@@ -19,8 +20,8 @@ ALLOWED = {
     "default_model_path": set(),
     "config": {"core", "cpu_options", "models", "default_model_path", "utils"},
     "cpu_options": {"utils"},
-    "engine": {"config", "core", "models", "runner", "outputs", "sampling_params",
-               "structured", "utils"},
+    "engine": {"config", "core", "default_model_path", "models", "runner", "outputs",
+               "sampling_params", "structured", "utils"},
     "llm": {"config", "engine", "outputs", "sampling_params"},
     "metrics": {"outputs"},
     "arg_utils": {"config", "core", "cpu_options"},

@@ -45,5 +45,8 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
 
 
 def _hub_offline() -> bool:
-    """HF_HUB_OFFLINE set to a value huggingface_hub reads as true."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    """Whether huggingface_hub runs offline (its HF_HUB_OFFLINE, read by the library itself:
+    carpool's engine layers never read the environment)."""
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode()

@@ -20,7 +20,6 @@ from collections import OrderedDict
 import llguidance
 import llguidance.hf
 
-from carpool.config import DEFAULT_GRAMMAR_CACHE_MEMORY
 from carpool.sampling_params import StructuredOutputsParams
 from carpool.structured.grammar import grammar_text
 
@@ -40,7 +39,7 @@ class GrammarCompiler:
     """Owns the llguidance view of the tokenizer and the compiled-grammar cache."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY) -> None:
+                 cache_memory: int) -> None:
         # The library's own adapter reads the Hugging Face tokenizer's vocabulary, byte-level
         # BPE and special tokens included; n_vocab is the model's (logit rows may exceed the
         # tokenizer's count: those ids are never allowed).

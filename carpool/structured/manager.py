@@ -17,7 +17,6 @@ from concurrent.futures import Future
 
 import llguidance
 
-from carpool.config import DEFAULT_GRAMMAR_CACHE_MEMORY
 from carpool.sampling_params import SamplingParams
 from carpool.structured.bitmask import BitmaskFiller
 from carpool.structured.compiler import GrammarCompiler
@@ -38,7 +37,7 @@ class GrammarError(Exception):
 
 class StructuredOutputs:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY) -> None:
+                 cache_memory: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = tuple(eos_token_ids)

@@ -82,21 +82,20 @@ def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
         resolve_model_path("nobody/no-such-model")
 
 
-@pytest.mark.parametrize("offline", [None, "0", "1"])
+@pytest.mark.parametrize("offline", [False, True])
 def test_unfound_hub_id_names_hf_hub_offline_only_when_it_is_set(monkeypatch, offline):
+    """As huggingface_hub reads HF_HUB_OFFLINE (once, at import: its constant is the switch)."""
     import huggingface_hub
+    from huggingface_hub import constants
 
     def unreachable(**_):
         raise OSError("cannot reach the hub")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
-    if offline is None:
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    else:
-        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
     with pytest.raises(FileNotFoundError, match="'no-such-model'.*cannot reach the hub") as info:
         resolve_model_path("no-such-model")
-    assert ("HF_HUB_OFFLINE" in str(info.value)) == (offline == "1"), str(info.value)
+    assert ("HF_HUB_OFFLINE" in str(info.value)) == offline, str(info.value)
     assert "'carpool-default'" in str(info.value)  # the name that would have worked
 
 
