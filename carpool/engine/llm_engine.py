@@ -14,6 +14,7 @@ the engine keeps serving the rest. A lost tensor-parallel rank is the exception:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -157,7 +158,7 @@ class LLMEngine:
         self.validate_request(prompt_token_ids, sampling_params)
         if self._extra_eos_ids and not sampling_params.ignore_eos:
             stop_ids = sampling_params.stop_token_ids.union(self._extra_eos_ids)
-            sampling_params = _replace(sampling_params, stop_token_ids=stop_ids)
+            sampling_params = dataclasses.replace(sampling_params, stop_token_ids=stop_ids)
         request = Request(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
@@ -260,7 +261,7 @@ class LLMEngine:
                     self._finish_on_complete_grammar(request)
             except GrammarError as exc:
                 grammar_error = str(exc)
-                self._finish_with_status(request, RequestStatus.FINISHED_ERROR)
+                self._finish_over_token_stop(request, RequestStatus.FINISHED_ERROR)
         self._stats.num_generated_tokens += len(new_token_ids)
         if state.num_sent_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
@@ -270,7 +271,8 @@ class LLMEngine:
             delta = state.detokenizer.update(text_ids, finished=request.is_finished)
             new_text = delta.text
             if delta.stop_string is not None:
-                self._finish_on_stop_string(request, delta.stop_string)
+                self._finish_over_token_stop(request, RequestStatus.FINISHED_STOPPED,
+                                            delta.stop_string)
         new_logprobs = None
         if position_logprobs is not None and request.sampling_params.logprobs is not None:
             new_logprobs = [self._token_texts.fill(position_logprobs) if self.detokenize
@@ -306,19 +308,15 @@ class LLMEngine:
         elif not request.is_finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _finish_with_status(self, request: Request, status: RequestStatus) -> None:
-        """Finish `request` with `status`, also over a token-level stop on the same token."""
+    def _finish_over_token_stop(self, request: Request, status: RequestStatus,
+                                stop_reason: str | None = None) -> None:
+        """Finish `request` with `status` (a stop string, a failed grammar), winning over a
+        token-level stop (EOS, a stop id, max_tokens) that fired on the same token."""
         if request.is_finished:
-            request.status, request.stop_reason = status, None
+            request.status = status
         else:
             self.scheduler.finish_requests([request.request_id], status)
-
-    def _finish_on_stop_string(self, request: Request, stop_string: str) -> None:
-        if request.is_finished:  # a token-level stop fired on the same token: the string wins
-            request.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-        request.stop_reason = stop_string
+        request.stop_reason = stop_reason
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: BaseException) -> list[StepOutput]:
         # The step's blocks were hashed when it was planned, but their K/V may never have been
@@ -398,8 +396,3 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             assert blocks.num_free_blocks == blocks.num_total_blocks, (
                 f"engine idle but {blocks.num_total_blocks - blocks.num_free_blocks} blocks held")
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import dataclasses
-    return dataclasses.replace(params, **changes)
