@@ -26,7 +26,7 @@ _LOAD_LOCK = threading.Lock()
 
 def load_tokenizer(model_path: str | os.PathLike, chat_template: str | None = None):
     """Load the tokenizer saved beside the weights (`tokenizer.json` / `tokenizer_config.json`),
-    with `chat_template` (the template text) in place of its own when given.
+    or a GGUF file's own, with `chat_template` (the template text) in place of its own when given.
 
     Raises FileNotFoundError naming the folder when it holds no tokenizer files.
     """
@@ -36,7 +36,11 @@ def load_tokenizer(model_path: str | os.PathLike, chat_template: str | None = No
             f"no tokenizer in model folder {path} (expected one of {', '.join(_TOKENIZER_FILES)})")
     with _LOAD_LOCK:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            # the file's own tokenizer and chat template, rebuilt by transformers
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     logger.info("tokenizer %s: %d tokens, eos %r", type(tokenizer).__name__, len(tokenizer),

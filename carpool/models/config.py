@@ -79,12 +79,16 @@ class ModelConfig:
 
 
 def load_model_config(path: Path) -> ModelConfig:
-    """Read `path/config.json` (and `generation_config.json` if present) into a ModelConfig.
+    """Read `path/config.json` (and `generation_config.json` if present) into a ModelConfig;
+    a `.gguf` file's metadata instead where `path` is one.
 
     Raises FileNotFoundError naming a missing config.json, ValueError naming an
     unsupported architecture or a bad field.
     """
     path = Path(path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from carpool.models.quant.gguf_file import GgufFile  # the gguf reader, only for these
+        return GgufFile(path).model_config()
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"config.json not found in model folder {path}")

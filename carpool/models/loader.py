@@ -48,7 +48,10 @@ def weight_files(path: Path) -> list[Path]:
 def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
     """Build this rank's shard of the network for `config` on `device` in `dtype` and fill it
-    from `path`'s weights."""
+    from `path`'s weights (a GGUF file: `quant.gguf_loader`)."""
+    if path.suffix.lower() == ".gguf":
+        from carpool.models.quant.gguf_loader import load_gguf_model
+        return load_gguf_model(path, config, dtype, device, tp)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp).to(dtype)
     model = model.to_empty(device=device)

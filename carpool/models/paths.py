@@ -13,8 +13,9 @@ from carpool.default_model_path import DEFAULT_MODEL_NAME, default_model_path
 
 
 def resolve_model_path(model: str | os.PathLike) -> Path:
-    """A local folder as is; the built-in model for its served name (`carpool-default`, unless
-    a folder has that name); otherwise a hub id fetched with huggingface_hub (cache first).
+    """A local folder or GGUF file as is; the built-in model for its served name
+    (`carpool-default`, unless a folder has that name); otherwise a hub id fetched with
+    huggingface_hub (cache first).
 
     Honours HF_HUB_OFFLINE. Raises FileNotFoundError naming what is missing.
     """
@@ -23,8 +24,10 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
         return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
     if path.exists():
-        raise FileNotFoundError(f"model path {path} is not a folder")
+        raise FileNotFoundError(f"model path {path} is neither a folder nor a .gguf file")
     if str(model) == DEFAULT_MODEL_NAME:
         return default_model_path()
     if str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:

@@ -42,6 +42,7 @@ from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.platform.cpu_linear import pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap
+from carpool.platform.cpu_quant import describe_quantized, prepare_quant_linears
 from carpool.platform.cpu_route import CpuFacts, CpuRoute, KernelFacts, decide_route
 from carpool.utils.cpu_threads import NO_BIND, bind_threads
 
@@ -118,13 +119,16 @@ class CpuPlatform(Platform):
         the fused elementwise modules, the C++ layer stack."""
         config = model.config
         backend = "sdpa" if self.route and self.route.attention.backend == "sdpa" else "cpu"
-        route = self.decide_route(next(model.parameters()).dtype, config.head_dim,
+        route = self.decide_route(model_dtype(model), config.head_dim,
                                   config.sliding_window, backend)
         kernels = self.compiled_kernels()
         if route.linears.packed:
             pack_linears(model, kernels, route.linears)
         if route.linears.tiles:
             tile_linears(model)
+        if prepare_quant_linears(model, kernels, route.quant, route.dtype):
+            logger.info("quantized linears (%s): %s", describe_quantized(model),
+                        route.quant.describe())
         if route.fused_elementwise:
             fused = {Rotary: lambda _: FusedRotary(kernels),
                      SiluAndMul: lambda _: FusedSiluAndMul(kernels),
@@ -164,6 +168,12 @@ class CpuPlatform(Platform):
                 f"{state(self.malloc_tuning)}, KV cache huge pages {state(self.kv_huge_pages)}, "
                 f"C++ kernels {state(kernels)}, batch-invariant "
                 f"{state(self.batch_invariant)}{route})")
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The activations' dtype: its norms' (a quantized model's matrices are integers)."""
+    return model.model.norm.weight.dtype if hasattr(model, "model") else next(
+        model.parameters()).dtype
 
 
 def available_ram_bytes() -> int:

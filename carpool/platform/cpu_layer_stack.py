@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from carpool.attention.cpu_kernel import KernelMetadata
+from carpool.models.quant.linear import QuantLinear
 from carpool.platform.cpu_linear import PackedLinear
 from carpool.platform.cpu_route import CpuRoute
 
@@ -50,7 +51,8 @@ class KernelLayerStack:
             if attn.qk_norm:
                 layer_norms += [attn.q_norm, attn.k_norm]
             layer_linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            if any(lin.small is None for lin in layer_linears):
+            if any(getattr(lin, "small", None) is None and not isinstance(lin, QuantLinear)
+                   for lin in layer_linears):
                 return None
             norms += layer_norms
             small = [_stack_linear(kernels, lin) for lin in layer_linears]
@@ -81,7 +83,10 @@ class KernelLayerStack:
                                    self._sliding_window, self._prefill_amx)
 
 
-def _stack_linear(kernels: ModuleType, linear: PackedLinear):
+def _stack_linear(kernels: ModuleType, linear: PackedLinear | QuantLinear):
+    if isinstance(linear, QuantLinear):  # every call back to its own forward (max_rows 0)
+        return kernels.StackLinear(torch.empty(0), linear.out_features, None, False, False, 0,
+                                   linear.forward)
     small = linear.small
     bias = None if small.bias is None else small.bias.detach()
     return kernels.StackLinear(small.packed, small.out_features, bias, small.float32, small.amx,

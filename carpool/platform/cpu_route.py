@@ -98,6 +98,7 @@ class KernelFacts:
     bf16_gemm: bool  # has_bf16_gemm: AVX512-BF16 (prefill_attention_bf16 runs)
     amx: bool  # has_amx: the build and CPU run AMX tiles
     prefill_head_dim_ok: bool  # prefill_attention_bf16 takes the model's head_dim
+    quant_gemm: bool = False  # quant_linear: int8 / int4 weights multiplied in registers
 
     @staticmethod
     def of(kernels: ModuleType, head_dim: int) -> KernelFacts:
@@ -105,7 +106,8 @@ class KernelFacts:
                            small_gemm_bf16=kernels.has_small_gemm_bf16(),
                            small_gemm_f32=kernels.has_f32_gemm(),
                            bf16_gemm=kernels.has_bf16_gemm(), amx=kernels.has_amx(),
-                           prefill_head_dim_ok=kernels.prefill_head_dim_ok(head_dim))
+                           prefill_head_dim_ok=kernels.prefill_head_dim_ok(head_dim),
+                           quant_gemm=hasattr(kernels, "quant_linear"))
 
 
 # The small-GEMM cut: a call of at most this many rows takes the compiled small GEMM, a larger
@@ -198,6 +200,37 @@ class LinearRoute:
 
 
 @dataclass(frozen=True)
+class QuantRoute:
+    """How the parts of a quantized linear (`models.quant.QuantLinear`) multiply
+    (`cpu_quant`): the compiled `quant_linear` up to `max_rows` rows (0: never), larger calls
+    by slices of the weight dequantized into `F.linear`; under batch invariance every call in
+    the invariant tiles of `cpu_invariant_linear`."""
+
+    max_rows: int
+    tiles: bool
+
+    def describe(self) -> str:
+        few = f"quant_linear up to {self.max_rows} rows, else " if self.max_rows else ""
+        tiles = ", in batch-invariant tiles" if self.tiles else ""
+        return f"{few}dequantized slices into F.linear{tiles}"
+
+
+# Quantized calls of up to this many rows take the compiled quant_linear, which dequantizes in
+# registers and reads each weight byte once per call; larger ones dequantize slices of the
+# weight and hand them to the float GEMM.
+QUANT_GEMM_MAX_ROWS = 16
+
+
+def decide_quant(kernels: KernelFacts | None, batch_invariant: bool) -> QuantRoute:
+    """The compiled quantized GEMM where the kernels have one; all rows under batch
+    invariance (its rows are computed independently), else up to QUANT_GEMM_MAX_ROWS."""
+    if kernels is None or not kernels.quant_gemm:
+        return QuantRoute(max_rows=0, tiles=batch_invariant)
+    return QuantRoute(max_rows=1 << 30 if batch_invariant else QUANT_GEMM_MAX_ROWS,
+                      tiles=False)
+
+
+@dataclass(frozen=True)
 class CpuRoute:
     """Every decision of the CPU hot path for one model on this CPU (`decide_route`)."""
 
@@ -209,6 +242,7 @@ class CpuRoute:
     attention: AttentionRoute
     fused_elementwise: bool  # RoPE, RMSNorm and SiLU x up by the kernels (`cpu_fused`)
     layer_stack: bool  # the C++ layer stack runs the decoder layers (`cpu_layer_stack`)
+    quant: QuantRoute  # quantized linears, where the model has them (`cpu_quant`)
 
     def describe(self) -> str:
         """One line: the CPU, the model, then each decision."""
@@ -243,7 +277,8 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
                    and attention.backend == "cpu-kernel")
     return CpuRoute(cpu_class=cpu.cpu_class, dtype=dtype, head_dim=head_dim,
                     sliding_window=sliding_window, linears=linears, attention=attention,
-                    fused_elementwise=kernels is not None, layer_stack=layer_stack)
+                    fused_elementwise=kernels is not None, layer_stack=layer_stack,
+                    quant=decide_quant(kernels, batch_invariant))
 
 
 def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | None, *,

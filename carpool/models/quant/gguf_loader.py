@@ -1,0 +1,121 @@
+"""Build the decoder from a GGUF file: quantized matrices become `QuantLinear` /
+`QuantEmbedding` modules over their canonical form, float tensors fill the parameters as a
+safetensors checkpoint's do (`loader.checkpoint_targets`).
+
+The network is built on the meta device and materialised empty, as for safetensors; each
+linear whose checkpoint tensors are quantized is then replaced whole (all its stacked parts,
+each in its own type), so no float copy of a quantized matrix is ever made.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from carpool.distributed import SINGLE, TensorParallelGroup
+from carpool.models.config import ModelConfig
+from carpool.models.llama import LlamaForCausalLM, StackedLinear, checkpoint_targets
+from carpool.models.quant.gguf_blocks import to_float, to_quantized
+from carpool.models.quant.gguf_file import GgufFile
+from carpool.models.quant.linear import QuantEmbedding, QuantLinear
+
+logger = logging.getLogger(__name__)
+
+
+def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
+    """The network of GGUF file `path` on `device` (CPU) with activations in `dtype`."""
+    if tp.is_parallel:
+        raise ValueError("tensor_parallel_size > 1 is not supported with a GGUF file yet "
+                         "(quantized weights are not sharded); run with "
+                         "--tensor-parallel-size 1")
+    if device.type != "cpu":
+        raise ValueError(f"GGUF files run on the CPU only for now (device {device})")
+    file = GgufFile(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, tp).to(dtype)
+    model = model.to_empty(device=device)
+    model.model.rotary_emb.reset()
+    with torch.no_grad():
+        _quantize_modules(model, file, dtype)
+        _fill_floats(model, file, config)
+    model.eval()
+    model.quantization = f"gguf ({describe_types(file)})"
+    logger.info("GGUF %s: %s", Path(path).name, model.quantization)
+    return model
+
+
+def describe_types(file: GgufFile) -> str:
+    """The tensor types a file holds with their counts, e.g. "Q4_K x97, Q6_K x13, F32 x49"."""
+    counts = sorted(file.weight_types().items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} x{count}" for name, count in counts)
+
+
+def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtype) -> None:
+    """Replace every linear (and the embedding) whose file tensors are quantized."""
+    cache: dict[str, object] = {}
+
+    def part(hf_name: str):
+        if hf_name not in cache:
+            data, qtype = file.tensor(hf_name)
+            try:
+                cache[hf_name] = (to_quantized(data, qtype) if file.is_quantized(hf_name)
+                                  else to_float(data, qtype).to(dtype))
+            except ValueError as exc:
+                raise ValueError(f"tensor {file.gguf_name(hf_name)!r} in {file.path.name}: "
+                                 f"{exc}") from None
+        return cache[hf_name]
+
+    def bias(prefix: str, names: list[str]) -> torch.Tensor | None:
+        found = [f"{prefix}.{n}.bias" for n in names]
+        if not file.has(found[0]):
+            return None
+        return torch.cat([to_float(*file.tensor(n)).to(dtype) for n in found])
+
+    embed_name = "model.embed_tokens.weight"
+    for module_name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or module_name == "lm_head":
+            continue
+        if isinstance(module, StackedLinear):
+            prefix, names = module_name.rpartition(".")[0], [p for p, _ in module.parts]
+        else:
+            prefix, names = module_name.rpartition(".")[0], [module_name.rpartition(".")[2]]
+        weights = [f"{prefix}.{n}.weight" for n in names]
+        if not any(file.is_quantized(w) for w in weights):
+            continue
+        _set(model, module_name, QuantLinear([part(w) for w in weights], bias(prefix, names)))
+    if file.is_quantized(embed_name):
+        model.model.embed_tokens = QuantEmbedding(part(embed_name), dtype)
+    head = embed_name if model.config.tie_word_embeddings else "lm_head.weight"
+    if file.is_quantized(head):
+        model.lm_head = QuantLinear([part(head)], None)
+
+
+def _fill_floats(model: LlamaForCausalLM, file: GgufFile, config: ModelConfig) -> None:
+    """Fill every remaining parameter from the file's float tensors."""
+    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    targets = checkpoint_targets(model)
+    if config.tie_word_embeddings:
+        targets.pop("lm_head.weight", None)
+    for name, target in targets.items():
+        if target.param is None:
+            continue
+        data, qtype = file.tensor(name)
+        if file.is_quantized(name):
+            raise ValueError(f"tensor {file.gguf_name(name)!r} of type {file.type_name(name)} "
+                             f"cannot fill {name} (a float parameter)")
+        source = to_float(data, qtype)
+        dest = target.param[target.rows]
+        if tuple(source.shape) != tuple(dest.shape):
+            raise ValueError(f"tensor {file.gguf_name(name)!r} has shape {tuple(source.shape)}, "
+                             f"expected {tuple(dest.shape)} for {name}")
+        dest.copy_(source.to(dest.dtype))
+
+
+def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, child = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)

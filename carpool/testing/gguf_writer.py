@@ -1,0 +1,113 @@
+"""Write a Hugging Face checkpoint folder as a GGUF file with the `gguf` package, for tests.
+
+The files follow what llama.cpp's converter writes for these architectures (its metadata keys,
+tensor names from `gguf`'s own name map, the q/k row order of `llama` models, a byte-level BPE
+tokenizer with its merges and chat template), in the types the `gguf` package can quantize
+itself (F32, F16, Q8_0, Q4_0). Files made by llama.cpp's own converter and quantizer, K-quants
+included, are committed under tests/fixtures/gguf with the script that made them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def write_gguf(model_dir: str | Path, out_file: str | Path, qtype: str = "Q8_0") -> Path:
+    """`model_dir` (config.json, model.safetensors, tokenizer.json) -> GGUF file `out_file`
+    with every matrix in `qtype` (one whose row length the block does not divide: F16) and
+    every vector in F32."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    model_dir, out_file = Path(model_dir), Path(out_file)
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = ARCH[config["architectures"][0]]
+    arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    writer = gguf.GGUFWriter(str(out_file), arch)
+    writer.add_name(model_dir.name)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    _add_tokenizer(writer, model_dir, config)
+
+    names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for hf_name, value in tensors.items():
+        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = value.astype(np.float32)
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            data = _permute(data, heads if ".q_proj." in hf_name else kv_heads)
+        if data.ndim == 1:
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+        elif qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) \
+                or data.shape[-1] % block:
+            kind = qt if qt == gguf.GGMLQuantizationType.F32 else gguf.GGMLQuantizationType.F16
+            dtype = np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16
+            writer.add_tensor(name, data.astype(dtype), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_file
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order: the rotary halves of each head interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def _add_tokenizer(writer, model_dir: Path, config: dict) -> None:
+    """The byte-level BPE tokenizer as llama.cpp's "gpt2" tokenizer model."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["id"]: t["content"] for t in tok.get("added_tokens", [])}
+    for idx, content in special.items():
+        vocab[content] = idx
+    size = config["vocab_size"]
+    by_id = {i: t for t, i in vocab.items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
+    types = [3 if i in special else (5 if i not in by_id else 1) for i in range(size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token_id", writer.add_bos_token_id),
+                     ("eos_token_id", writer.add_eos_token_id)):
+        value = config.get(key)
+        if isinstance(value, list):
+            value = value[0]
+        if value is not None:
+            add(int(value))
+    template = model_dir / "chat_template.jinja"
+    tok_config = model_dir / "tokenizer_config.json"
+    text = template.read_text() if template.is_file() else json.loads(
+        tok_config.read_text()).get("chat_template") if tok_config.is_file() else None
+    if text:
+        writer.add_chat_template(text)
