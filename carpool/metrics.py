@@ -184,6 +184,10 @@ class ServerMetrics:
         self._cache_config_info = self._families.get(
             Gauge, "carpool:cache_config_info", "The KV cache's configuration (labels; value 1).",
             [*self._labels, *CACHE_CONFIG_LABELS])
+        self._model_config_info = self._families.get(
+            Gauge, "carpool:model_config_info",
+            "The weights' format and types: quantization 'none' for float weights (labels; "
+            "value 1).", [*self._labels, "quantization"])
         self._last_token_time: dict[str, float] = {}
         self._num_preemptions_seen = 0
         self._num_steps_seen = 0
@@ -208,7 +212,13 @@ class ServerMetrics:
         kv = info.kv_cache_info
         metrics.set_cache_config(block_size=kv["block_size"], num_gpu_blocks=kv["num_blocks"],
                                  num_tokens=kv["num_tokens"], kv_cache_memory_bytes=kv["bytes"])
+        metrics.set_quantization(getattr(info, "quantization", None))
         return metrics
+
+    def set_quantization(self, quantization: str | None) -> None:
+        """Publish the weights' format as `model_config_info`'s `quantization` label."""
+        self._model_config_info.labels(**self._labels,
+                                       quantization=quantization or "none").set(1)
 
     def set_cache_config(self, **config) -> None:
         """Publish the KV cache's configuration as `cache_config_info`'s labels (vLLM's info

@@ -147,7 +147,7 @@ class AsyncEngine(EngineClientBase):
             served_model_name=engine.served_model_name, max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size, max_num_seqs=engine.max_num_seqs,
             kv_cache_info=engine.kv_cache_info, tokenizer=tokenizer,
-            sampling_defaults=dict(engine.sampling_defaults))
+            sampling_defaults=dict(engine.sampling_defaults), quantization=engine.quantization)
         if self._metrics_factory is not None:
             self.metrics = self._metrics_factory(self.info)
         self._publish(engine)

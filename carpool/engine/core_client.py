@@ -209,7 +209,7 @@ class EngineProcessClient(EngineClientBase):
             served_model_name=ready.served_model_name, max_model_len=ready.max_model_len,
             vocab_size=ready.vocab_size, max_num_seqs=ready.max_num_seqs,
             kv_cache_info=ready.kv_cache_info, tokenizer=tokenizer,
-            sampling_defaults=dict(ready.sampling_defaults))
+            sampling_defaults=dict(ready.sampling_defaults), quantization=ready.quantization)
         # The receiver thread's own copy: Rust tokenizers are not to be shared across threads.
         self._processor = OutputProcessor(load_engine_tokenizer(self._config, ready.model_path))
         if self._metrics_factory is not None:

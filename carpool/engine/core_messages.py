@@ -51,6 +51,7 @@ class EngineReady:
     kv_cache_info: dict
     sampling_defaults: dict
     snapshot: EngineSnapshot
+    quantization: str | None = None  # the weights' format and types; None: float weights
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ def _ready(engine: EngineCore) -> EngineReady:
         max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         max_num_seqs=engine.max_num_seqs, kv_cache_info=engine.kv_cache_info,
         sampling_defaults=dict(engine.sampling_defaults),
-        snapshot=EngineSnapshot(engine.stats(), time.monotonic(), 0))
+        snapshot=EngineSnapshot(engine.stats(), time.monotonic(), 0),
+        quantization=engine.quantization)
 
 
 def _fail(conn: Connection, what: str, exc: BaseException) -> None:

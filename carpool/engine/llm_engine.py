@@ -56,6 +56,7 @@ class LLMEngine:
         # generation_config.json's sampling fields: what an unset request field means.
         self.sampling_defaults = dict(sampling_defaults or {})
         self.runner = runner
+        self.quantization: str | None = getattr(runner, "quantization", None)  # e.g. "gguf (…)"
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.scheduler_config = scheduler.config

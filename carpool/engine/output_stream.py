@@ -56,6 +56,7 @@ class EngineInfo:
     tokenizer: Any  # the HTTP side's own copy: never shared with the loop thread
     # generation_config.json's sampling fields, for request fields left unset.
     sampling_defaults: dict = field(default_factory=dict)
+    quantization: str | None = None  # the weights' format and types; None: float weights
 
 
 class OutputStream:

@@ -28,6 +28,7 @@ class EngineCore(Protocol):
     max_model_len: int
     tokenizer: Any
     sampling_defaults: dict
+    quantization: str | None  # the weights' format and types ("gguf (Q4_K x97, ...)"), or None
 
     @property
     def vocab_size(self) -> int: ...

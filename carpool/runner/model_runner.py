@@ -94,6 +94,8 @@ class ModelRunner:
             self.device)
         self.model = load_model(path, model_config, self.dtype, self.device, tp)
         self.platform.prepare_model(self.model)
+        # the weights' format and their types, as the loader found them (None: float weights)
+        self.quantization: str | None = getattr(self.model, "quantization", None)
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed,
                                argmax_rows=None if kernels is None else kernels.argmax_rows)
         self._spec = kv_cache.KVCacheSpec.from_model(model_config, self.block_size, self.dtype,

@@ -95,7 +95,7 @@ async def retrieve_model(model_id: str, request: Request) -> dict:
 def _model_card(info) -> dict:
     return {"id": info.served_model_name, "object": "model", "created": _STARTED,
             "owned_by": "carpool", "root": info.served_model_name,
-            "max_model_len": info.max_model_len}
+            "max_model_len": info.max_model_len, "quantization": info.quantization}
 
 
 @router.post("/v1/embeddings")
