@@ -97,7 +97,9 @@ class GrammarLimits:
     max_bytes: int = 128 * 1024  # UTF-8 bytes of the schema, regex, grammar or choices
     max_rules: int = 500  # Lark/GBNF rule definitions; a JSON schema's $refs
     max_depth: int = 64  # nesting of brackets in a grammar or regex, of a JSON schema
-    max_alternatives: int = 10_000  # choices; `|`s in a grammar or regex; enum/anyOf items
+    # Choices; `|`s in a grammar or regex; enum/anyOf items. llguidance's parser fails a row
+    # of more than 2,000 items on the first token anyway, after a mask that holds up the batch.
+    max_alternatives: int = 2_000
     check_timeout: float = 10.0
 
     def __post_init__(self) -> None:

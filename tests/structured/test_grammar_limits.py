@@ -44,15 +44,15 @@ def ref_chain(n: int) -> str:
     (StructuredOutputsParams(grammar=gbnf_alternation(60_000)), "guided_grammar",
      ("bytes", "limit of 131072", "--max-grammar-bytes")),
     (StructuredOutputsParams(choice=[f"choice {i}" for i in range(100_000)]), "guided_choice",
-     ("100000 choices", "limit of 10000", "--max-grammar-alternatives")),
+     ("100000 choices", "limit of 2000", "--max-grammar-alternatives")),
     (StructuredOutputsParams(json=ref_chain(1000)), "response_format",
      ("1001 $refs", "--max-grammar-rules")),
     (StructuredOutputsParams(json='{"type": "array", "items": ' * 70 + "{}" + "}" * 70),
      "response_format", ("levels of nesting", "--max-grammar-depth")),
     (StructuredOutputsParams(regex="(" * 65 + "a" + ")" * 65), "guided_regex",
      ("65 levels of nesting", "--max-grammar-depth")),
-    (StructuredOutputsParams(regex="|".join(["a"] * 10_001)), "guided_regex",
-     ("10001 alternatives",)),
+    (StructuredOutputsParams(regex="|".join(["a"] * 2_001)), "guided_regex",
+     ("2001 alternatives",)),
 ])
 def test_over_a_limit_is_a_value_error_naming_field_limit_and_flag(params, field, words):
     with pytest.raises(ValueError) as raised:
@@ -74,7 +74,7 @@ number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [1-9] [0
 ws ::= | " " | "\n" [ \t]{0,20}'''
     for params in (StructuredOutputsParams(grammar=json_gbnf),
                    StructuredOutputsParams(grammar=rule_chain(498)),
-                   StructuredOutputsParams(choice=[f"c{i}" for i in range(10_000)]),
+                   StructuredOutputsParams(choice=[f"c{i}" for i in range(2_000)]),
                    StructuredOutputsParams(json=ref_chain(499)),
                    StructuredOutputsParams(regex=r"[(]{3}\(\)[0-9]+|[a-z]+")):
         check_limits(params, limits)

@@ -1,9 +1,10 @@
 """The issue's hostile grammars against a live `carpool serve` (hardening issue 64, items 1-2).
 
-With the default limits each is a 400 naming the field, the limit and its flag, and the
-server serves the next request. With the limits lifted, the grammars reach llguidance: the
-rule chain that overflows its stack costs the checker process only, and a check that takes
-seconds runs off the event loop (/health answers meanwhile) until its time budget ends it.
+With the limits on (the defaults; alternatives at 10,000) each is a 400 naming the field,
+the limit and its flag, and the server serves the next request. With the limits lifted, the
+grammars reach llguidance: the rule chain that overflows its stack costs the checker
+process only, and a check that takes seconds runs off the event loop (/health answers
+meanwhile) until its time budget ends it.
 """
 
 from __future__ import annotations
