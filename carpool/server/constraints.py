@@ -35,8 +35,7 @@ async def check_grammar(request: Request, body: Any, params: SamplingParams) -> 
     checker, from a thread; ValueError naming the body's field."""
     if params.structured_outputs is None:
         return
-    found = _constraints(body)
-    field = found[0][0] if found else "tools"
+    field = _field_of(body)
     state = request.app.state
     checker = getattr(state, "grammar_checker", None)
     if checker is None:
@@ -44,6 +43,16 @@ async def check_grammar(request: Request, body: Any, params: SamplingParams) -> 
         limits = getattr(state, "grammar_limits", None) or GrammarLimits()
         checker = state.grammar_checker = GrammarChecker(limits)
     await asyncio.to_thread(checker.check, params.structured_outputs, field)
+
+
+def _field_of(body: Any) -> str:
+    """The field the body's one grammar came from (`structured_outputs_of` refused more);
+    `tools` when none did: a forced tool call's."""
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        return "response_format"
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    return next((name for name in GUIDED_FIELDS if getattr(body, name) is not None), "tools")
 
 
 def _constraints(body: Any) -> list[tuple[str, StructuredOutputsParams]]:
