@@ -32,7 +32,7 @@ def structured_outputs_of(body: Any) -> StructuredOutputsParams | None:
 
 async def check_grammar(request: Request, body: Any, params: SamplingParams) -> None:
     """Check the grammar of `params` (the body's, or a forced tool call's) in the app's
-    checker, from a thread; ValueError naming the body's field."""
+    checker, on its thread; ValueError naming the body's field."""
     if params.structured_outputs is None:
         return
     field = _field_of(body)
@@ -42,7 +42,8 @@ async def check_grammar(request: Request, body: Any, params: SamplingParams) -> 
         # `serve` sets the flags' limits; an app built without them takes the defaults.
         limits = getattr(state, "grammar_limits", None) or GrammarLimits()
         checker = state.grammar_checker = GrammarChecker(limits)
-    await asyncio.to_thread(checker.check, params.structured_outputs, field)
+    await asyncio.get_running_loop().run_in_executor(
+        checker.executor, checker.check, params.structured_outputs, field)
 
 
 def _field_of(body: Any) -> str:

@@ -6,7 +6,8 @@ against its `GrammarLimits` first, then hands it to one reused checker process
 (`check_worker`): a check that runs past `check_timeout` has the process killed, a crash
 costs the process; either is a 400 for that request and the next check starts a new one.
 Answers are cached by the grammar's content (good and bad alike), so a resent grammar costs
-nothing. `check` blocks: the server calls it from a thread.
+nothing. `check` blocks: the server calls it on `executor`, the checker's own thread, so
+checks queue there and never hold the threads the rest of the server shares.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from carpool.sampling_params import GrammarLimits, StructuredOutputsParams
@@ -38,6 +40,7 @@ _PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 class GrammarChecker:
     def __init__(self, limits: GrammarLimits) -> None:
         self.limits = limits
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-grammar-check")
         self._lock = threading.Lock()  # one check at a time in the one process
         self._process: subprocess.Popen | None = None
         self._answers: OrderedDict[bytes, str | None] = OrderedDict()
@@ -62,6 +65,7 @@ class GrammarChecker:
             raise ValueError(answer)
 
     def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._stop()
 
