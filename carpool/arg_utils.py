@@ -20,6 +20,7 @@ from carpool.config import (
     DTYPES,
     OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS,
     SERVER_CPU_MAX_NUM_SEQS,
+    GrammarLimits,
 )
 from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
 from carpool.cpu_options import CpuOptions
@@ -123,6 +124,24 @@ def add_engine_arguments(group) -> None:
                        help="Most memory the compiled structured-output grammars kept for reuse "
                             "may hold, estimated from their size, e.g. 64MiB (default "
                             f"{DEFAULT_GRAMMAR_CACHE_MEMORY // 2**20}MiB; 0: keep none).")
+    limits = GrammarLimits()
+    for flag, default, what in (
+            ("--max-grammar-bytes", limits.max_bytes, "UTF-8 bytes of a request's JSON schema, "
+             "regex, grammar or choice list"),
+            ("--max-grammar-rules", limits.max_rules, "rules of a Lark/GBNF grammar, $refs of a "
+             "JSON schema"),
+            ("--max-grammar-depth", limits.max_depth, "levels of nesting of a grammar, regex or "
+             "JSON schema"),
+            ("--max-grammar-alternatives", limits.max_alternatives, "alternatives of a grammar "
+             "or regex (|), choices, enum/anyOf/oneOf/allOf items of a JSON schema")):
+        group.add_argument(flag, type=parse_bytes if flag.endswith("bytes") else int,
+                           default=default, metavar="N",
+                           help=f"Most {what} (default {default}); more is a 400 naming the "
+                                "field, before the grammar library sees it.")
+    group.add_argument("--grammar-check-timeout", type=float, default=limits.check_timeout,
+                       metavar="SECONDS",
+                       help="Longest the server's check of one grammar may take, in its checker "
+                            f"process (default {limits.check_timeout:g}); longer is a 400.")
     group.add_argument("--enforce-eager", action="store_true",
                        help="Accepted for vLLM launch lines; carpool always runs eagerly (no "
                             "CUDA graphs or compilation to disable).")

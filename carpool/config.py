@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from carpool.core.config import SchedulerConfig
 from carpool.cpu_options import CpuOptions
+from carpool.sampling_params import GrammarLimits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
@@ -73,6 +74,8 @@ class EngineConfig:
     generation_config: str = GENERATION_CONFIG_AUTO
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # per token, sampled or prompt; -1: no cap
     grammar_cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY  # compiled grammars, estimated
+    # How big a request's grammar may be, and how long the server's check of it may take.
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
     # Tensor parallelism: ranks each holding 1/N of every layer (see carpool.distributed).
     tensor_parallel_size: int = 1
     # None: carpool starts ranks 1..N-1 on this machine. "env://": the ranks meet through
@@ -144,6 +147,8 @@ class EngineConfig:
                 self.grammar_cache_memory, int) or self.grammar_cache_memory < 0:
             raise ValueError(f"grammar_cache_memory must be a number of bytes >= 0, "
                              f"got {self.grammar_cache_memory!r}")
+        if not isinstance(self.grammar_limits, GrammarLimits):
+            raise ValueError(f"grammar_limits must be a GrammarLimits, got {self.grammar_limits!r}")
 
     @property
     def is_resolved(self) -> bool:
@@ -167,6 +172,11 @@ class EngineConfig:
                   generation_config: str = GENERATION_CONFIG_AUTO,
                   max_logprobs: int = DEFAULT_MAX_LOGPROBS,
                   grammar_cache_memory: int = DEFAULT_GRAMMAR_CACHE_MEMORY,
+                  max_grammar_bytes: int = GrammarLimits.max_bytes,
+                  max_grammar_rules: int = GrammarLimits.max_rules,
+                  max_grammar_depth: int = GrammarLimits.max_depth,
+                  max_grammar_alternatives: int = GrammarLimits.max_alternatives,
+                  grammar_check_timeout: float = GrammarLimits.check_timeout,
                   enforce_eager: bool = False, usage: str = "offline",
                   **cpu_args) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
@@ -176,7 +186,8 @@ class EngineConfig:
         `usage` (one of USAGE_CONTEXTS) and the device (for device "auto" the engine sets it,
         `for_device`, once it knows the device). max_num_batched_tokens: None takes
         `default_max_num_batched_tokens` for `usage` and the device, likewise.
-        chat_template: a file, or the template itself. cpu_args: the CPU switches by their
+        chat_template: a file, or the template itself. max_grammar_* and
+        grammar_check_timeout: the fields of `GrammarLimits`. cpu_args: the CPU switches by their
         public names (cpu_kernels=False, ...), read by `CpuOptions.from_args`. enforce_eager
         is accepted for vLLM's sake and changes nothing: carpool has no CUDA graphs or
         compilation to turn off.
@@ -186,6 +197,9 @@ class EngineConfig:
                              "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
                              "safetensors, never code or pickles from a checkpoint")
         cpu = CpuOptions.from_args(**cpu_args)
+        grammar_limits = GrammarLimits(
+            max_bytes=max_grammar_bytes, max_rules=max_grammar_rules, max_depth=max_grammar_depth,
+            max_alternatives=max_grammar_alternatives, check_timeout=grammar_check_timeout)
         model_config = load_model_config_of(model)
         max_position_embeddings = model_config.max_position_embeddings
         from carpool.models.sharding import check_divisible
@@ -217,7 +231,7 @@ class EngineConfig:
                    batch_invariant=batch_invariant, tokenizer=tokenizer,
                    chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,
-                   grammar_cache_memory=grammar_cache_memory,
+                   grammar_cache_memory=grammar_cache_memory, grammar_limits=grammar_limits,
                    tensor_parallel_size=tensor_parallel_size,
                    distributed_init_method=distributed_init_method, usage=usage,
                    max_num_seqs=requested_max_num_seqs,

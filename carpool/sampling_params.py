@@ -84,6 +84,43 @@ class StructuredOutputsParams:
 
 
 @dataclass(frozen=True)
+class GrammarLimits:
+    """How big a request's grammar may be before the grammar library sees it.
+
+    llguidance has no bounds of its own: a long chain of rules overflows its stack (a
+    SIGSEGV), and its time grows faster than the grammar's size. Each limit is a flag
+    (`--max-grammar-bytes`, ...), checked by `carpool.structured.limits`, whose error names
+    the request's field, the limit and the flag. `check_timeout` bounds, in seconds, the
+    server's check of a grammar in its checker process.
+    """
+
+    max_bytes: int = 128 * 1024  # UTF-8 bytes of the schema, regex, grammar or choices
+    max_rules: int = 500  # Lark/GBNF rule definitions; a JSON schema's $refs
+    max_depth: int = 64  # nesting of brackets in a grammar or regex, of a JSON schema
+    # Choices; `|`s in a grammar or regex; enum/anyOf items. llguidance's parser fails a row
+    # of more than 2,000 items on the first token anyway, after a mask that holds up the batch.
+    max_alternatives: int = 2_000
+    check_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, flag in FLAGS_OF_LIMITS.items():
+            value = getattr(self, name)
+            if name == "check_timeout":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                        0 < value < math.inf):
+                    raise ValueError(f"{flag} must be a number of seconds > 0, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+
+
+# GrammarLimits' fields and the names of their flags / `EngineConfig.from_args` arguments.
+FLAGS_OF_LIMITS = {"max_bytes": "max_grammar_bytes", "max_rules": "max_grammar_rules",
+                   "max_depth": "max_grammar_depth",
+                   "max_alternatives": "max_grammar_alternatives",
+                   "check_timeout": "grammar_check_timeout"}
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt; fanned out above the engine
     max_tokens: int | None = 16  # None: up to max_model_len

@@ -18,7 +18,7 @@ ALLOWED = {
     "outputs": set(),
     "sampling_params": set(),
     "default_model_path": set(),
-    "config": {"core", "cpu_options", "models", "default_model_path", "utils"},
+    "config": {"core", "cpu_options", "models", "default_model_path", "sampling_params", "utils"},
     "cpu_options": {"utils"},
     "engine": {"config", "core", "default_model_path", "models", "runner", "outputs",
                "sampling_params", "structured", "utils"},

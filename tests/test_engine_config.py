@@ -12,6 +12,7 @@ import pytest
 
 from carpool.cli import main
 from carpool.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig, as_flags
+from carpool.sampling_params import GrammarLimits
 from tests.flags import serve_parser
 
 BUILT_IN_MAX_LEN = 512
@@ -68,6 +69,9 @@ def test_default_unchunked_budget_grows_to_max_model_len(make_checkpoint):
     (dict(block_size=0), "block_size must be a positive integer"),
     (dict(dtype="int4"), "dtype must be one of"),
     (dict(grammar_cache_memory=-1), "grammar_cache_memory must be a number of bytes"),
+    (dict(max_grammar_rules=0), "max_grammar_rules must be an integer >= 1"),
+    (dict(max_grammar_bytes=True), "max_grammar_bytes must be an integer >= 1"),
+    (dict(grammar_check_timeout=0), "grammar_check_timeout must be a number of seconds > 0"),
 ])
 def test_errors_name_the_argument(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -89,6 +93,17 @@ def test_grammar_cache_memory_flag_reaches_the_config():
     assert EngineConfig.from_cli_args(
         serve_args("--grammar-cache-memory", "64MiB")).grammar_cache_memory == 64 * 2**20
     assert EngineConfig.from_cli_args(serve_args()).grammar_cache_memory == 128 * 2**20
+
+
+def test_grammar_limit_flags_reach_the_config():
+    limits = EngineConfig.from_cli_args(serve_args(
+        "--max-grammar-bytes", "1MiB", "--max-grammar-rules", "7", "--max-grammar-depth", "8",
+        "--max-grammar-alternatives", "9", "--grammar-check-timeout", "2.5")).grammar_limits
+    assert (limits.max_bytes, limits.max_rules, limits.max_depth, limits.max_alternatives,
+            limits.check_timeout) == (2**20, 7, 8, 9, 2.5)
+    assert EngineConfig.from_cli_args(serve_args()).grammar_limits == GrammarLimits()
+    with pytest.raises(ValueError, match="--max-grammar-depth must be an integer >= 1"):
+        EngineConfig.from_cli_args(serve_args("--max-grammar-depth", "0"))
 
 
 def test_errors_in_flag_words():

@@ -4,7 +4,8 @@ Starts `carpool serve` (the built-in model unless --model) on loopback, then for
 each attack runs it from background threads while a victim streams one greedy
 300-token completion, and prints the victim's total time, its largest gap
 between events and the slowest /health answer seen meanwhile. Every attack is
-bounded: it stops when the victim is done.
+bounded: it stops when the victim is done. A server that dies under an attack (the
+`grammar-chain` one killed it before issue 64) ends the run, printing its exit code.
 
     python3 -m benchmarks.features.hostile_clients [--attacks half-open,big-prompt,...]
 """
@@ -12,6 +13,7 @@ bounded: it stops when the victim is done.
 from __future__ import annotations
 
 import argparse
+import itertools
 import socket
 import tempfile
 import threading
@@ -120,6 +122,7 @@ def _getter(path: str) -> Callable:
     return attack
 
 
+_SALT = itertools.count()  # makes each grammar-allowed grammar new
 BIG = "a " * 1_900_000  # ~3.8 MB, under the default 4 MiB body limit
 ATTACKS: dict[str, tuple[int, Callable]] = {
     "half-open": (1, half_open),
@@ -131,6 +134,23 @@ ATTACKS: dict[str, tuple[int, Callable]] = {
     "metrics-pollers": (4, _getter("/metrics")),
     "many-stops": (1, _poster("/v1/completions", lambda m: {
         "model": m, "prompt": "x", "max_tokens": 16, "stop": [f"s{i}" for i in range(100_000)]})),
+    # Issue 64's grammars: a rule chain that overflows llguidance's stack, a 640 KB GBNF
+    # alternation and 100,000 choices (seconds of its Rust work each, unbounded).
+    "grammar-chain": (1, _poster("/v1/completions", lambda m: {
+        "model": m, "prompt": "x", "max_tokens": 4, "structured_outputs": {"grammar": "\n".join(
+            ["start: r0", *(f'r{i}: r{i + 1} "x"' for i in range(3000)), 'r3000: "y"'])}})),
+    "grammar-gbnf": (1, _poster("/v1/completions", lambda m: {
+        "model": m, "prompt": "x", "max_tokens": 4,
+        "guided_grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(59_000))})),
+    "grammar-choices": (1, _poster("/v1/completions", lambda m: {
+        "model": m, "prompt": "x", "max_tokens": 4,
+        "guided_choice": [f"choice number {i} of many" for i in range(100_000)]})),
+    # Big but within the default limits (1,900 alternatives, 54 KB), a new one each time:
+    # no cache helps, every one is checked and then compiled by the engine.
+    "grammar-allowed": (1, _poster("/v1/completions", lambda m: {
+        "model": m, "prompt": "x", "max_tokens": 4, "guided_grammar": "root ::= " + " | ".join(
+            f'"{next(_SALT)} word {i} of a long list"' if i == 0 else
+            f'"word {i} of a long list"' for i in range(1_900))})),
 }
 
 
@@ -205,7 +225,13 @@ def main() -> None:
               "| front-end RSS growth MiB | engine RSS growth MiB |")
         print("| --- | --- | --- | --- | --- | --- |")
         for name in [None, *args.attacks.split(",")]:
-            total, gap, health, rss = run_attack(base_url, "m", name, server.process.pid)
+            try:
+                total, gap, health, rss = run_attack(base_url, "m", name, server.process.pid)
+            except httpx.HTTPError:
+                if server.process.poll() is None:
+                    raise
+                print(f"| {name} | the server died: exit code {server.process.returncode} |")
+                return
             print(f"| {name or 'none'} | {total:.2f} | {gap:.2f} | {health:.2f} | {rss[0]:.0f} "
                   f"| {rss[1]:.0f} |", flush=True)
             time.sleep(2.0)

@@ -14,6 +14,16 @@ from carpool.core.kv_fit import check_fits_pool
 from carpool.sampling_params import SamplingParams
 
 
+def check_single_params(sampling_params: SamplingParams) -> None:
+    """ValueError unless these are one request's SamplingParams (n=1: the engine's unit)."""
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams, "
+                         f"got {type(sampling_params).__name__}")
+    if sampling_params.n != 1:
+        raise ValueError(f"the engine takes n=1 requests only (got n={sampling_params.n}); "
+                         "fan out n > 1 into separate requests above it")
+
+
 def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
     """The ids as a list of plain ints (numpy ints accepted); ValueError for an empty prompt,
     a non-integer, or an id outside [0, vocab_size)."""

@@ -27,11 +27,11 @@ from carpool.core.scheduler_output import SchedulerOutput
 from carpool.default_model_path import DEFAULT_MODEL_NAME
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
-from carpool.engine.request_state import RequestState
+from carpool.engine.request_state import RequestState, request_metrics
 from carpool.engine.runner_setup import resolve_for_model
 from carpool.engine.step_stats import StepStats
 from carpool.engine.tokenizer import encode_prompt, load_engine_tokenizer
-from carpool.outputs import EngineStats, PromptLogprobs, RequestMetrics, StepOutput
+from carpool.outputs import EngineStats, StepOutput
 from carpool.runner.executor import RankFailedError
 from carpool.sampling_params import SamplingParams
 from carpool.structured.manager import GrammarError, StructuredOutputs
@@ -75,7 +75,8 @@ class LLMEngine:
         self._extra_eos_ids = tuple(eos_ids[1:])
         self._eos_token_ids = tuple(eos_ids)
         self._structured = StructuredOutputs(tokenizer, self.model_config.vocab_size,
-                                             self._eos_token_ids, config.grammar_cache_memory)
+                                             self._eos_token_ids, config.grammar_cache_memory,
+                                             config.grammar_limits)
 
     @classmethod
     def from_config(cls, config: EngineConfig, detokenize: bool = True) -> LLMEngine:
@@ -125,13 +126,14 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int],
                          sampling_params: SamplingParams) -> None:
-        """Every check `add_request` makes, without adding: ValueError naming what is wrong."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, "
-                             f"got {type(sampling_params).__name__}")
-        if sampling_params.n != 1:
-            raise ValueError(f"the engine takes n=1 requests only (got n={sampling_params.n}); "
-                             "fan out n > 1 into separate requests above it")
+        """Every check `add_request` makes, and the grammar compiled (cached; `add_request`
+        does not wait for it), without adding: ValueError naming what is wrong."""
+        self._check_request(prompt_token_ids, sampling_params)
+        self._structured.matcher_for(sampling_params)
+
+    def _check_request(self, prompt_token_ids: list[int],
+                       sampling_params: SamplingParams) -> None:
+        limits.check_single_params(sampling_params)
         limits.check_num_logprobs(sampling_params, self.config.max_logprobs,
                                   self.model_config.vocab_size)
         limits.check_context_length(len(prompt_token_ids), sampling_params, self.max_model_len)
@@ -141,7 +143,6 @@ class LLMEngine:
         limits.check_fits_kv_cache(len(prompt_token_ids), sampling_params, self.max_model_len,
                                    self.scheduler_config.block_size,
                                    self.scheduler.block_manager.num_total_blocks)
-        self._structured.matcher_for(sampling_params)  # compiles (cached): a bad grammar raises
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
@@ -156,7 +157,7 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self.encode_prompt(prompt)
-        self.validate_request(prompt_token_ids, sampling_params)
+        self._check_request(prompt_token_ids, sampling_params)
         if self._extra_eos_ids and not sampling_params.ignore_eos:
             stop_ids = sampling_params.stop_token_ids.union(self._extra_eos_ids)
             sampling_params = dataclasses.replace(sampling_params, stop_token_ids=stop_ids)
@@ -166,14 +167,30 @@ class LLMEngine:
             arrival_time=self._clock() if arrival_time is None else arrival_time,
             eos_token_id=self._eos_token_id, max_model_len=self.max_model_len,
             cache_salt=cache_salt)
-        matcher = self._structured.matcher_for(sampling_params)
-        self.scheduler.add_request(request)
+        # A new grammar compiles off this thread; the request joins the scheduler when it has.
+        matcher = self._structured.start(request_id, sampling_params)
+        if not self._structured.is_compiling(request_id):
+            self.scheduler.add_request(request)
         detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling_params)
                        if self.detokenize else None)
         self._states[request_id] = RequestState(
             request, detokenizer, matcher=matcher,
             text_at_finish=text_at_finish and not sampling_params.stop)
         return len(prompt_token_ids)
+
+    def _admit_compiled(self) -> list[StepOutput]:
+        """Schedule those whose grammar compiled, end those whose grammar failed (waits a
+        little for a compile when nothing else can run)."""
+        failed = []
+        idle = not self.scheduler.has_unfinished_requests() and not self._aborted_outputs
+        for request_id, matcher, error in self._structured.compiled(0.05 if idle else 0.0):
+            state = self._states.pop(request_id) if error else self._states[request_id]
+            if error:
+                failed.append(self._final_output(state, "error", error, "grammar_error"))
+            else:
+                state.matcher = matcher
+                self.scheduler.add_request(state.request)
+        return failed
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Finish these requests now and free their blocks; unknown ids are ignored.
@@ -184,6 +201,7 @@ class LLMEngine:
         live = [rid for rid in dict.fromkeys(ids) if rid in self._states]
         if not live:
             return
+        self._structured.forget(live)
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         for rid in live:
             state = self._states.pop(rid)
@@ -203,7 +221,7 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         """Run one model step over the scheduled batch; return the deltas it produced."""
-        outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs, self._aborted_outputs = self._aborted_outputs + self._admit_compiled(), []
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             if sched_out.finished_ids:  # the runner frees their sampler state, runs no model
@@ -284,23 +302,15 @@ class LLMEngine:
             num_output_tokens=state.num_sent_tokens,
             num_cached_tokens=request.num_cached_tokens or 0, new_logprobs=new_logprobs,
             prompt_logprobs=None if request.sampling_params.prompt_logprobs is None else
-            self._prompt_logprobs(state, first=state.num_sent_tokens == len(new_token_ids)))
+            state.first_prompt_logprobs(first=state.num_sent_tokens == len(new_token_ids)))
         if request.is_finished:
             self._states.pop(request.request_id, None)
             output.finish_reason = request.finish_reason
             output.stop_reason = request.stop_reason
-            output.request_metrics = self._metrics(request)
+            output.request_metrics = request_metrics(request, self._clock)
             if request.status == RequestStatus.FINISHED_ERROR:  # (a stop string still wins)
                 output.error, output.error_code = grammar_error, "grammar_error"
         return output
-
-    @staticmethod
-    def _prompt_logprobs(state: RequestState, first: bool) -> PromptLogprobs | None:
-        """The prompt logprobs a request's first output carries (when it asked for them)."""
-        if not first or state.request.sampling_params.prompt_logprobs is None:
-            return None
-        # a one-token prompt scores nothing: vLLM's [None]
-        return state.prompt_logprobs or PromptLogprobs(1, (), (), (), (), ())
 
     def _finish_on_complete_grammar(self, request: Request) -> None:
         """`stop`, also when the grammar completed on the very token that reached max_tokens."""
@@ -328,24 +338,14 @@ class LLMEngine:
         message = f"{type(exc).__name__}: {exc}"
         return [self._final_output(self._states.pop(rid), "error", error=message) for rid in ids]
 
-    def _final_output(self, state: RequestState, reason: str,
-                      error: str | None = None) -> StepOutput:
+    def _final_output(self, state: RequestState, reason: str, error: str | None = None,
+                      error_code: str | None = None) -> StepOutput:
         request = state.request
         return StepOutput(
             request_id=request.request_id, new_token_ids=[], new_text="",
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=state.num_sent_tokens,
             num_cached_tokens=request.num_cached_tokens or 0, finish_reason=reason, error=error,
-            request_metrics=self._metrics(request))
-
-    def _metrics(self, request: Request) -> RequestMetrics:
-        if request.finished_time is None:
-            request.finished_time = self._clock()
-        return RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time, finished_time=request.finished_time,
-            num_preemptions=request.num_preemptions, last_token_time=request.last_token_time,
-            max_tokens=request.max_output_tokens)
+            error_code=error_code, request_metrics=request_metrics(request, self._clock))
 
     # ---- introspection -----------------------------------------------------------------
 

@@ -4,12 +4,13 @@ already sent, the prompt logprobs gathered chunk by chunk, and its grammar match
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from carpool.core.request import Request
 from carpool.engine.detokenizer import IncrementalDetokenizer
-from carpool.outputs import PromptLogprobs
+from carpool.outputs import PromptLogprobs, RequestMetrics
 
 
 @dataclass
@@ -34,3 +35,21 @@ class RequestState:
             return
         tail = chunk.starting_at(needed)
         self.prompt_logprobs = tail if held is None else held.join(tail)
+
+    def first_prompt_logprobs(self, first: bool) -> PromptLogprobs | None:
+        """The prompt logprobs a request's first output carries (when it asked for them)."""
+        if not first or self.request.sampling_params.prompt_logprobs is None:
+            return None
+        # a one-token prompt scores nothing: vLLM's [None]
+        return self.prompt_logprobs or PromptLogprobs(1, (), (), (), (), ())
+
+
+def request_metrics(request: Request, clock: Callable[[], float]) -> RequestMetrics:
+    """The request's timings for its last output; its finish time is now if not set yet."""
+    if request.finished_time is None:
+        request.finished_time = clock()
+    return RequestMetrics(
+        arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+        first_token_time=request.first_token_time, finished_time=request.finished_time,
+        num_preemptions=request.num_preemptions, last_token_time=request.last_token_time,
+        max_tokens=request.max_output_tokens)

@@ -3,16 +3,21 @@
 Three spellings reach the same thing: OpenAI's `response_format` (`text`, `json_object`,
 `json_schema`), vLLM's `structured_outputs` object (`json`, `regex`, `choice`, `grammar`,
 `json_object`) and vLLM's older `guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar`. A request may use one of them; the grammar is checked here, so a bad
-schema, regex or grammar is a 400 whose message and `param` name the field the client sent.
+`guided_grammar`. A request may use one of them. `check_grammar` checks the grammar off the
+event loop, in the app's `GrammarChecker` (its own process, with a time budget), so a bad,
+oversized, slow or crashing schema, regex or grammar is a 400 whose message and `param` name
+the field the client sent, and never stalls or ends the server.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from carpool.sampling_params import StructuredOutputsParams
-from carpool.structured.grammar import check
+from fastapi import Request
+
+from carpool.sampling_params import GrammarLimits, SamplingParams, StructuredOutputsParams
+from carpool.structured.checker import GrammarChecker
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
@@ -20,7 +25,38 @@ STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def structured_outputs_of(body: Any) -> StructuredOutputsParams | None:
-    """The one grammar the body asks for, checked; None when it asks for none."""
+    """The one grammar the body asks for, not yet checked; None when it asks for none."""
+    found = _constraints(body)
+    return found[0][1] if found else None
+
+
+async def check_grammar(request: Request, body: Any, params: SamplingParams) -> None:
+    """Check the grammar of `params` (the body's, or a forced tool call's) in the app's
+    checker, on its thread; ValueError naming the body's field."""
+    if params.structured_outputs is None:
+        return
+    field = _field_of(body)
+    state = request.app.state
+    checker = getattr(state, "grammar_checker", None)
+    if checker is None:
+        # `serve` sets the flags' limits; an app built without them takes the defaults.
+        limits = getattr(state, "grammar_limits", None) or GrammarLimits()
+        checker = state.grammar_checker = GrammarChecker(limits)
+    await asyncio.get_running_loop().run_in_executor(
+        checker.executor, checker.check, params.structured_outputs, field)
+
+
+def _field_of(body: Any) -> str:
+    """The field the body's one grammar came from (`structured_outputs_of` refused more);
+    `tools` when none did: a forced tool call's."""
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        return "response_format"
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    return next((name for name in GUIDED_FIELDS if getattr(body, name) is not None), "tools")
+
+
+def _constraints(body: Any) -> list[tuple[str, StructuredOutputsParams]]:
     found: list[tuple[str, StructuredOutputsParams]] = []
     if body.response_format is not None:
         params = _from_response_format(body.response_format)
@@ -36,11 +72,7 @@ def structured_outputs_of(body: Any) -> StructuredOutputsParams | None:
         names = ", ".join(name for name, _ in found)
         raise ValueError(f"{found[1][0]}: only one of response_format, structured_outputs and "
                          f"guided_* may constrain the output, got {names}")
-    if not found:
-        return None
-    field, params = found[0]
-    check(params, field)
-    return params
+    return found
 
 
 def _from_response_format(response_format: dict) -> StructuredOutputsParams | None:

@@ -33,6 +33,7 @@ from carpool.engine.protocol import EngineClient
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
+from carpool.server.constraints import check_grammar
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
 from carpool.server.prompts import TokenizerWorker
 from carpool.server.protocol import REQUEST_FIELDS, SamplingRequest
@@ -148,6 +149,7 @@ async def serve_generation(
 
     try:
         params = body.to_sampling_params(info.sampling_defaults)
+        await check_grammar(request, body, params)
         context, prompts, prompt_ids = await worker.run(prepare_ids, params)
         requests = fan_out(context.id, prompt_ids, params, info, body.cache_salt)
     except ValueError as exc:

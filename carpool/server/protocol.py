@@ -28,7 +28,6 @@ from pydantic import (
 from carpool.sampling_params import SamplingParams
 from carpool.server.constraints import structured_outputs_of
 from carpool.server.tools import ToolChoice, tool_choice_of
-from carpool.structured.grammar import check
 
 EMPTY_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
 
@@ -228,7 +227,6 @@ class ChatCompletionRequest(SamplingRequest):
             if kwargs["structured_outputs"] is not None:
                 raise ValueError("tool_choice: a forced tool call cannot be combined with "
                                  "response_format or structured_outputs")
-            check(grammar, "tools")
             kwargs["structured_outputs"] = grammar
         return kwargs
 

@@ -84,6 +84,7 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
         from carpool.engine.llm_engine import LLMEngine
         engine = AsyncEngine(lambda: LLMEngine.from_config(config), **hooks)
     app = build_app(engine, settings)
+    app.state.grammar_limits = config.grammar_limits  # the server's grammar check's
     max_connections = connection_cap(settings.max_connections, raise_open_files_limit())
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,

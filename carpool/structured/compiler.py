@@ -4,7 +4,8 @@ Building a matcher compiles the grammar (well under a millisecond for a typical 
 more for a big one); requests that share a schema — the usual case behind one API —
 share the compiled template and each get a cheap deep copy. The cache is bounded by the
 bytes its templates hold (least recently used out), so clients sending endless distinct
-or huge schemas cannot grow it.
+or huge schemas cannot grow it. It is keyed by the request's params, so a lookup costs no
+grammar conversion; lookups (`cached`) may come from any thread, compiles from one.
 
 [NOTE] llguidance does not report a compiled grammar's size, so `estimated_bytes` takes it
 from the grammar text's length: a fixed part plus a per-character part, both set above what
@@ -15,13 +16,14 @@ of the vocabulary's size).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
 
-from carpool.sampling_params import StructuredOutputsParams
-from carpool.structured.grammar import grammar_text
+from carpool.sampling_params import GrammarLimits, StructuredOutputsParams
+from carpool.structured.grammar import error_reason, grammar_text
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class GrammarCompiler:
     """Owns the llguidance view of the tokenizer and the compiled-grammar cache."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_memory: int) -> None:
+                 cache_memory: int, limits: GrammarLimits | None = None) -> None:
         # The library's own adapter reads the Hugging Face tokenizer's vocabulary, byte-level
         # BPE and special tokens included; n_vocab is the model's (logit rows may exceed the
         # tokenizer's count: those ids are never allowed).
@@ -49,35 +51,47 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(eos_token_ids) or (self.tokenizer.eos_token,)
         self.cache_memory = cache_memory  # estimated bytes the templates may hold
         self.num_cached_bytes = 0  # estimated, of the templates held now
-        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self.limits = limits  # None: unbounded (tests)
+        self._templates: OrderedDict[StructuredOutputsParams, tuple[llguidance.LLMatcher, int]] \
+            = OrderedDict()  # params -> (template, its estimated bytes)
+        self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams,
                 field: str = "structured_outputs") -> llguidance.LLMatcher:
         """A fresh matcher for `params` at the start of its grammar; ValueError naming `field`
-        if the grammar does not compile. Caches the compiled template, evicting the least
-        recently used ones until the estimated bytes fit `cache_memory` (a template larger
-        than that alone is not kept)."""
-        text = grammar_text(params, field)
-        template = self._templates.get(text)
-        if template is None:
-            template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ValueError(f"{field}: invalid {params.kind}: "
-                                 f"{template.get_error().strip()}")
-            self._keep(text, template)
-        else:
-            self._templates.move_to_end(text)
+        if the grammar is over the limits or does not compile. Caches the compiled template,
+        evicting the least recently used ones until the estimated bytes fit `cache_memory`
+        (a template larger than that alone is not kept)."""
+        matcher = self.cached(params)
+        if matcher is not None:
+            return matcher
+        text = grammar_text(params, field, self.limits)
+        template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        if template.is_error():
+            raise ValueError(f"{field}: invalid {params.kind}: "
+                             f"{error_reason(template.get_error())}")
+        self._keep(params, template, estimated_bytes(text))
         return template.deep_copy()
 
-    def _keep(self, text: str, template: llguidance.LLMatcher) -> None:
-        num_bytes = estimated_bytes(text)
+    def cached(self, params: StructuredOutputsParams) -> llguidance.LLMatcher | None:
+        """A fresh matcher from the cached template of `params`; None if there is none."""
+        with self._lock:
+            entry = self._templates.get(params)
+            if entry is None:
+                return None
+            self._templates.move_to_end(params)
+        return entry[0].deep_copy()
+
+    def _keep(self, params: StructuredOutputsParams, template: llguidance.LLMatcher,
+              num_bytes: int) -> None:
         if num_bytes > self.cache_memory:
             return
-        while self.num_cached_bytes + num_bytes > self.cache_memory:
-            evicted, _ = self._templates.popitem(last=False)
-            self.num_cached_bytes -= estimated_bytes(evicted)
-        self._templates[text] = template
-        self.num_cached_bytes += num_bytes
+        with self._lock:
+            while self.num_cached_bytes + num_bytes > self.cache_memory:
+                _, (_, evicted_bytes) = self._templates.popitem(last=False)
+                self.num_cached_bytes -= evicted_bytes
+            self._templates[params] = (template, num_bytes)
+            self.num_cached_bytes += num_bytes
 
     @property
     def num_cached(self) -> int:

@@ -1,34 +1,37 @@
 """The engine's side of structured outputs: a matcher per constrained request, and its masks.
 
-The engine asks for a matcher when a request arrives (compiled through the cache; a bad
-grammar is a ValueError naming the field), starts each step's masks before the model runs,
-and advances a request's matcher with every token it samples. A grammar that fails during
-generation (one that matches nothing, or outgrows the parser's limits on the way) is a
-`GrammarError`: the request ends with `error`, never `stop`, since its text breaks the
-constraint. Nothing is built until the
-first constrained request, so servers that never see one never load the tokenizer view.
+The engine asks for a matcher when a request arrives. A grammar compiled before comes from
+the cache at once; a new one compiles on the one compile thread, never on the engine's step
+thread (a big grammar takes seconds, which would freeze every stream), and the request
+waits outside the scheduler until `compiled` hands its matcher over. That thread has a big
+stack: the server's checker process, on a default stack, passes only grammars that compile
+within it. A bad grammar is a ValueError naming the field. The engine starts each step's
+masks before the model runs, and advances a request's matcher with every token it samples.
+A grammar that fails during generation (one that matches nothing, or outgrows the parser's
+limits on the way) is a `GrammarError`: the request ends with `error`, never `stop`, since
+its text breaks the constraint. Nothing is built until the first constrained request, so
+servers that never see one never load the tokenizer view.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import llguidance
 
-from carpool.sampling_params import SamplingParams
+from carpool.sampling_params import GrammarLimits, SamplingParams, StructuredOutputsParams
 from carpool.structured.bitmask import BitmaskFiller
 from carpool.structured.compiler import GrammarCompiler
+from carpool.structured.grammar import error_reason
 
 logger = logging.getLogger(__name__)
 
-# llguidance's error text is one line of reason, then its state and the whole grammar (which
-# can be megabytes of the client's text): messages and logs keep the reason, this long at most.
-MAX_ERROR_CHARS = 300
-# Reasons llguidance names without saying what they mean.
-_REASONS = {"NoExtensionBias": "no token can continue the output (the grammar may match "
-                               "nothing here)"}
+# The compile thread's stack: llguidance recurses once per chained rule (about 3 KiB a level),
+# and only the pages it touches are ever committed.
+COMPILE_STACK_BYTES = 256 * 1024 * 1024
 
 
 class GrammarError(Exception):
@@ -37,24 +40,73 @@ class GrammarError(Exception):
 
 class StructuredOutputs:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_memory: int) -> None:
+                 cache_memory: int, limits: GrammarLimits | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = tuple(eos_token_ids)
         self._cache_memory = cache_memory
+        self._limits = limits
         self._compiler: GrammarCompiler | None = None
         self._filler: BitmaskFiller | None = None
+        self._compile_thread: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}  # request id -> its matcher, compiling
 
     def matcher_for(self, params: SamplingParams) -> llguidance.LLMatcher | None:
         """A fresh matcher for a request's grammar, None when it has none; ValueError naming
-        `structured_outputs` when the grammar does not compile."""
+        `structured_outputs` when the grammar does not compile. Blocks while it compiles."""
         if params.structured_outputs is None:
             return None
+        return self._compile(params.structured_outputs).result()
+
+    def start(self, request_id: str, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """The request's matcher when it is ready now (cached, or no grammar: None); else its
+        compile starts and `compiled` hands the matcher over once built. ValueError naming
+        `structured_outputs` when it is known bad already."""
+        if params.structured_outputs is None:
+            return None
+        future = self._compile(params.structured_outputs)
+        if future.done():
+            return future.result()
+        self._pending[request_id] = future
+        return None
+
+    def is_compiling(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    def forget(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests' compiles (aborted); a compile in flight still fills the cache."""
+        for request_id in request_ids:
+            self._pending.pop(request_id, None)
+
+    def compiled(self, wait_s: float = 0.0) -> list[tuple[str, llguidance.LLMatcher | None,
+                                                           str | None]]:
+        """(request id, matcher, None) for each compile that finished, (request id, None,
+        error) for each that failed; waits up to `wait_s` for one when none has."""
+        if self._pending and wait_s > 0:
+            wait(list(self._pending.values()), timeout=wait_s, return_when=FIRST_COMPLETED)
+        done = []
+        for request_id, future in list(self._pending.items()):
+            if future.done():
+                del self._pending[request_id]
+                try:
+                    done.append((request_id, future.result(), None))
+                except ValueError as exc:
+                    done.append((request_id, None, str(exc)))
+        return done
+
+    def _compile(self, params: StructuredOutputsParams) -> Future:
         if self._compiler is None:
             self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size,
-                                             self._eos_token_ids, self._cache_memory)
+                                             self._eos_token_ids, self._cache_memory,
+                                             self._limits)
             self._filler = BitmaskFiller(self._vocab_size, self._compiler.eos_token_ids)
-        return self._compiler.matcher(params.structured_outputs)
+            self._compile_thread = _big_stack_thread()
+        future: Future = Future()
+        matcher = self._compiler.cached(params)
+        if matcher is not None:
+            future.set_result(matcher)
+            return future
+        return self._compile_thread.submit(self._compiler.matcher, params)
 
     def start_bitmask(self, rows: Iterable[tuple[str, llguidance.LLMatcher]]) -> Future | None:
         """Begin the masks of this step's sampled constrained rows (request id, matcher);
@@ -80,10 +132,12 @@ class StructuredOutputs:
         return matcher.is_stopped()
 
 
-def error_reason(error: str) -> str:
-    """The reason in a matcher's error text, on one line, without its state or grammar."""
-    reason = " ".join(error.split("\n<state>", 1)[0].split())
-    reason = _REASONS.get(reason, reason)
-    if len(reason) > MAX_ERROR_CHARS:
-        reason = reason[:MAX_ERROR_CHARS - 3] + "..."
-    return reason
+def _big_stack_thread() -> ThreadPoolExecutor:
+    """A one-thread executor whose thread has COMPILE_STACK_BYTES of stack."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix="carpool-grammar-compile")
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:  # the executor starts its one thread on the first submit, under this stack size
+        executor.submit(int).result()
+    finally:
+        threading.stack_size(previous)
+    return executor

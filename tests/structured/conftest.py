@@ -10,7 +10,9 @@ from carpool.default_model_path import default_model_path
 MODEL = "carpool-default"
 FLAGS = ["--max-model-len", "512", "--num-kv-blocks", "256", "--max-num-seqs", "16",
          "--served-model-name", MODEL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-         "--dtype", "float32"]  # the seeded samples the tests expect are float32's
+         "--dtype", "float32",  # the seeded samples the tests expect are float32's
+         # lets 2,010 choices reach the parser, whose row limit fails them mid-generation
+         "--max-grammar-alternatives", "10000"]
 
 
 @pytest.fixture(scope="session")

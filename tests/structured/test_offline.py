@@ -23,7 +23,9 @@ REGEX = r"[0-9]{3}-[a-z]{2}"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=256, num_kv_blocks=64)
+    # More alternatives than the default limit: the 2,010-choice grammar below must reach the
+    # parser, whose row limit then fails it during generation.
+    return LLM(max_model_len=256, num_kv_blocks=64, max_grammar_alternatives=10_000)
 
 
 def _sampled(llm, structured, n=4, max_tokens=48, **kwargs):
