@@ -23,7 +23,7 @@ def write_gguf(model_dir: str | Path, out_file: str | Path, qtype: str = "Q8_0")
     with every matrix in `qtype` (one whose row length the block does not divide: F16) and
     every vector in F32."""
     import gguf
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     model_dir, out_file = Path(model_dir), Path(out_file)
     config = json.loads((model_dir / "config.json").read_text())
@@ -56,7 +56,7 @@ def write_gguf(model_dir: str | Path, out_file: str | Path, qtype: str = "Q8_0")
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        data = value.astype(np.float32)
+        data = value.float().numpy()
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             data = _permute(data, heads if ".q_proj." in hf_name else kv_heads)
         if data.ndim == 1:
