@@ -6,14 +6,19 @@ does per step: each sequence's prompt is prefilled in one batch, then every step
 decodes one token per sequence in one llama_decode call and takes the argmax of
 its logits. Decode tok/s = sequences x new tokens / decode time (prefill not
 counted). Files and batch sizes are alternated within each round; the figure is
-the median over rounds. Runs in the Python that has `llama_cpp`:
+the median over rounds. On a machine other processes share, run it with
+OMP_WAIT_POLICY=PASSIVE: llama.cpp's OpenMP threads otherwise spin between ops and steps,
+and at 2 threads on 2 busy vCPUs its figures fall 10-30x and scatter (docs/lab/50). The
+header line records the setting. Runs in the Python that has `llama_cpp`:
 
-    /work/venv-llamacpp/bin/python -m benchmarks.quant.llama_cpp_speed A.gguf B.gguf --seqs 1 16
+    OMP_WAIT_POLICY=PASSIVE /work/venv-llamacpp/bin/python -m benchmarks.quant.llama_cpp_speed \
+        A.gguf B.gguf --seqs 1 16
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         order = list(models) if r % 2 == 0 else list(reversed(models))
         for key in order:
             results[key].append(run_once(models[key], key[1], prompt, args.new_tokens))
-    print(f"threads {args.threads}, prompt {args.prompt_len}, {args.new_tokens} new tokens "
-          f"per sequence, median of {args.rounds} rounds")
+    print(f"threads {args.threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens per sequence, "
+          f"median of {args.rounds} rounds")
     for (path, n), rates in results.items():
         print(f"{path.rsplit('/', 1)[-1]:<32} {n:>3} seq  {statistics.median(rates):8.1f} tok/s  "
               f"(rounds: {', '.join(f'{x:.1f}' for x in rates)})")
