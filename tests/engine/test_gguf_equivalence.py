@@ -10,6 +10,7 @@ the default scheduler, chunked prefill with preemption, and static batching.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ OUTPUT_LENGTHS = (24, 9, 24, 16, 12)
 SETTINGS = {
     "default": dict(num_kv_blocks=256),
     # 24-token chunks beside decodes, and a pool small enough that growth preempts.
-    "chunked_preemption": dict(num_kv_blocks=60, block_size=4, max_num_batched_tokens=24),
+    "chunked_preemption": dict(num_kv_blocks=44, block_size=4, max_num_batched_tokens=24),
     "static": dict(num_kv_blocks=256, scheduler="static", max_num_seqs=4),
 }
 
@@ -73,6 +74,7 @@ def workload():
 
 CASES = [(arch, qtype, "default") for arch in ARCHS for qtype in ("Q8_0", "Q4_0", "F16")] + [
     (arch, "Q4_0", setting) for arch in ARCHS for setting in ("chunked_preemption", "static")]
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 
 
 @pytest.mark.parametrize(("arch", "qtype", "setting"), CASES)
@@ -90,3 +92,22 @@ def test_gguf_greedy_matches_transformers(arch, qtype, setting, gguf_file, hf_gg
     stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert (stats.num_preemptions > 0) == (setting == "chunked_preemption")
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpp_k_quant_file_matches_transformers(arch, setting, hf_gguf_greedy):
+    """Q4_K_M files written by llama.cpp's own converter and quantizer (Q4_K and Q6_K tensors,
+    tests/fixtures/gguf/README.md)."""
+    file = FIXTURES / f"tiny-{arch}-Q4_K_M.gguf"
+    prompts = workload()
+    references = [hf_gguf_greedy(file, ids, n) for ids, n in prompts]
+    llm = LLM(str(file), dtype="float32", **SETTINGS[setting])
+    kinds = {k for m in llm.engine.runner.model.modules() for k in getattr(m, "kinds", list)()}
+    assert {"Q4_K", "Q6_K"} <= kinds
+    outs = llm.generate([{"prompt_token_ids": ids} for ids, _ in prompts],
+                        [SamplingParams(max_tokens=n, temperature=0) for _, n in prompts],
+                        use_tqdm=False)
+    for (ids, _), ref, out in zip(prompts, references, outs):
+        assert list(out.outputs[0].token_ids) == ref, f"{arch} {setting}: {len(ids)} tokens"
+    assert (llm.stats().num_preemptions > 0) == (setting == "chunked_preemption")
