@@ -92,7 +92,8 @@ class ModelRunner:
             AttentionShape(layout.num_heads, layout.num_kv_heads, model_config.head_dim,
                            model_config.sliding_window, dtype=self.dtype),
             self.device)
-        self.model = load_model(path, model_config, self.dtype, self.device, tp)
+        self.model = load_model(path, model_config, self.dtype, self.device, tp,
+                                config.quantization)
         self.platform.prepare_model(self.model)
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed,
                                argmax_rows=None if kernels is None else kernels.argmax_rows)
