@@ -193,3 +193,29 @@ def test_quantization_flag_mismatch_is_refused():
 def test_quantization_flag_on_a_float_checkpoint_is_refused(make_checkpoint):
     with pytest.raises(ValueError, match="--quantization gptq: .* no quantization_config"):
         LLM(str(make_checkpoint("llama")), quantization="gptq")
+
+
+def test_serve_flag_reaches_the_config():
+    """`carpool serve MODEL -q gptq` (vLLM's flag) becomes EngineConfig.quantization; a value
+    the checkpoint does not match fails before anything loads."""
+    from carpool.config import EngineConfig
+    from tests.flags import serve_parser
+
+    gptq = str(FIXTURES / "gptq-int4-g32-desc-act")
+    config = EngineConfig.from_cli_args(serve_parser().parse_args([gptq, "-q", "gptq"]))
+    assert config.quantization == "gptq"
+    args = serve_parser().parse_args([gptq, "--quantization", "compressed-tensors"])
+    with pytest.raises(ValueError, match="--quantization compressed-tensors does not match"):
+        EngineConfig.from_cli_args(args)
+
+
+def test_tensor_parallel_is_refused():
+    from carpool.distributed.group import TensorParallelGroup
+    from carpool.models.config import load_model_config
+    from carpool.models.loader import load_model
+
+    path = FIXTURES / "awq-gemm-g128"
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported with a "
+                                         "quantized checkpoint"):
+        load_model(path, load_model_config(path), torch.float32, torch.device("cpu"),
+                   TensorParallelGroup(0, 2))
