@@ -204,3 +204,16 @@ def test_quantization_flag_must_match_the_checkpoint(tmp_path):
         check_quantization(tmp_path, "gptq")
     with pytest.raises(ValueError, match="--quantization awq does not match model.gguf"):
         check_quantization(tmp_path / "model.gguf", "awq")
+
+
+def test_input_fields_are_checked_and_kept_by_row_selection():
+    from carpool.models.quant.weight import QuantizedWeight
+
+    q, scales = torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1)
+    with pytest.raises(ValueError, match=r"input_perm must be int64 of shape \(64,\)"):
+        QuantizedWeight(q, scales, None, 8, 64, "x", input_perm=torch.arange(32))
+    weight = QuantizedWeight(q, scales, None, 8, 64, "x", torch.arange(64).flip(0), True)
+    picked = weight.rows(slice(1, 3))
+    assert picked.input_int8 and torch.equal(picked.input_perm, weight.input_perm)
+    x = torch.arange(64.0).unsqueeze(0)
+    assert torch.equal(weight.prepare_input(x), int8_per_token(x.flip(1)))
