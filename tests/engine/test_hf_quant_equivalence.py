@@ -139,20 +139,22 @@ def decompressed(quantized: Path, source: Path, out: Path) -> Path:
     return out
 
 
-# name -> (preset, format, checkpoint shape, dtype of the scales). transformers decompresses
-# in the scales' dtype, so where it is the reference the scales are float32 (bfloat16 ones
-# would round its weights, not carpool's).
+# name -> (preset, format, architecture, checkpoint shape, dtype of the scales). transformers
+# decompresses in the scales' dtype, so where it is the reference the scales are float32
+# (bfloat16 ones would round its weights, not carpool's). qwen2: q/k/v biases beside
+# quantized weights, and a tied head.
 CT_CASES = {
-    "w8a8": ("W8A8", "int-quantized", {}, torch.float32),
-    "w4a16": ("W4A16", "pack-quantized", WIDE, torch.float32),
-    "w4a16-asym": ("W4A16_ASYM", "pack-quantized", WIDE, torch.bfloat16),
+    "w8a8": ("W8A8", "int-quantized", "llama", {}, torch.float32),
+    "w8a8-qwen2": ("W8A8", "int-quantized", "qwen2", {}, torch.float32),
+    "w4a16": ("W4A16", "pack-quantized", "llama", WIDE, torch.float32),
+    "w4a16-asym": ("W4A16_ASYM", "pack-quantized", "llama", WIDE, torch.bfloat16),
 }
 
 
 @pytest.mark.parametrize("name", list(CT_CASES))
 def test_compressed_tensors_checkpoint_matches_transformers(name, make_checkpoint, tmp_path):
-    preset, fmt, shape, dtype = CT_CASES[name]
-    source = make_checkpoint("llama", **SEPARATED, **shape)
+    preset, fmt, arch, shape, dtype = CT_CASES[name]
+    source = make_checkpoint(arch, **SEPARATED, **shape)
     quantized = compress(source, tmp_path / name, preset, fmt, dtype)
     # transformers cannot load asymmetric pack-quantized zero points: the float model of
     # compressed-tensors' own decompression is the reference there
