@@ -19,6 +19,7 @@ from carpool.config import (
     DTYPE_ALIASES,
     DTYPES,
     OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS,
+    QUANTIZATION_METHODS,
     SERVER_CPU_MAX_NUM_SEQS,
     GrammarLimits,
 )
@@ -107,6 +108,11 @@ def add_engine_arguments(group) -> None:
                        help="Weights and activations dtype (auto: the checkpoint's, but a float32 "
                             "checkpoint in bfloat16 where the hardware has it, as vLLM; half = "
                             "float16, float = float32).")
+    group.add_argument("--quantization", "-q", default=None,
+                       choices=QUANTIZATION_METHODS,
+                       help="The checkpoint's quantization (default auto: what its config.json's "
+                            "quantization_config says, or a .gguf file's types); a value the "
+                            "checkpoint does not match is an error.")
     group.add_argument("--tokenizer", default=None,
                        help="Tokenizer folder or hub id (default: the model's).")
     group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",

@@ -23,6 +23,9 @@ from carpool.sampling_params import GrammarLimits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
+# --quantization (vLLM's names; models.quant.hf_config reads them): auto (or None) is the
+# checkpoint's own.
+QUANTIZATION_METHODS = ("auto", "awq", "gptq", "compressed-tensors", "gguf")
 # Generation-config sources (vLLM's `--generation-config`), besides a folder.
 GENERATION_CONFIG_AUTO = "auto"  # the model's generation_config.json
 GENERATION_CONFIG_NONE = "vllm"  # none: SamplingParams' own defaults
@@ -50,6 +53,7 @@ OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's for its offline LLM on CPU
 class EngineConfig:
     model: str | None = None  # HF folder or hub id; None: the built-in default model
     dtype: str = "auto"  # the checkpoint's; float32 ones in bfloat16 on native-bf16 hardware
+    quantization: str | None = None  # one of QUANTIZATION_METHODS; None: auto
     device: str = "auto"  # auto: cuda if available, else cpu
     seed: int = 0
     served_model_name: str | None = None
@@ -101,6 +105,9 @@ class EngineConfig:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, "
+                             f"got {self.quantization!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)
                                                or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, "
@@ -178,7 +185,7 @@ class EngineConfig:
                   max_grammar_alternatives: int = GrammarLimits.max_alternatives,
                   grammar_check_timeout: float = GrammarLimits.check_timeout,
                   enforce_eager: bool = False, usage: str = "offline",
-                  **cpu_args) -> EngineConfig:
+                  quantization: str | None = None, **cpu_args) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
@@ -201,6 +208,7 @@ class EngineConfig:
             max_bytes=max_grammar_bytes, max_rules=max_grammar_rules, max_depth=max_grammar_depth,
             max_alternatives=max_grammar_alternatives, check_timeout=grammar_check_timeout)
         model_config = load_model_config_of(model)
+        check_quantization_of(model, quantization)
         max_position_embeddings = model_config.max_position_embeddings
         from carpool.models.sharding import check_divisible
         check_divisible(model_config, tensor_parallel_size)
@@ -222,7 +230,7 @@ class EngineConfig:
             long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
             preemption_policy=preemption_policy, scheduler=scheduler,
             enable_prefix_caching=enable_prefix_caching)
-        return cls(model=model, dtype=dtype, device=device, seed=seed,
+        return cls(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed,
                    served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
                    kv_cache_memory=kv_cache_memory,
                    gpu_memory_utilization=gpu_memory_utilization,
@@ -374,6 +382,14 @@ def load_model_config_of(model: str | None):
     from carpool.models.paths import resolve_model_path
 
     return load_model_config(resolve_model_path(model_or_default(model)))
+
+
+def check_quantization_of(model: str | None, quantization: str | None) -> None:
+    """ValueError unless --quantization matches the model's checkpoint (None, auto: any)."""
+    from carpool.models.paths import resolve_model_path
+    from carpool.models.quant.hf_config import check_quantization
+
+    check_quantization(resolve_model_path(model_or_default(model)), quantization)
 
 
 def model_or_default(model: str | None) -> str:

@@ -21,6 +21,7 @@ from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
 from carpool.models.llama import LlamaForCausalLM, Target, checkpoint_targets
 from carpool.models.paths import resolve_model_path as resolve_model_path  # re-exported
+from carpool.models.quant.hf_config import check_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,20 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
+               tp: TensorParallelGroup = SINGLE,
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Build this rank's shard of the network for `config` on `device` in `dtype` and fill it
-    from `path`'s weights (a GGUF file: `quant.gguf_loader`)."""
+    from `path`'s weights (a GGUF file: `quant.gguf_loader`; a config.json with a
+    quantization_config: `quant.hf_loader`). `quantization` is --quantization (None or
+    "auto": the checkpoint's own), checked against the checkpoint."""
+    scheme = check_quantization(path, quantization)
     if path.suffix.lower() == ".gguf":
         from carpool.models.quant.gguf_loader import load_gguf_model
         return load_gguf_model(path, config, dtype, device, tp)
+    if scheme is not None:
+        from carpool.models.quant.hf_loader import load_hf_quantized_model
+        return load_hf_quantized_model(path, weight_files(path), config, scheme, dtype,
+                                       device, tp)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp).to(dtype)
     model = model.to_empty(device=device)

@@ -62,8 +62,8 @@ def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatm
     max_rows = route.max_rows
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= max_rows:
-            return kernels.quant_linear(x, packed, None)
+        if x.shape[0] <= max_rows:  # the kernel takes x as the stored matrix does
+            return kernels.quant_linear(part.prepare_input(x).contiguous(), packed, None)
         return reference(x)
     return matmul
 

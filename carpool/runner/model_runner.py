@@ -92,7 +92,8 @@ class ModelRunner:
             AttentionShape(layout.num_heads, layout.num_kv_heads, model_config.head_dim,
                            model_config.sliding_window, dtype=self.dtype),
             self.device)
-        self.model = load_model(path, model_config, self.dtype, self.device, tp)
+        self.model = load_model(path, model_config, self.dtype, self.device, tp,
+                                config.quantization)
         self.platform.prepare_model(self.model)
         # the weights' format and their types, as the loader found them (None: float weights)
         self.quantization: str | None = getattr(self.model, "quantization", None)

@@ -27,11 +27,13 @@ REFERENCE_ROWS = 1024
 
 
 def reference_matmul(part: Part) -> PartMatmul:
-    """x @ part.T computed from the dequantized part, REFERENCE_ROWS output rows at a time."""
+    """x @ part.T computed from the dequantized part, REFERENCE_ROWS output rows at a time
+    (x first as the part takes it: `QuantizedWeight.prepare_input`)."""
     if isinstance(part, torch.Tensor):
         return lambda x: F.linear(x, part.to(x.dtype))
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
+        x = part.prepare_input(x)
         n = part.shape[0]
         pieces = [F.linear(x, part.rows(slice(start, start + REFERENCE_ROWS)).dequantize(x.dtype))
                   for start in range(0, n, REFERENCE_ROWS)]

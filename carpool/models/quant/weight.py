@@ -13,15 +13,25 @@ and one offset ("min") per group of `group_size` consecutive inputs of a row:
 Every supported format is exact in this form (GGUF's d * sc products and AWQ / GPTQ zero
 points fit float32 exactly), so dequantizing it equals the format's own dequantization.
 Rows are independent, so rows can be selected or permuted without touching the values.
+
+Two optional fields describe what happens to the input x where it meets the weight
+(`prepare_input`, called by every multiply before the kernel): `input_perm`, a gather of x's
+columns (GPTQ's act-order checkpoints group inputs out of order; the loader sorts the columns
+by group so groups are contiguous, and y = x[:, perm] @ W_sorted.T), and `input_int8`, x
+rounded to int8 per token with a dynamic scale (compressed-tensors' W8A8: the checkpoint was
+calibrated for int8 activations, so running them in float would not be the model it names).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 INT4_RUN = 32  # inputs per packed 16-byte run of a 4-bit weight
+# compressed-tensors' dynamic int8 scale: a token's largest |x| over half the int8 range's
+# width (255 / 2), so the largest value rounds to 127.5 -> 128 and clamps to 127.
+INT8_HALF_RANGE = 127.5
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +44,8 @@ class QuantizedWeight:
     bits: int
     group_size: int
     kind: str
+    input_perm: torch.Tensor | None = None  # int64 [K]: the multiply takes x[:, input_perm]
+    input_int8: bool = False  # x fake-quantized to int8 per token first (`int8_per_token`)
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -56,6 +68,10 @@ class QuantizedWeight:
             if value.dtype != torch.float32 or tuple(value.shape) != groups:
                 raise ValueError(f"{name} must be float32 of shape {groups}, got "
                                  f"{value.dtype} {tuple(value.shape)}")
+        perm = self.input_perm
+        if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (k,)):
+            raise ValueError(f"input_perm must be int64 of shape ({k},), got "
+                             f"{perm.dtype} {tuple(perm.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -72,8 +88,17 @@ class QuantizedWeight:
         """The weight of the selected rows (an index tensor or a slice), values untouched."""
         def pick(t):
             return None if t is None else t[index]
-        return QuantizedWeight(pick(self.qweight), pick(self.scales), pick(self.mins),
-                               self.bits, self.group_size, self.kind)
+        return replace(self, qweight=pick(self.qweight), scales=pick(self.scales),
+                       mins=pick(self.mins))
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] as the stored matrix multiplies it: columns gathered by `input_perm`,
+        then int8-rounded per token where `input_int8` (identity for most weights)."""
+        if self.input_perm is not None:
+            x = x[:, self.input_perm]
+        if self.input_int8:
+            x = int8_per_token(x)
+        return x
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [N, K] (for references, embeddings' rows and prompt-size calls)."""
@@ -107,3 +132,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
     if mins is not None:
         w = w + mins.unsqueeze(-1)
     return w.reshape(n, k)
+
+
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 steps per row (token) and scaled back, as compressed-tensors quantizes
+    activations with dynamic per-token scales: scale = max|x| / 127.5 (0 -> the dtype's eps),
+    q = clamp(round(x / scale), -128, 127), x' = q * scale, in x's dtype."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
+    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
+    return torch.clamp(torch.round(x / scale), -128, 127) * scale
