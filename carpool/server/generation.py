@@ -34,6 +34,7 @@ from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
+from carpool.server.logprobs import check_logprob_work
 from carpool.server.prompts import TokenizerWorker
 from carpool.server.protocol import REQUEST_FIELDS, SamplingRequest
 from carpool.server.sse import DONE, EventStreamResponse, sse_event
@@ -132,7 +133,8 @@ async def serve_generation(
     prompts; a ValueError there, in the sampling fields or in the fan-out is a 400 naming
     the field. The engine requests carry the body's `cache_salt`. Then
     `prepare` and the tokenizing of text prompts run on the app's `TokenizerWorker` thread,
-    never on the event loop. Then
+    never on the event loop, and the logprobs asked for are checked against
+    `--max-logprob-work`. Then
     `events(stream, context, num_choices, usage)` streams (`usage`, counted from the stream
     here, is None unless the client asked for it in a last chunk), or `build(context,
     choices)` answers whole and the usage is added here (in `shape_usage`'s shape if given).
@@ -148,7 +150,11 @@ async def serve_generation(
 
     try:
         params = body.to_sampling_params(info.sampling_defaults)
-        context, prompts, prompt_ids = await worker.run(prepare_ids, params)
+        # A client that leaves while its prompts wait for the tokenizer takes them along.
+        context, prompts, prompt_ids = await until_disconnected(
+            worker.run(prepare_ids, params), request)
+        check_logprob_work(params, [len(ids) for ids in prompt_ids], info.max_model_len,
+                           request.app.state.settings.max_logprob_work)
         requests = fan_out(context.id, prompt_ids, params, info, body.cache_salt)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
@@ -183,7 +189,9 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
         choices = await collect(stream, request, len(requests))
     finally:
         admission.release(stream)
-    return JSONResponse(build(choices))
+    # Off the event loop: with logprobs a reply is megabytes of JSON, seconds of Python that
+    # would freeze every stream and /health.
+    return await asyncio.to_thread(lambda: JSONResponse(build(choices)))
 
 
 def log_request(request: Request, requests: list[GenerationRequest], prompts: list,

@@ -13,6 +13,7 @@ import carpool
 from carpool.engine.protocol import EngineClient
 from carpool.server.errors import APIError
 from carpool.server.generation import check_model, ready_engine
+from carpool.server.liveness import stall_message
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -20,13 +21,18 @@ _STARTED = int(time.time())
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and the step loop is alive; 503 before, after, and while
-    the server drains for shutdown (so load balancers stop sending work)."""
-    ready_engine(request)
-    closing = request.app.state.admission.closing_reason
+    """200 once the model is loaded and the step loop is alive; 503 before, after, while
+    the server drains for shutdown, and while the engine has work but finishes no step for
+    --engine-stall-timeout (so load balancers stop sending work)."""
+    engine = ready_engine(request)
+    state = request.app.state
+    closing = state.admission.closing_reason
     if closing is not None:
         raise APIError(503, f"The server is shutting down ({closing}).",
                        code="server_shutting_down")
+    stalled = stall_message(engine, state.admission, state.settings.engine_stall_timeout)
+    if stalled is not None:
+        raise APIError(503, stalled, code="engine_stalled")
     return Response(status_code=200)
 
 
@@ -37,8 +43,13 @@ router.add_api_route("/ping", health, methods=["GET", "POST"])
 @router.get("/load")
 async def load(request: Request) -> dict:
     """Generation requests in flight (queued, running or streaming), for routers that send
-    work to the least loaded server; vLLM's shape."""
-    return {"server_load": len(request.app.state.admission.streams)}
+    work to the least loaded server; vLLM's shape, plus whether the engine is stalled
+    (see /health)."""
+    state = request.app.state
+    engine: EngineClient = state.engine
+    stalled = engine.is_ready and stall_message(
+        engine, state.admission, state.settings.engine_stall_timeout) is not None
+    return {"server_load": len(state.admission.streams), "engine_stalled": stalled}
 
 
 @router.get("/get_load")
