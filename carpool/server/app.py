@@ -29,6 +29,7 @@ from carpool.server.http_protocol import (
     DEFAULT_WRITE_TIMEOUT_S,
 )
 from carpool.server.logprobs import DEFAULT_MAX_LOGPROB_WORK
+from carpool.server.openapi import openapi_document
 from carpool.server.prompts import DEFAULT_MAX_TOKENIZER_QUEUE, TokenizerWorker
 from carpool.server.tool_parsers import get_parser
 
@@ -188,6 +189,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     install_error_handlers(app)
     for module in ROUTE_MODULES:
         app.include_router(module.router)
+    app.openapi = lambda: openapi_document(app, is_protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key is not None:  # added last: runs first, before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

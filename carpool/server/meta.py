@@ -19,7 +19,10 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.get("/health")
+_EMPTY_200 = {200: {"description": "Ready: an empty body"}}
+
+
+@router.get("/health", response_class=Response, responses=_EMPTY_200)
 async def health(request: Request) -> Response:
     """200 once the model is loaded and the step loop is alive; 503 before, after, while
     the server drains for shutdown, and while the engine has work but finishes no step for
@@ -37,7 +40,10 @@ async def health(request: Request) -> Response:
 
 
 # vLLM's (and SageMaker's) name for the same probe, in both methods.
-router.add_api_route("/ping", health, methods=["GET", "POST"])
+router.add_api_route("/ping", health, methods=["GET"], response_class=Response,
+                     responses=_EMPTY_200, operation_id="ping_get")
+router.add_api_route("/ping", health, methods=["POST"], response_class=Response,
+                     responses=_EMPTY_200, operation_id="ping_post")
 
 
 @router.get("/load")
@@ -117,7 +123,8 @@ async def embeddings() -> Response:
                    code="embeddings_not_supported")
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={
+    200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
     """Rendered on a worker thread, never on the event loop; polls that arrive while a
     rendering is under way share it, so tight pollers cost one rendering at a time."""
@@ -132,7 +139,8 @@ async def metrics(request: Request) -> Response:
     return Response(await asyncio.shield(rendering), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", response_class=Response, responses={
+    200: {"description": "The cache was reset: an empty body"}})
 async def reset_prefix_cache(request: Request) -> Response:
     """Forget every cached prefix block (vLLM's route; running requests keep theirs)."""
     await ready_engine(request).call_utility("reset_prefix_cache")
