@@ -191,7 +191,36 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
         admission.release(stream)
     # Off the event loop: with logprobs a reply is megabytes of JSON, seconds of Python that
     # would freeze every stream and /health.
-    return await asyncio.to_thread(lambda: JSONResponse(build(choices)))
+    return await asyncio.to_thread(lambda: ChunkedJSONResponse(build(choices)))
+
+
+class ChunkedJSONResponse(JSONResponse):
+    """A JSON reply handed to the transport in slices, each once the previous one has left
+    its buffer: a multi-megabyte reply written at once sits in asyncio's buffer, which
+    shrinks by a copy of everything left after every send (quadratic in the size)."""
+
+    slice_bytes = 64 * 1024
+
+    def render(self, content: Any) -> bytes:
+        """Each choice serialized on its own: json's C encoder holds the GIL for a whole call,
+        which for a whole multi-megabyte reply would freeze the event loop as well."""
+        choices = content.get("choices") if isinstance(content, dict) else None
+        if not isinstance(choices, list) or len(choices) < 2:
+            return super().render(content)
+        render = super().render
+        head = render({**content, "choices": []})
+        end = head.index(b'"choices":[]') + len(b'"choices":[')  # the first: keys come first
+        return head[:end] + b",".join([render(c) for c in choices]) + head[end:]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        body = memoryview(self.body)
+        for start in range(0, len(body), self.slice_bytes):
+            await send({"type": "http.response.body",
+                        "body": bytes(body[start:start + self.slice_bytes]),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def log_request(request: Request, requests: list[GenerationRequest], prompts: list,

@@ -16,7 +16,8 @@ failed accept. So:
   sent (the socket's buffers fill and asyncio pauses writing) for `write_timeout`
   seconds in a row is disconnected; its stream ends like any disconnect, so its
   engine requests are aborted and their KV blocks and queued outputs freed.
-  A slow reader that keeps reading is never cut off: each resume resets the clock.
+  A slow reader that keeps reading is never cut off: each resume, or any progress
+  through the buffer within the timeout, resets the clock.
 - **Send buffer.** Each client socket's SO_SNDBUF, and asyncio's write
   buffer high-water mark, are set to `send_buffer` bytes: left to itself the
   kernel grows its buffer to megabytes, which a client that
@@ -161,8 +162,12 @@ class _GuardedH11Protocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if getattr(self, "_write_deadline", None) is None:
-            self._write_deadline = self.loop.call_later(self.guard.write_timeout,
-                                                        self._write_timed_out)
+            self._arm_write_deadline()
+
+    def _arm_write_deadline(self) -> None:
+        self._unsent_at_arming = self.transport.get_write_buffer_size()
+        self._write_deadline = self.loop.call_later(self.guard.write_timeout,
+                                                    self._write_timed_out)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -176,6 +181,11 @@ class _GuardedH11Protocol(H11Protocol):
 
     def _write_timed_out(self) -> None:
         self._write_deadline = None
+        if self.transport.get_write_buffer_size() < self._unsent_at_arming:
+            # Still paused, but the client has read since: one big write drains without a
+            # resume, and a reader that keeps reading is never cut off.
+            self._arm_write_deadline()
+            return
         self.guard.num_stalled += 1
         self.guard.note_closed()
         self._close()

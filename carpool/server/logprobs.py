@@ -23,6 +23,13 @@ def _value(lp: Logprob | None) -> float | None:
 def token_text(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
+    return _decode_one(tokenizer, token_id)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _decode_one(tokenizer: Any, token_id: int) -> str:
+    """One token's text, remembered: a reply with prompt logprobs names the same few
+    thousand tokens hundreds of thousands of times."""
     return tokenizer.decode([token_id])
 
 

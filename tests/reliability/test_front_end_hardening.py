@@ -30,10 +30,12 @@ from tests.reliability.test_engine_process import engine_pids
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
 READ_TIMEOUT_S = 1.0
+WRITE_TIMEOUT_S = 1.0
 STALL_TIMEOUT_S = 2.0
 MAX_LOGPROB_WORK = 20000
 FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--num-kv-blocks", "256",
          "--http-read-timeout", str(READ_TIMEOUT_S), "--timeout-keep-alive", "60",
+         "--http-write-timeout", str(WRITE_TIMEOUT_S),
          "--engine-stall-timeout", str(STALL_TIMEOUT_S),
          "--max-logprob-work", str(MAX_LOGPROB_WORK)]
 # 8 choices x 100 tokens x 21 logprobs: a ~0.5 MB reply, within the cap (16,800 entries).
@@ -93,9 +95,10 @@ def _request(body: dict) -> bytes:
 
 
 def test_a_big_reply_read_slowly_arrives_whole(hardened_server):
-    """A ~0.5 MB reply read over several times --http-read-timeout: the keep-alive read
-    deadline starts once the reply has left the server, so it is not cut off (it was,
-    after read_timeout, with the rest of the reply dropped)."""
+    """A ~0.5 MB reply read steadily over several times --http-read-timeout and
+    --http-write-timeout: the keep-alive read deadline starts once the reply has left the
+    server, and the write deadline counts progress, so it is not cut off (it was, after
+    either timeout, with the rest of the reply dropped)."""
     url = urlsplit(hardened_server.base_url)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # the kernel holds little
@@ -123,7 +126,7 @@ def test_a_big_reply_read_slowly_arrives_whole(hardened_server):
     assert head.startswith(b"HTTP/1.1 200"), head[:200]
     assert len(body) > 300_000
     assert len(json.loads(body)["choices"]) == 8  # whole: it parses
-    assert took > 2 * READ_TIMEOUT_S  # it was read for longer than the deadline
+    assert took > 2 * max(READ_TIMEOUT_S, WRITE_TIMEOUT_S)  # read for longer than either
 
 
 def _status(http, path: str) -> tuple[int, dict | None]:

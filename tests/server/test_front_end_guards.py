@@ -127,3 +127,18 @@ def test_accept_errors_are_logged_once_per_interval(caplog):
     ours = [r for r in caplog.records if r.name == "carpool.server"]
     assert len(ours) == 1 and "could not be accepted" in ours[0].getMessage()
     assert others == ["something else"]  # the handler before it still gets the rest
+
+
+def test_a_whole_reply_rendered_choice_by_choice_is_the_same_json():
+    """Each choice is serialized in its own call (json's encoder holds the GIL for a whole
+    call), then spliced into the envelope: the bytes parse to the same object."""
+    import json
+
+    from carpool.server.generation import ChunkedJSONResponse
+
+    content = {"id": "cmpl-1", "choices": [
+        {"index": i, "text": '"choices":[] \u00e9\U0001f600', "logprobs": None}
+        for i in range(3)], "usage": {"prompt_tokens": 1}}
+    body = ChunkedJSONResponse(content).body
+    assert json.loads(body) == content
+    assert ChunkedJSONResponse({"choices": [1]}).body == b'{"choices":[1]}'
