@@ -101,7 +101,10 @@ def prompt_logprobs_body(tokenizer: Any, prompt_logprobs: PromptLogprobs | None)
         for t, lp in position.items()} for position in prompt_logprobs.positions()]
 
 
-DEFAULT_MAX_LOGPROB_WORK = 2**20  # logprob entries one request may ask for
+# Logprob entries one request may ask for: a harness scoring 16 prompts of 2,048 tokens
+# with 1 top logprob needs 65,536; each entry costs the front end several Python objects
+# (and their garbage collection) to reply with.
+DEFAULT_MAX_LOGPROB_WORK = 2**17
 
 
 def check_logprob_work(params: Any, prompt_lengths: list[int], max_model_len: int,
