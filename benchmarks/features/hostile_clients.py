@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
+import resource
+import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -123,6 +128,87 @@ def _getter(path: str) -> Callable:
 
 
 _SALT = itertools.count()  # makes each grammar-allowed grammar new
+def slow_reader(base_url: str, model: str, stop: threading.Event) -> None:
+    """Issue 64 item 6: asks for a ~0.5 MB reply (8 choices x 100 tokens x 20 logprobs) and
+    reads it at ~20 KB/s through a small receive buffer, again and again."""
+    url = urlsplit(base_url)
+    body = json.dumps({"model": model, "prompt": "def f(x):", "n": 8, "max_tokens": 100,
+                       "logprobs": 20, "ignore_eos": True}).encode()
+    while not stop.is_set():
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+            s.connect((url.hostname, url.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+            s.settimeout(60)
+            while not stop.is_set() and s.recv(4096):
+                stop.wait(0.2)
+
+
+def engine_stop(base_url: str, model: str, stop: threading.Event) -> None:
+    """Issue 64 item 8: the engine process stopped (SIGSTOP) for 2 s, once. The victim waits
+    out the stop by design; /health says 503 once --engine-stall-timeout has passed."""
+    pid = _server_pid(base_url)
+    engines = _children(pid) if pid is not None else []
+    for engine in engines:
+        os.kill(engine, signal.SIGSTOP)
+    try:
+        stop.wait(2.0)
+    finally:
+        for engine in engines:
+            os.kill(engine, signal.SIGCONT)
+
+
+def fd_flood(base_url: str, model: str, stop: threading.Event) -> None:
+    """Issue 64 item 9: 4,600 connections held open, more than a server under
+    `ulimit -n 4096` has descriptors (`--server-nofile 4096` starts it under that limit)."""
+    url = urlsplit(base_url)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
+                                                    else 65536, hard))
+    socks = []
+    try:
+        for _ in range(4600):
+            if stop.is_set():
+                break
+            try:
+                s = socket.socket()
+            except OSError:
+                break  # this process's own descriptors ran out
+            s.setblocking(False)
+            try:
+                s.connect((url.hostname, url.port))
+            except BlockingIOError:
+                pass
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        stop.wait()
+    finally:
+        for s in socks:
+            s.close()
+
+
+# The server's pid per base URL, for the attacks that signal its engine (set by main).
+_SERVER_PIDS: dict[str, int] = {}
+
+
+def _server_pid(base_url: str) -> int | None:
+    return _SERVER_PIDS.get(base_url)
+
+
+def _logprob_reply(num_prompts: int) -> Callable[[str], dict]:
+    """Issue 64 item 5: num_prompts prompts of 480 tokens with echo, logprobs 20 and
+    prompt_logprobs 20 (10,101 logprob entries each: 12 are under the default
+    --max-logprob-work, 64 and 256 over it)."""
+    prompts = [[100 + (i + j) % 200 for j in range(480)] for i in range(num_prompts)]
+    return lambda m: {"model": m, "prompt": prompts, "max_tokens": 1, "echo": True,
+                      "logprobs": 20, "prompt_logprobs": 20}
+
+
 BIG = "a " * 1_900_000  # ~3.8 MB, under the default 4 MiB body limit
 ATTACKS: dict[str, tuple[int, Callable]] = {
     "half-open": (1, half_open),
@@ -151,6 +237,14 @@ ATTACKS: dict[str, tuple[int, Callable]] = {
         "model": m, "prompt": "x", "max_tokens": 4, "guided_grammar": "root ::= " + " | ".join(
             f'"{next(_SALT)} word {i} of a long list"' if i == 0 else
             f'"word {i} of a long list"' for i in range(1_900))})),
+    # issue 64
+    "tokenize-flood": (8, _poster("/tokenize", lambda m: {"model": m, "prompt": BIG})),
+    "logprob-reply-12": (1, _poster("/v1/completions", _logprob_reply(12))),
+    "logprob-reply-64": (1, _poster("/v1/completions", _logprob_reply(64))),
+    "logprob-reply-256": (1, _poster("/v1/completions", _logprob_reply(256))),
+    "slow-readers": (4, slow_reader),
+    "engine-stop": (1, engine_stop),
+    "fd-flood": (1, fd_flood),
 }
 
 
@@ -214,12 +308,20 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--flags", default="", help="extra `carpool serve` flags")
+    parser.add_argument("--server-nofile", type=int, default=None,
+                        help="start the server under this open-files limit (prlimit), as "
+                             "`ulimit -n` would (the fd-flood attack)")
     args = parser.parse_args()
     from carpool.default_model_path import default_model_path
     model_path = args.model or str(default_model_path())
     log = Path(tempfile.mkdtemp()) / "server.log"
-    server = LocalServer(model_path, ["--served-model-name", "m", *args.flags.split()], log)
+    launcher = [sys.executable, "-m", "carpool.cli"]
+    if args.server_nofile is not None:
+        launcher = ["prlimit", f"--nofile={args.server_nofile}:{args.server_nofile}", *launcher]
+    server = LocalServer(model_path, ["--served-model-name", "m", *args.flags.split()], log,
+                         launcher=launcher)
     with server as base_url:
+        _SERVER_PIDS[base_url] = server.process.pid
         victim(base_url, "m")  # warm-up
         print("| attack | victim total s | largest gap s | slowest /health s "
               "| front-end RSS growth MiB | engine RSS growth MiB |")
@@ -235,6 +337,7 @@ def main() -> None:
             print(f"| {name or 'none'} | {total:.2f} | {gap:.2f} | {health:.2f} | {rss[0]:.0f} "
                   f"| {rss[1]:.0f} |", flush=True)
             time.sleep(2.0)
+        print(f"server log: {log.stat().st_size} bytes", flush=True)
 
 
 if __name__ == "__main__":

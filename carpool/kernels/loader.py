@@ -2,9 +2,13 @@
 
 The extension is compiled with `torch.utils.cpp_extension.load` the first time `load()` is
 called and cached on disk across processes (in $TORCH_EXTENSIONS_DIR, else torch's extension
-folder, unless `build_dir` is given) under a name that carries a hash of everything its
-build reads: the sources, flags, Python, torch and the compiler. So two checkouts, two
-environments or an upgrade never build over, or load, each other's binary. The vector width
+folder, unless `build_dir` is given) under a name that carries a hash of what decides the
+binary: the sources, flags, Python's version, torch's version and the compiler's own
+version line, and none of an environment's paths. So an upgrade or another compiler never
+loads another's binary, while two checkouts or two environments with the same torch and
+compiler share one build: a build already there is imported as it is, never handed to
+torch's loader again (whose ninja file holds this environment's include paths, and would
+rebuild it for each environment in turn). The vector width
 matches the capability torch itself dispatches to on this CPU. When the build cannot run,
 `load()` logs one warning naming what falls back and returns None; callers keep the PyTorch
 path (`carpool.kernels.reference` computes the same thing).
@@ -21,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -92,15 +98,20 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
             raise RuntimeError("ninja is not installed")
         root = Path(build_dir) if build_dir is not None else _cache_folder(name)
         with _exclusive(root):
+            built = root / f"{name}.so"
+            if built.exists():  # linked by a holder of _exclusive: the name says the rest
+                try:
+                    return _import_built(name, built)
+                except ImportError as exc:  # a link cut short: build it again below
+                    logger.warning("C++ CPU kernels: %s does not load (%s); rebuilding it",
+                                   built, exc)
             staged = _stage(root / "src", csrc)
             # Torch's lock file, if there is one, was left by a builder that died (every
             # live one holds _exclusive): torch would wait on it forever.
             (root / "lock").unlink(missing_ok=True)
             # A first start compiles for a while before it serves: say so, and how long it took.
-            compiling = not (root / f"{name}.so").exists()
-            if compiling:
-                logger.info("C++ CPU kernels: compiling the %s build in %s (once for these "
-                            "sources; the engine starts when it is done)", capability, root)
+            logger.info("C++ CPU kernels: compiling the %s build in %s (once for these "
+                        "sources; the engine starts when it is done)", capability, root)
             started = time.monotonic()
             # -fopenmp: at::parallel_for is inline OpenMP (torch's parallel backend here);
             # without it the loop runs on one thread. The libgomp.so.1 torch already loaded
@@ -109,8 +120,7 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
                 name=name, sources=[str(staged / s) for s in csrc if s.endswith(".cpp")],
                 extra_cflags=["-O3", "-fopenmp", *flags], extra_include_paths=[str(staged)],
                 extra_ldflags=["-fopenmp"], build_directory=str(root), verbose=False)
-            if compiling:
-                logger.info("C++ CPU kernels: compiled in %.0f s", time.monotonic() - started)
+            logger.info("C++ CPU kernels: compiled in %.0f s", time.monotonic() - started)
             return module
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the PyTorch path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -118,6 +128,16 @@ def _build(build_dir: str | None, capability: str | None = None) -> ModuleType |
                        "GEMMs, the fused layer passes, the C++ layer stack and the greedy "
                        "argmax fall back to PyTorch: %s", capability, first_line)
         return None
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    """The extension module at `path` (what torch's loader does once its build is done)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cache_folder(name: str) -> Path:
@@ -166,21 +186,33 @@ def _extension_name(capability: str, flags: list[str], csrc: dict[str, bytes],
     """carpool_cpu_kernels_<capability>_<hash>: each version of the sources, and each
     toolchain that compiles them, gets its own build in the shared extension cache.
 
-    The hash covers what torch writes into the build's ninja file besides the sources: the
-    flags, the compiler ($CXX), torch's and Python's include folders; another value of any
-    would make ninja rebuild the shared folder for one environment, then for the other. A
-    build folder of the caller's own is in it too: torch renames a second load of a name it
+    The hash covers what makes the binary differ: the flags, Python's and torch's versions
+    (their headers and ABI), the compiler's version line, and the sources. Not the
+    environment's paths (torch's and Python's include folders, the compiler's location):
+    two environments with the same torch and compiler make the same binary and share it.
+    A build folder of the caller's own is in it: torch renames a second load of a name it
     has loaded from another folder (name_v1) and rebuilds it from scratch.
     """
     from torch.utils import cpp_extension
 
     digest = hashlib.sha256(" ".join(["-fopenmp", *flags]).encode())
-    digest.update(f"{sys.version_info.major}.{sys.version_info.minor} {torch.__version__}".encode())
-    toolchain = [cpp_extension.get_cxx_compiler(), *cpp_extension.include_paths(),
-                 str(sysconfig.get_path("include", scheme="posix_prefix")),
-                 "" if build_dir is None else str(Path(build_dir).resolve())]
-    digest.update("\0".join(toolchain).encode())
+    digest.update(f"{sys.version_info.major}.{sys.version_info.minor} {torch.__version__} "
+                  f"{torch.version.git_version}".encode())
+    digest.update(compiler_version(cpp_extension.get_cxx_compiler()).encode())
+    digest.update(b"" if build_dir is None else str(Path(build_dir).resolve()).encode())
     for name, data in csrc.items():  # sorted by path
         digest.update(name.encode())
         digest.update(data)
     return f"carpool_cpu_kernels_{capability}_{digest.hexdigest()[:12]}"
+
+
+@functools.cache
+def compiler_version(compiler: str) -> str:
+    """The first line of `compiler --version` (its name, vendor and version); raises
+    RuntimeError naming the compiler if it cannot be run."""
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {exc}") from None
+    return (done.stdout.strip().splitlines() or [compiler])[0]

@@ -15,6 +15,9 @@ streams still open with a clear error (and aborts their engine requests).
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from carpool.engine.output_stream import GenerationRequest, OutputStream, ServerClosingError
 from carpool.engine.protocol import EngineClient
 from carpool.server.errors import APIError
@@ -30,6 +33,9 @@ class Admission:
     def __init__(self, max_num_waiting_requests: int | None = None) -> None:
         self._max_num_waiting = max_num_waiting_requests
         self.num_sent = 0  # engine requests ever sent for admission
+        # (num_sent after a send, its time.monotonic()) of the sends the engine's snapshot may
+        # not have taken in yet, oldest first (`oldest_untaken_send`).
+        self._sends: deque[tuple[int, float]] = deque()
         self.streams: set[OutputStream] = set()
         self.closing_reason: str | None = None
 
@@ -63,6 +69,7 @@ class Admission:
         self.check(engine, len(requests))
         stream = engine.add(requests)
         self.num_sent += len(requests)
+        self._sends.append((self.num_sent, time.monotonic()))
         try:
             await stream.admitted()
         except BaseException:
@@ -70,6 +77,13 @@ class Admission:
             raise
         self.streams.add(stream)
         return stream
+
+    def oldest_untaken_send(self, num_requests_taken: int) -> float | None:
+        """When the oldest send the engine had not taken in by `num_requests_taken` (its
+        snapshot's running total) was made; None if it has taken them all."""
+        while self._sends and self._sends[0][0] <= num_requests_taken:
+            self._sends.popleft()
+        return self._sends[0][1] if self._sends else None
 
     def release(self, stream: OutputStream) -> None:
         """The stream's response has ended: abort what is unfinished, stop tracking it."""

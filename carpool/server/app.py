@@ -28,14 +28,19 @@ from carpool.server.http_protocol import (
     DEFAULT_SEND_BUFFER_BYTES,
     DEFAULT_WRITE_TIMEOUT_S,
 )
-from carpool.server.prompts import TokenizerWorker
+from carpool.server.logprobs import DEFAULT_MAX_LOGPROB_WORK
+from carpool.server.openapi import openapi_document
+from carpool.server.prompts import DEFAULT_MAX_TOKENIZER_QUEUE, TokenizerWorker
 from carpool.server.tool_parsers import get_parser
 
 # The modules whose `router` build_app includes.
 ROUTE_MODULES = (completions, chat, responses, tokenize, meta)
-# The API key guards the OpenAI routes only, as in vLLM: /metrics, probes, /version,
-# /tokenize and the operator routes stay open (bind 127.0.0.1 or firewall them).
+# The API key guards the OpenAI routes and those that cost work or change or reveal the
+# server's state; /metrics, the probes (/health, /ping, /load, /version) and SGLang's
+# router routes stay open, as in vLLM (Prometheus and load balancers send no key).
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize", "/stats", "/reset_prefix_cache",
+                             "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 2**20
@@ -43,6 +48,9 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's
 DEFAULT_MAX_STREAM_BACKLOG = 2048  # outputs a streamed response's reader may leave unread
 DEFAULT_STREAM_PAUSE_BACKLOG = 32  # unread outputs at which a stream's requests pause
+# An engine with work that has finished no step for this long is reported stalled (/health
+# 503): far beyond any one step, well within a router's patience.
+DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,13 @@ class ServerSettings:
     engine_process: bool = True
     # Engine replicas behind this front end, each its own process (vLLM's -dp).
     data_parallel_size: int = 1
+    # Tokenizer jobs queued or running per lane (generation prompts, /tokenize) before 503s.
+    max_tokenizer_queue: int = DEFAULT_MAX_TOKENIZER_QUEUE
+    # Logprob entries (tokens x (top-N + 1), over prompts and choices) one request may ask for.
+    max_logprob_work: int = DEFAULT_MAX_LOGPROB_WORK
+    # Seconds an engine with work may go without finishing a step before /health is 503
+    # (0: never reported stalled).
+    engine_stall_timeout: float = DEFAULT_ENGINE_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -101,6 +116,13 @@ class ServerSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        for name in ("max_tokenizer_queue", "max_logprob_work"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0 <= self.engine_stall_timeout < float("inf"):
+            raise ValueError(f"engine_stall_timeout must be a finite number of seconds >= 0, "
+                             f"got {self.engine_stall_timeout!r}")
         if isinstance(self.max_connections, bool) or self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
         if isinstance(self.data_parallel_size, bool) or self.data_parallel_size < 1:
@@ -134,8 +156,10 @@ class APIKeyMiddleware:
 
 
 def is_protected(path: str) -> bool:
-    """Whether `path` needs the API key: everything under /v1/ (and /v1 itself)."""
-    return path == PROTECTED_PREFIX.rstrip("/") or path.startswith(PROTECTED_PREFIX)
+    """Whether `path` needs the API key: everything under /v1/ (and /v1 itself), and
+    `PROTECTED_PATHS`."""
+    return (path == PROTECTED_PREFIX.rstrip("/") or path.startswith(PROTECTED_PREFIX)
+            or path.rstrip("/") in PROTECTED_PATHS)
 
 
 def _bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -161,10 +185,11 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     app.state.engine = engine
     app.state.settings = settings
     app.state.admission = Admission(settings.max_num_waiting_requests)
-    app.state.tokenizer_worker = TokenizerWorker()
+    app.state.tokenizer_worker = TokenizerWorker(settings.max_tokenizer_queue)
     install_error_handlers(app)
     for module in ROUTE_MODULES:
         app.include_router(module.router)
+    app.openapi = lambda: openapi_document(app, is_protected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key is not None:  # added last: runs first, before any body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

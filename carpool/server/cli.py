@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Address to bind (default 127.0.0.1; 0.0.0.0 exposes the server).")
     server.add_argument("--port", type=int, default=8000, help="Port to bind (default 8000).")
     server.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"),
-                        help="Require 'Authorization: Bearer KEY' on every route but /health "
-                             "(default: $CARPOOL_API_KEY).")
+                        help="Require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize, "
+                             "/detokenize, /stats, /reset_prefix_cache and the API docs; "
+                             "/metrics and the probes stay open (default: $CARPOOL_API_KEY).")
     server.add_argument("--served-model-name", default=None,
                         help="Model name clients send and responses report (default: MODEL).")
     add_log_level_argument(server, default="info")
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_robustness_arguments(group) -> None:
     from carpool.server.app import (
+        DEFAULT_ENGINE_STALL_TIMEOUT_S,
         DEFAULT_MAX_REQUEST_BODY_BYTES,
         DEFAULT_MAX_STREAM_BACKLOG,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -69,6 +71,8 @@ def _add_robustness_arguments(group) -> None:
         DEFAULT_SEND_BUFFER_BYTES,
         DEFAULT_WRITE_TIMEOUT_S,
     )
+    from carpool.server.logprobs import DEFAULT_MAX_LOGPROB_WORK
+    from carpool.server.prompts import DEFAULT_MAX_TOKENIZER_QUEUE
     group.add_argument("--max-request-body-bytes", type=parse_bytes,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES, metavar="BYTES",
                        help="Larger request bodies get a 413 before they are parsed "
@@ -116,6 +120,22 @@ def _add_robustness_arguments(group) -> None:
                        metavar="SECONDS",
                        help="Close an idle keep-alive connection after this long "
                             f"(default {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g}, as uvicorn).")
+    group.add_argument("--max-tokenizer-queue", type=int, default=DEFAULT_MAX_TOKENIZER_QUEUE,
+                       metavar="JOBS",
+                       help="Most tokenizer jobs queued per lane (generation prompts; /tokenize "
+                            "and /detokenize); beyond it a 503 with Retry-After "
+                            f"(default {DEFAULT_MAX_TOKENIZER_QUEUE}).")
+    group.add_argument("--max-logprob-work", type=int, default=DEFAULT_MAX_LOGPROB_WORK,
+                       metavar="ENTRIES",
+                       help="Most logprob entries one request may ask for: prompt tokens x "
+                            "(prompt_logprobs + 1) + max_tokens x (logprobs + 1), over its "
+                            "prompts and choices; beyond it a 400 "
+                            f"(default {DEFAULT_MAX_LOGPROB_WORK}).")
+    group.add_argument("--engine-stall-timeout", type=float,
+                       default=DEFAULT_ENGINE_STALL_TIMEOUT_S, metavar="SECONDS",
+                       help="An engine that has work but has finished no step for this long is "
+                            "reported stalled: /health and /ping 503, /load says so, until steps "
+                            f"resume; 0 never (default {DEFAULT_ENGINE_STALL_TIMEOUT_S:g}).")
     group.add_argument("--log-prompts", action="store_true",
                        help="Log each request with its prompt (implies --enable-log-requests; "
                             "off: prompts are never logged).")
@@ -152,7 +172,9 @@ def server_settings_from_args(args: argparse.Namespace):
         log_stats=not args.disable_log_stats,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
-        engine_process=args.engine_process, data_parallel_size=args.data_parallel_size)
+        engine_process=args.engine_process, data_parallel_size=args.data_parallel_size,
+        max_tokenizer_queue=args.max_tokenizer_queue, max_logprob_work=args.max_logprob_work,
+        engine_stall_timeout=args.engine_stall_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
 from carpool.server.constraints import check_grammar
 from carpool.server.errors import APIError, bad_request, engine_error, not_found_model
+from carpool.server.logprobs import check_logprob_work
 from carpool.server.prompts import TokenizerWorker
 from carpool.server.protocol import REQUEST_FIELDS, SamplingRequest
 from carpool.server.sse import DONE, EventStreamResponse, sse_event
@@ -133,7 +134,8 @@ async def serve_generation(
     prompts; a ValueError there, in the sampling fields or in the fan-out is a 400 naming
     the field. The engine requests carry the body's `cache_salt`. Then
     `prepare` and the tokenizing of text prompts run on the app's `TokenizerWorker` thread,
-    never on the event loop. Then
+    never on the event loop, and the logprobs asked for are checked against
+    `--max-logprob-work`. Then
     `events(stream, context, num_choices, usage)` streams (`usage`, counted from the stream
     here, is None unless the client asked for it in a last chunk), or `build(context,
     choices)` answers whole and the usage is added here (in `shape_usage`'s shape if given).
@@ -150,7 +152,11 @@ async def serve_generation(
     try:
         params = body.to_sampling_params(info.sampling_defaults)
         await check_grammar(request, body, params)
-        context, prompts, prompt_ids = await worker.run(prepare_ids, params)
+        # A client that leaves while its prompts wait for the tokenizer takes them along.
+        context, prompts, prompt_ids = await until_disconnected(
+            worker.run(prepare_ids, params), request)
+        check_logprob_work(params, [len(ids) for ids in prompt_ids], info.max_model_len,
+                           request.app.state.settings.max_logprob_work)
         requests = fan_out(context.id, prompt_ids, params, info, body.cache_salt)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
@@ -185,7 +191,38 @@ async def respond(request: Request, engine: EngineClient, requests: list[Generat
         choices = await collect(stream, request, len(requests))
     finally:
         admission.release(stream)
-    return JSONResponse(build(choices))
+    # Off the event loop: with logprobs a reply is megabytes of JSON, seconds of Python that
+    # would freeze every stream and /health.
+    return await asyncio.to_thread(lambda: ChunkedJSONResponse(build(choices)))
+
+
+class ChunkedJSONResponse(JSONResponse):
+    """A JSON reply handed to the transport in slices, each once the previous one has left
+    its buffer: a multi-megabyte reply written at once sits in asyncio's buffer, which
+    shrinks by a copy of everything left after every send (quadratic in the size)."""
+
+    slice_bytes = 64 * 1024
+
+    def render(self, content: Any) -> bytes:
+        """Each choice serialized on its own: json's C encoder holds the GIL for a whole call,
+        which for a whole multi-megabyte reply would freeze the event loop as well."""
+        choices = content.get("choices") if isinstance(content, dict) else None
+        if not isinstance(choices, list) or len(choices) < 2:
+            return super().render(content)
+        render = super().render
+        head = render({**content, "choices": []})
+        end = head.index(b'"choices":[]') + len(b'"choices":[')  # the first: keys come first
+        return head[:end] + b",".join([render(c) for c in choices]) + head[end:]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        body = memoryview(self.body)
+        for start in range(0, len(body), self.slice_bytes):
+            await send({"type": "http.response.body",
+                        "body": bytes(body[start:start + self.slice_bytes]),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def log_request(request: Request, requests: list[GenerationRequest], prompts: list,

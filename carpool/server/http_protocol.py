@@ -7,14 +7,17 @@ nothing (not even /health) is accepted and asyncio logs a traceback for every
 failed accept. So:
 
 - **Read deadline.** A connection must deliver a whole request, headers and
-  body, within `read_timeout` seconds of connecting (or of the previous
-  response ending, for keep-alive); otherwise it is closed. Once a request is
+  body, within `read_timeout` seconds of connecting (or, for keep-alive, of its
+  previous response having left asyncio's buffer: a big reply read slowly is
+  still being sent, not idle); otherwise it is closed, gracefully (what the
+  kernel still holds of a reply goes out before the FIN). Once a request is
   complete its response may take as long as it needs (streams do).
 - **Write deadline.** A client that stops reading while its response is being
   sent (the socket's buffers fill and asyncio pauses writing) for `write_timeout`
   seconds in a row is disconnected; its stream ends like any disconnect, so its
   engine requests are aborted and their KV blocks and queued outputs freed.
-  A slow reader that keeps reading is never cut off: each resume resets the clock.
+  A slow reader that keeps reading is never cut off: each resume, or any progress
+  through the buffer within the timeout, resets the clock.
 - **Send buffer.** Each client socket's SO_SNDBUF, and asyncio's write
   buffer high-water mark, are set to `send_buffer` bytes: left to itself the
   kernel grows its buffer to megabytes, which a client that
@@ -26,17 +29,22 @@ failed accept. So:
   connection is a real request in progress is the new one refused. So probes
   and new clients keep getting in while an attacker holds half-open sockets.
 
-Closures are counted and logged once per interval, never once per socket.
+Closures are counted and logged once per interval, never once per socket; so are the
+accept errors asyncio reports when the descriptors run out (`quiet_accept_errors`), and
+the cap keeps one accept burst (the listen backlog) of descriptors in reserve, since
+asyncio accepts up to that many sockets before any of them is refused here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -49,7 +57,11 @@ DEFAULT_MAX_CONNECTIONS = 4096
 DEFAULT_SEND_BUFFER_BYTES = 32 * 1024
 # File descriptors kept for everything but client sockets (model files, logs, pipes).
 _RESERVED_FDS = 64
+DEFAULT_BACKLOG = 2048  # uvicorn's listen backlog: asyncio accepts up to this many at once
 _LOG_INTERVAL_S = 10.0
+# How often a connection whose reply is still in asyncio's buffer looks again before its
+# keep-alive read deadline starts.
+_SENT_POLL_S = 0.25
 _REQUEST_DELIVERED = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED, h11.ERROR)
 
 
@@ -150,8 +162,12 @@ class _GuardedH11Protocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if getattr(self, "_write_deadline", None) is None:
-            self._write_deadline = self.loop.call_later(self.guard.write_timeout,
-                                                        self._write_timed_out)
+            self._arm_write_deadline()
+
+    def _arm_write_deadline(self) -> None:
+        self._unsent_at_arming = self.transport.get_write_buffer_size()
+        self._write_deadline = self.loop.call_later(self.guard.write_timeout,
+                                                    self._write_timed_out)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -165,13 +181,23 @@ class _GuardedH11Protocol(H11Protocol):
 
     def _write_timed_out(self) -> None:
         self._write_deadline = None
+        if self.transport.get_write_buffer_size() < self._unsent_at_arming:
+            # Still paused, but the client has read since: one big write drains without a
+            # resume, and a reader that keeps reading is never cut off.
+            self._arm_write_deadline()
+            return
         self.guard.num_stalled += 1
         self.guard.note_closed()
         self._close()
 
     # ---- deadline and eviction ---------------------------------------------
     def _await_request(self) -> None:
+        """Start the read deadline once the previous reply, if any, has been handed to the
+        kernel: until then the connection is busy sending, neither idle nor evictable."""
         self._request_delivered()
+        if self.transport.get_write_buffer_size():
+            self._deadline = self.loop.call_later(_SENT_POLL_S, self._await_request)
+            return
         self._deadline = self.loop.call_later(self.guard.read_timeout, self._read_timed_out)
         self.guard.pending[self] = None
 
@@ -186,7 +212,7 @@ class _GuardedH11Protocol(H11Protocol):
         self._deadline = None
         self.guard.num_timed_out += 1
         self.guard.note_closed()
-        self._close()
+        self._close(graceful=True)
 
     def _evict_oldest_pending(self) -> bool:
         if not self.guard.pending:
@@ -194,13 +220,19 @@ class _GuardedH11Protocol(H11Protocol):
         oldest = next(iter(self.guard.pending))
         self.guard.num_evicted += 1
         self.guard.note_closed()
-        oldest._close()
+        oldest._close(graceful=True)
         return True
 
-    def _close(self) -> None:
+    def _close(self, graceful: bool = False) -> None:
+        """Close at once; `graceful`: a connection with nothing left in asyncio's buffer (a
+        pending one) closes with a FIN after what the kernel holds, not a reset that drops it.
+        A client that stopped reading is reset: its buffer would never drain."""
         self._request_delivered()
         self.connections.discard(self)  # the slot is free now, not when the loop gets to it
-        self.transport.abort()
+        if graceful and not self.transport.get_write_buffer_size():
+            self.transport.close()
+        else:
+            self.transport.abort()
 
 
 def raise_open_files_limit() -> int:
@@ -217,6 +249,39 @@ def raise_open_files_limit() -> int:
     return soft
 
 
-def connection_cap(max_connections: int, open_files_limit: int) -> int:
-    """`max_connections`, lowered so that client sockets can never use up the descriptors."""
-    return max(1, min(max_connections, open_files_limit - _RESERVED_FDS))
+def connection_cap(max_connections: int, open_files_limit: int,
+                   backlog: int = DEFAULT_BACKLOG) -> int:
+    """`max_connections`, lowered so that client sockets can never use up the descriptors:
+    one accept burst (`backlog` sockets, accepted before any is refused) plus the server's
+    own files stay free."""
+    return max(1, min(max_connections, open_files_limit - _RESERVED_FDS - backlog))
+
+
+_ACCEPT_ERROR = "socket.accept() out of system resource"
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """Log asyncio's "out of system resource" accept errors (EMFILE and its kin) once per
+    interval with their count, instead of a traceback each (tens of thousands a second in
+    a connection flood under a low descriptor limit); other errors go on as before."""
+    previous = loop.get_exception_handler()
+    count = 0
+    logged_at = float("-inf")
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        nonlocal count, logged_at
+        if context.get("message") != _ACCEPT_ERROR:
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        count += 1
+        now = time.monotonic()
+        if now - logged_at >= _LOG_INTERVAL_S:
+            logged_at = now
+            logger.warning("out of file descriptors: %d connection(s) could not be accepted "
+                           "(%s; totals so far; raise `ulimit -n` or lower --max-connections)",
+                           count, context.get("exception"))
+
+    loop.set_exception_handler(handler)

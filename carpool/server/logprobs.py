@@ -23,6 +23,13 @@ def _value(lp: Logprob | None) -> float | None:
 def token_text(tokenizer: Any, token_id: int, lp: Logprob | None = None) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
+    return _decode_one(tokenizer, token_id)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _decode_one(tokenizer: Any, token_id: int) -> str:
+    """One token's text, remembered: a reply with prompt logprobs names the same few
+    thousand tokens hundreds of thousands of times."""
     return tokenizer.decode([token_id])
 
 
@@ -92,3 +99,38 @@ def prompt_logprobs_body(tokenizer: Any, prompt_logprobs: PromptLogprobs | None)
         str(t): {"logprob": _value(lp), "rank": lp.rank,
                  "decoded_token": token_text(tokenizer, t, lp)}
         for t, lp in position.items()} for position in prompt_logprobs.positions()]
+
+
+# Logprob entries one request may ask for: a harness scoring 16 prompts of 2,048 tokens
+# with 1 top logprob needs 65,536; each entry costs the front end several Python objects
+# (and their garbage collection) to reply with.
+DEFAULT_MAX_LOGPROB_WORK = 2**17
+
+
+def check_logprob_work(params: Any, prompt_lengths: list[int], max_model_len: int,
+                       limit: int) -> None:
+    """ValueError naming `logprobs` when a request would return more than `limit` logprob
+    entries: over its prompts and `n` choices, each scored prompt token carries
+    `prompt_logprobs` + 1 of them and each generated token `logprobs` + 1.
+
+    Such a reply is hundreds of megabytes of JSON, which costs the server (and the
+    streams beside it) seconds of CPU to build; a harness that scores long prompts in
+    batches stays well under the default."""
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return
+    work = 0
+    for length in prompt_lengths:
+        per_choice = 0
+        if params.prompt_logprobs is not None:
+            per_choice += length * (params.prompt_logprobs + 1)
+        if params.logprobs is not None:
+            max_tokens = params.max_tokens if params.max_tokens is not None else \
+                max(max_model_len - length, 0)
+            per_choice += max_tokens * (params.logprobs + 1)
+        work += per_choice * params.n
+    if work > limit:
+        raise ValueError(
+            f"logprobs: prompts x tokens x top-N is {work} logprob entries for this request "
+            f"(prompt tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1), for each "
+            f"prompt and choice), more than the server's --max-logprob-work {limit}; ask for "
+            "fewer prompts, tokens or top logprobs per request")

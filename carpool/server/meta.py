@@ -13,32 +13,49 @@ import carpool
 from carpool.engine.protocol import EngineClient
 from carpool.server.errors import APIError
 from carpool.server.generation import check_model, ready_engine
+from carpool.server.liveness import stall_message
 
 router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.get("/health")
+_EMPTY_200 = {200: {"description": "Ready: an empty body"}}
+
+
+@router.get("/health", response_class=Response, responses=_EMPTY_200)
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and the step loop is alive; 503 before, after, and while
-    the server drains for shutdown (so load balancers stop sending work)."""
-    ready_engine(request)
-    closing = request.app.state.admission.closing_reason
+    """200 once the model is loaded and the step loop is alive; 503 before, after, while
+    the server drains for shutdown, and while the engine has work but finishes no step for
+    --engine-stall-timeout (so load balancers stop sending work)."""
+    engine = ready_engine(request)
+    state = request.app.state
+    closing = state.admission.closing_reason
     if closing is not None:
         raise APIError(503, f"The server is shutting down ({closing}).",
                        code="server_shutting_down")
+    stalled = stall_message(engine, state.admission, state.settings.engine_stall_timeout)
+    if stalled is not None:
+        raise APIError(503, stalled, code="engine_stalled")
     return Response(status_code=200)
 
 
 # vLLM's (and SageMaker's) name for the same probe, in both methods.
-router.add_api_route("/ping", health, methods=["GET", "POST"])
+router.add_api_route("/ping", health, methods=["GET"], response_class=Response,
+                     responses=_EMPTY_200, operation_id="ping_get")
+router.add_api_route("/ping", health, methods=["POST"], response_class=Response,
+                     responses=_EMPTY_200, operation_id="ping_post")
 
 
 @router.get("/load")
 async def load(request: Request) -> dict:
     """Generation requests in flight (queued, running or streaming), for routers that send
-    work to the least loaded server; vLLM's shape."""
-    return {"server_load": len(request.app.state.admission.streams)}
+    work to the least loaded server; vLLM's shape, plus whether the engine is stalled
+    (see /health)."""
+    state = request.app.state
+    engine: EngineClient = state.engine
+    stalled = engine.is_ready and stall_message(
+        engine, state.admission, state.settings.engine_stall_timeout) is not None
+    return {"server_load": len(state.admission.streams), "engine_stalled": stalled}
 
 
 @router.get("/get_load")
@@ -106,7 +123,8 @@ async def embeddings() -> Response:
                    code="embeddings_not_supported")
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={
+    200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}})
 async def metrics(request: Request) -> Response:
     """Rendered on a worker thread, never on the event loop; polls that arrive while a
     rendering is under way share it, so tight pollers cost one rendering at a time."""
@@ -121,7 +139,8 @@ async def metrics(request: Request) -> Response:
     return Response(await asyncio.shield(rendering), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", response_class=Response, responses={
+    200: {"description": "The cache was reset: an empty body"}})
 async def reset_prefix_cache(request: Request) -> Response:
     """Forget every cached prefix block (vLLM's route; running requests keep theirs)."""
     await ready_engine(request).call_utility("reset_prefix_cache")

@@ -21,7 +21,13 @@ import uvicorn
 
 from carpool.config import EngineConfig
 from carpool.engine.output_stream import EngineInfo
-from carpool.server.http_protocol import connection_cap, guarded_protocol, raise_open_files_limit
+from carpool.server.http_protocol import (
+    DEFAULT_BACKLOG,
+    connection_cap,
+    guarded_protocol,
+    quiet_accept_errors,
+    raise_open_files_limit,
+)
 from carpool.utils.cpu_threads import openmp_wait_environment
 
 if TYPE_CHECKING:
@@ -85,13 +91,14 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
         engine = AsyncEngine(lambda: LLMEngine.from_config(config), **hooks)
     app = build_app(engine, settings)
     app.state.grammar_limits = config.grammar_limits  # the server's grammar check's
-    max_connections = connection_cap(settings.max_connections, raise_open_files_limit())
+    max_connections = connection_cap(settings.max_connections, raise_open_files_limit(),
+                                     DEFAULT_BACKLOG)
     server = DrainingServer(
         uvicorn.Config(app, host=host, port=port, log_level=log_level,
                        http=guarded_protocol(settings.http_read_timeout, max_connections,
                                              settings.http_write_timeout,
                                              settings.http_send_buffer),
-                       timeout_keep_alive=settings.timeout_keep_alive,
+                       timeout_keep_alive=settings.timeout_keep_alive, backlog=DEFAULT_BACKLOG,
                        timeout_graceful_shutdown=settings.shutdown_timeout + _CANCEL_GRACE_S),
         app.state.admission, settings.shutdown_timeout)
     engine.start()
@@ -127,6 +134,10 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.admission = admission
         self.shutdown_timeout = shutdown_timeout
+
+    async def startup(self, sockets=None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
+        await super().startup(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         self.admission.close("it received a shutdown signal")

@@ -34,7 +34,9 @@ def test_another_checkout_of_the_same_sources_reuses_the_build(tmp_path):
     """The same sources from another folder (a second checkout, an installed copy) load the
     binary already built instead of compiling it again: the build is named by the sources'
     hash and compiled from a copy of them kept beside it, not from the checkout's paths. In
-    a fresh process, as torch skips the build of a name it has loaded once.
+    a fresh process, as torch skips the build of a name it has loaded once. Whether it
+    compiled is read from its own log, not the binary's time: another user of the shared
+    cache may load (never relink) the same build meanwhile.
 
     The other checkout gets the sources this build was made from (its staged src/), not this
     checkout's csrc/ as it is now: csrc/ may have changed since this process loaded (an edit,
@@ -43,19 +45,42 @@ def test_another_checkout_of_the_same_sources_reuses_the_build(tmp_path):
     if module is None:
         pytest.skip("the compiled kernels are unavailable here")
     built = Path(module.__file__)
-    before = built.stat().st_mtime_ns
     other = tmp_path / "checkout" / "csrc"
     shutil.copytree(built.parent / "src", other)
     script = (
-        "import sys\n"
+        "import logging, sys\n"
         "from pathlib import Path\n"
+        "logging.basicConfig(level=logging.INFO)\n"
         "from carpool.kernels import loader\n"
         "loader.CSRC = Path(sys.argv[1])\n"
         "print(loader.load().__file__)\n")
     done = subprocess.run([sys.executable, "-c", script, str(other)], capture_output=True,
                           text=True, timeout=600, check=True)
     assert Path(done.stdout.strip().splitlines()[-1]) == built
-    assert built.stat().st_mtime_ns == before  # not relinked, so not recompiled
+    assert "compiling" not in done.stderr, done.stderr
+
+
+def test_another_environment_with_the_same_toolchain_shares_the_build(tmp_path):
+    """Another virtual environment (its own include folders, Python and compiler at other
+    paths) with the same torch, compiler and sources loads the same build as it is: the
+    build's name carries versions, not paths, and a build already there is imported, not
+    handed to torch's loader, whose ninja file names this environment's paths and would
+    rebuild it (~90 s, for each environment in turn)."""
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the compiled kernels are unavailable here")
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from torch.utils import cpp_extension\n"
+        "paths = [f'{sys.argv[1]}/{p}' for p in cpp_extension.include_paths()]\n"
+        "cpp_extension.include_paths = lambda *a, **k: paths\n"
+        "from carpool.kernels import loader\n"
+        "print(loader.load().__file__)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "other-venv")],
+                          capture_output=True, text=True, timeout=600, check=True)
+    assert Path(done.stdout.strip().splitlines()[-1]) == Path(module.__file__)
+    assert "compiling" not in done.stderr, done.stderr
 
 
 def fake_build(calls: list[dict], result="module", during=None):
@@ -101,24 +126,33 @@ def test_every_source_file_is_staged_and_every_cpp_compiled(tmp_path, monkeypatc
     assert staged == {p.relative_to(csrc) for p in csrc.rglob("*") if p.is_file()}
 
 
-def test_the_name_follows_the_sources_and_the_toolchain(monkeypatch, tmp_path):
-    """What torch writes into the ninja file besides the sources (the compiler, include
-    folders) is in the name: another value would make ninja rebuild the shared folder for
-    one environment, then for the other. A folder of the caller's own is too: torch renames
-    a second load of a name from another folder (name_v1) and builds it from scratch."""
+def test_the_name_follows_the_sources_and_the_toolchain_not_the_paths(monkeypatch, tmp_path):
+    """The sources, flags, torch's version and the compiler's version line are in the name;
+    the environment's paths (include folders) are not, so environments with the same torch
+    and compiler share one build. A folder of the caller's own is: torch renames a second
+    load of a name from another folder (name_v1) and builds it from scratch."""
+    from torch.utils import cpp_extension
+
     csrc = {"bindings.cpp": b"int x;"}
 
     def name(**changes) -> str:
-        return loader._extension_name("avx512", ["-mavx512f"], changes.get("csrc", csrc),
-                                      changes.get("build_dir"))
+        return loader._extension_name("avx512", changes.get("flags", ["-mavx512f"]),
+                                      changes.get("csrc", csrc), changes.get("build_dir"))
 
     monkeypatch.delenv("CXX", raising=False)
     base = name()
     assert name() == base
     assert name(csrc={"bindings.cpp": b"int y;"}) != base
+    assert name(flags=["-mavx2"]) != base
     assert name(build_dir=str(tmp_path)) != base
-    monkeypatch.setenv("CXX", "g++")
-    assert name() != base
+    monkeypatch.setattr(cpp_extension, "include_paths", lambda *a, **k: ["/elsewhere/include"])
+    assert name() == base  # another environment's paths
+    monkeypatch.setattr(loader, "compiler_version", lambda cxx: "c++ (GCC) 99.1")
+    assert name() != base  # another compiler
+    monkeypatch.undo()
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert name() != base  # another torch
 
 
 def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch, caplog):
@@ -176,7 +210,12 @@ def test_a_compile_is_logged_at_its_start_and_end(tmp_path, monkeypatch, caplog)
     assert messages[1].startswith("C++ CPU kernels: compiled in ")
     caplog.clear()
     monkeypatch.delitem(loader._modules, (str(tmp_path), None))  # as a new process would
+    imported = []
+    monkeypatch.setattr(loader, "_import_built", lambda name, path: imported.append(path)
+                        or "built module")
+    monkeypatch.setattr(cpp_extension, "load", fake_build([]))
     with caplog.at_level(logging.INFO, logger=loader.__name__):
-        assert cpu_kernels.load(tmp_path) == "module"
+        assert cpu_kernels.load(tmp_path) == "built module"  # imported, torch not asked
     assert not [r for r in caplog.records if r.name == loader.__name__]
+    assert [p.parent for p in imported] == [tmp_path]
 

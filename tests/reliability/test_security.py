@@ -71,12 +71,18 @@ def _all_routes() -> list[tuple[str, str]]:
     return routes
 
 
-def test_every_v1_route_needs_the_api_key_and_no_other(edge_server):
-    """vLLM's rule: the key guards /v1/*; a Prometheus scrape, a probe or /tokenize does not
-    send one."""
+def test_the_api_key_guards_v1_and_the_state_routes_and_no_other(edge_server):
+    """vLLM's rule, /v1/*, plus the routes that cost work or change or reveal the server's
+    state (issue 64 item 4: three anonymous 4 MB /tokenize calls delayed a keyed
+    completion); a Prometheus scrape or a probe sends no key."""
     routes = _all_routes()
     paths = {path for _, path in routes}
-    assert {"/metrics", "/stats", "/openapi.json", "/v1/completions", "/tokenize"} <= paths
+    state_routes = {"/tokenize", "/detokenize", "/stats", "/reset_prefix_cache",
+                    "/openapi.json", "/docs", "/redoc"}
+    open_routes = {"/metrics", "/health", "/ping", "/load", "/version"}
+    assert state_routes | open_routes | {"/v1/completions"} <= paths
+    assert all(is_protected(path) for path in state_routes)
+    assert not any(is_protected(path) for path in open_routes)
     with httpx.Client(base_url=edge_server.base_url, timeout=30) as anonymous:
         for method, path in routes:
             response = anonymous.request(method, path.replace("{model_id:path}", MODEL),

@@ -47,7 +47,7 @@ def test_models_retrieve_ping_load_and_no_embeddings(client, server):
     with httpx.Client(base_url=server.base_url, timeout=30) as anonymous:
         assert anonymous.get("/ping").status_code == 200
         assert anonymous.post("/ping").status_code == 200
-        assert anonymous.get("/load").json() == {"server_load": 0}
+        assert anonymous.get("/load").json() == {"server_load": 0, "engine_stalled": False}
 
 
 def test_echo_logprobs_max_tokens_0_scores_the_prompt_like_transformers(client, hf_logprobs):

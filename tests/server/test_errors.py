@@ -162,17 +162,19 @@ def test_unknown_route_is_404_with_openai_body(server):
         assert_error(http.get("/v1/completions"), 405)
 
 
-def test_api_key_required_on_v1_routes_only(server):
+def test_api_key_required_on_v1_and_state_routes_only(server):
     import httpx
     with httpx.Client(base_url=server.base_url, timeout=30) as anonymous:
         for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                              ("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL_NAME}")):
             error = assert_error(anonymous.request(method, path, json=COMPLETION), 401)
             assert error["code"] == "invalid_api_key"
-        # vLLM guards /v1/* only: scrapers, probes and orchestrators send no key
+        # scrapers, probes and orchestrators send no key
         for path in ("/health", "/ping", "/metrics", "/version", "/load"):
             assert anonymous.get(path).status_code == 200, path
-        assert anonymous.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+        # the routes that cost work or change or reveal the server's state need it
+        assert_error(anonymous.post("/tokenize", json={"prompt": "hi"}), 401)
+        assert_error(anonymous.get("/stats"), 401)
         wrong = anonymous.post("/v1/completions", json=COMPLETION,
                                headers={"Authorization": "Bearer test-key-124"})
         assert_error(wrong, 401)
