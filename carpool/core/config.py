@@ -80,3 +80,38 @@ class SchedulerConfig:
         if self.max_num_partial_prefills > 1:
             return max(1, int(self.max_model_len * 0.04))
         return None
+
+
+# Who builds the engine: the offline `LLM` (and `carpool generate` / `bench offline`) or
+# `carpool serve`. As in vLLM (its usage context), some defaults differ between the two.
+USAGE_CONTEXTS = ("offline", "server")
+SERVER_CPU_MAX_NUM_SEQS = 128  # vLLM's for its API server on CPU
+OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's for its offline LLM on CPU
+
+
+def default_max_num_seqs(usage: str, device: str) -> int:
+    """The most requests running at once when none is given, on `device` (a resolved name,
+    "cpu" or "cuda[:N]"): vLLM's CPU defaults, 128 for a server and 256 offline (a server's
+    burst then decodes in shorter steps, for a lower time per output token; see
+    docs/lab/22-the-server-at-vllm-s-cpu-defaults.md); 256 on CUDA. ValueError names `usage`
+    if it is not one of USAGE_CONTEXTS."""
+    if usage not in USAGE_CONTEXTS:
+        raise ValueError(f"usage must be one of {USAGE_CONTEXTS}, got {usage!r}")
+    if usage == "server" and str(device).startswith("cpu"):
+        return SERVER_CPU_MAX_NUM_SEQS
+    return SchedulerConfig.max_num_seqs
+
+
+def default_max_num_batched_tokens(usage: str, device: str, max_model_len: int,
+                                   enable_chunked_prefill: bool) -> int:
+    """The step token budget when none is given, on `device` (a resolved name): vLLM's, 4096
+    for the offline LLM on CPU (each prefill step's linears then run on more rows, where
+    oneDNN is at its fastest), else the scheduler's 2048; without chunked prefill at least
+    max_model_len, so the longest prompt fits one step. ValueError names `usage` if it is
+    not one of USAGE_CONTEXTS."""
+    if usage not in USAGE_CONTEXTS:
+        raise ValueError(f"usage must be one of {USAGE_CONTEXTS}, got {usage!r}")
+    budget = SchedulerConfig.default_max_num_batched_tokens(max_model_len, enable_chunked_prefill)
+    if usage == "offline" and str(device).startswith("cpu"):
+        return max(budget, OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS)
+    return budget
