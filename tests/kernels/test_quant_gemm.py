@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from carpool.kernels.quant_rows import quant_matmul
 from carpool.kernels.reference import dequantize_ref, quant_linear_ref
 
 K = 256
@@ -176,3 +177,25 @@ def test_bad_arguments_name_the_argument(kernels):
 def test_reference_rejects_other_bits():
     with pytest.raises(ValueError, match="bits must be 8 or 4, got 3"):
         dequantize_ref(torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1), None, 3, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_quant_matmul_takes_the_kernel_up_to_the_cut_and_onednn_above(kernels, dtype):
+    """Up to the cut, quant_linear's bits; above it the reference, in bfloat16 within a bfloat16
+    step of the output's scale (the weight is dequantized to bfloat16 first: each weight within
+    2^-9 of its value)."""
+    operands = canonical(N, K, 4, 32, True, seed=5)
+    packed = kernels.pack_quant_weight(*operands)
+    b = torch.randn(N)
+    for rows in (1, 8, 9, 40):
+        x = torch.randn(rows, K).to(dtype)
+        out = quant_matmul(kernels, x, packed, b, max_rows=8)
+        if rows <= 8:
+            assert torch.equal(out, kernels.quant_linear(x, packed, b))
+        expected = quant_linear_ref(x, *operands, b)
+        scale = expected.float().abs().max().item()
+        if dtype == torch.float32:
+            atol, rtol = 1e-5 * scale, 1e-5
+        else:  # the output's rounding; above the cut, the weight's too
+            atol, rtol = (1e-5 if rows <= 8 else 2 ** -7) * scale, 2 ** -7
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)

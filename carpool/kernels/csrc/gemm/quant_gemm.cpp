@@ -15,7 +15,9 @@
 // A row's sums run over its groups and each group's k in one fixed order whatever the number
 // of rows, its tile or its thread (threads split the columns only): row m's result is the same
 // bits alone or in any batch. x is read as float32 (bfloat16 rows widened once, exactly), the
-// sums are float32, the result rounded to x's dtype once.
+// sums are float32, the result rounded to x's dtype once. bfloat16 rows on AVX512-BF16 CPUs
+// take `vdpbf16ps` on q as bfloat16 instead (quant_bf16_tiles.h): the same group sums, twice
+// the multiply-adds a cycle.
 //
 // One source for every build: `Isa` (quant_isa.h) is a 16-column block as one AVX-512
 // register, two AVX2 ones, or 16 scalars (DEFAULT builds, no vector code).
@@ -29,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "gemm/quant_isa.h"
@@ -65,7 +68,41 @@ struct Call {
   const float* xsum;   // [m][groups]: each row's sum of x over each group (with mins only)
   const float* bias;   // padded to whole blocks, or null
   float* y;            // [m][blocks * 16]
+  const uint16_t* xb = nullptr;  // bfloat16 rows in pair order (quant_bf16_tiles.h), or null
+  int64_t xb_stride = 0;
 };
+
+// The fold of one group's partial sums into the row sums: acc += part * scale (+ the rows'
+// group sums of x * min), for B blocks whose group header starts at `head`.
+template <int R, int B, bool Mins>
+__attribute__((always_inline)) inline void fold_group(const Call& call, int64_t r0, int64_t grp,
+                                                       const uint8_t* head, int64_t block_bytes,
+                                                       F (&part)[R][B * kVecs],
+                                                       F (&acc)[R][B * kVecs]) {
+  const int64_t groups = call.w->groups();
+  for (int b = 0; b < B; ++b) {
+    const float* scales = reinterpret_cast<const float*>(head + b * block_bytes);
+    for (int h = 0; h < kVecs; ++h) {
+      const int v = b * kVecs + h;
+      const F s = Isa::load(scales + h * Isa::kLanes);
+      for (int r = 0; r < R; ++r) acc[r][v] = Isa::fma(part[r][v], s, acc[r][v]);
+      if constexpr (Mins) {
+        const F m = Isa::load(scales + kBlock + h * Isa::kLanes);
+        for (int r = 0; r < R; ++r)
+          acc[r][v] = Isa::fma(Isa::bcast(call.xsum + (r0 + r) * groups + grp), m, acc[r][v]);
+      }
+    }
+  }
+}
+
+template <int R, int B>
+__attribute__((always_inline)) inline void store_rows(const Call& call, int64_t r0, int64_t blk,
+                                                       F (&acc)[R][B * kVecs]) {
+  const int64_t y_stride = call.w->blocks() * kBlock;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < B * kVecs; ++v)
+      Isa::store(call.y + (r0 + r) * y_stride + blk * kBlock + v * Isa::kLanes, acc[r][v]);
+}
 
 // Rows [r0, r0 + R) times blocks [blk, blk + B) into y. Never inlined: one call a tile is
 // nothing next to its k loop, and each shape keeps its own registers.
@@ -119,24 +156,9 @@ __attribute__((noinline)) void tile(const Call& call, int64_t r0, int64_t blk) {
         }
       }
     }
-    for (int b = 0; b < B; ++b) {
-      const float* head = reinterpret_cast<const float*>(group + b * block_bytes);
-      for (int h = 0; h < kVecs; ++h) {
-        const int v = b * kVecs + h;
-        const F s = Isa::load(head + h * Isa::kLanes);
-        for (int r = 0; r < R; ++r) acc[r][v] = Isa::fma(part[r][v], s, acc[r][v]);
-        if constexpr (Mins) {
-          const F m = Isa::load(head + kBlock + h * Isa::kLanes);
-          for (int r = 0; r < R; ++r)
-            acc[r][v] = Isa::fma(Isa::bcast(call.xsum + (r0 + r) * groups + grp), m, acc[r][v]);
-        }
-      }
-    }
+    fold_group<R, B, Mins>(call, r0, grp, group, block_bytes, part, acc);
   }
-  const int64_t y_stride = w.blocks() * kBlock;
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      Isa::store(call.y + (r0 + r) * y_stride + blk * kBlock + v * Isa::kLanes, acc[r][v]);
+  store_rows<R, B>(call, r0, blk, acc);
 }
 
 // Calls tile<R, B, Bits, Mins> with R == rows (1..MaxR) and B == nb (1..MaxB).
@@ -155,6 +177,8 @@ void run_tile(const Call& call, int64_t rows, int64_t nb, int64_t r0, int64_t bl
 // before the next, so a block's x rows stay in cache while the weight streams past; a call of
 // up to kRowBlock rows (every decode step) reads the weight from memory once.
 constexpr int64_t kRowBlock = 64;
+
+#include "gemm/quant_bf16_tiles.h"
 
 // The whole product: threads split the column blocks evenly; each runs its share in groups
 // of Shape::kBlocks blocks, each group over the rows in tiles of at most Shape::kRows, as even
@@ -220,10 +244,21 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
         xsum[r * groups + grp] = sum;
       }
     }
-    const Call call{&w, xd, x_stride, xsum.data(),
-                    bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
-                    y.data_ptr<float>()};
-    if (w.bits == 8) {
+    Call call{&w, xd, x_stride, xsum.data(),
+              bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr, y.data_ptr<float>()};
+    if (takes_bf16_pairs(x, w)) {
+      // 8 bits: x's own rows, pairs (k, k + 1); 4 bits: each 32 k as (k0 + j, k0 + 16 + j)
+      const at::Tensor xb =
+          w.bits == 8 ? (x.stride(1) == 1 ? x : x.contiguous())
+                      : x.reshape({m, w.k / 32, 2, 16}).transpose(2, 3).contiguous().view({m, w.k});
+      call.xb = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
+      call.xb_stride = xb.stride(0);
+      if (w.bits == 8) {
+        w.has_mins ? run_call_bf16<8, true>(call, m) : run_call_bf16<8, false>(call, m);
+      } else {
+        w.has_mins ? run_call_bf16<4, true>(call, m) : run_call_bf16<4, false>(call, m);
+      }
+    } else if (w.bits == 8) {
       w.has_mins ? run_call<8, true>(call, m) : run_call<8, false>(call, m);
     } else {
       w.has_mins ? run_call<4, true>(call, m) : run_call<4, false>(call, m);

@@ -1,0 +1,35 @@
+"""A quantized linear of any number of rows, from one packed weight (`pack_quant_weight`).
+
+Up to a cut, `quant_linear`: the weight streams once, dequantized in registers, and each row's
+result is the same bits in any batch. Above it, the rows are many enough that the product is
+bound by multiply-adds, not by the weight's bytes: the weight is dequantized to x's dtype once
+per call (`dequantize_rows`) and multiplied by oneDNN's GEMM (`F.linear`), which outruns the
+register kernel there (its results differ from the kernel's in the last bits, so a row's
+result depends on which side of the cut its batch falls: batch-invariant callers keep
+`quant_linear` for every row count). The cuts were measured in
+docs/lab/50-quantized-gemm.md; which one applies (the CPU's class, x's dtype) is the caller's
+choice, as the other linears' cuts are `platform/cpu_route.py`'s.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+# Rows up to which quant_linear beats dequantize_rows + oneDNN (docs/lab/50-quantized-gemm.md):
+# bfloat16 rows on AVX512-BF16 CPUs (Zen 4 measured; its pairs path), float32 rows there, and
+# AVX2 builds (measured on Zen 4 with the AVX2 build: its float32 FMAs against oneDNN's).
+QUANT_GEMM_MAX_ROWS = {"avx512_bf16": 64, "avx512_f32": 16, "avx2": 16}
+
+
+def quant_matmul(kernels: ModuleType, x: torch.Tensor, packed, bias: torch.Tensor | None = None,
+                 max_rows: int = QUANT_GEMM_MAX_ROWS["avx512_bf16"]) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16, contiguous rows) @ W.T (+ bias) -> [M, N] in x's dtype:
+    `quant_linear` up to max_rows rows, above them the weight dequantized to x's dtype and
+    multiplied by `F.linear` (oneDNN)."""
+    if x.shape[0] <= max_rows:
+        return kernels.quant_linear(x, packed, bias)
+    weight = kernels.dequantize_rows(packed, 0, packed.n, x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
