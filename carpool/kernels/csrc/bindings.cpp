@@ -129,7 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &carpool_gemm::dequantize_rows,
         "Rows [n0, n1) of a packed quantized weight as a [n1 - n0, K] float32 or bfloat16 "
-        "view of its transpose (dequantize_ref within a rounding: one fused multiply-add each).",
+        "tensor (dequantize_ref within a rounding: one fused multiply-add each).",
         py::arg("packed"), py::arg("n0"), py::arg("n1"), py::arg("dtype"),
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,

@@ -21,20 +21,30 @@
 #include "gemm/bf16_dot.h"
 
 // Pair p of a group's q (p < g / 2) for 16 columns: one dword a column, the first element's
-// bfloat16 in its low half.
+// bfloat16 in its low half. 8 bits: two widened float32 vectors, their high halves kept
+// (exact for these integers). 4 bits: each byte's two nibbles moved to the low bits of the
+// dword's two halves, then looked up in a table of bfloat16 0..15 (`vpermw`): no conversions.
 template <int Bits>
 CARPOOL_BF16_TARGET inline __m512i q_pairs(const uint8_t* q, int64_t p) {
-  __m512 first, second;
   if constexpr (Bits == 8) {
-    first = Isa::i8(q + 2 * p * kBlock);
-    second = Isa::i8(q + (2 * p + 1) * kBlock);
+    const __m512 first = Isa::i8(q + 2 * p * kBlock), second = Isa::i8(q + (2 * p + 1) * kBlock);
+    // (first >> 16) | (second & 0xffff0000)
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
+                                     _mm512_castps_si512(second),
+                                     _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xf8);
   } else {
-    Isa::u4(q + p * kBlock, first, second);
+    // bfloat16 of 0..15, twice (vpermw reads 5 index bits; the 5th is always 0 here)
+    const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+        0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+        0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i v =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + p * kBlock)));
+    // (v | v << 12) & 0x000f000f: the low nibble in bits 0-3, the high one in bits 16-19
+    const __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
+                                                    _mm512_set1_epi32(0x000f000f), 0xa8);
+    return _mm512_permutexvar_epi16(index, table);
   }
-  // (first >> 16) | (second & 0xffff0000)
-  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
-                                   _mm512_castps_si512(second),
-                                   _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xf8);
 }
 
 // One block's pairs, group after group, into out ([K / 2][16] dwords).

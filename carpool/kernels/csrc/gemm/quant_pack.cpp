@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -23,35 +24,68 @@ using F = Isa::F;
 constexpr int64_t kBlock = QuantWeight::kBlock;
 constexpr int kVecs = kBlock / Isa::kLanes;
 
-// Block `blk`'s 16 columns of W, k by k, into wt (float32 [K][ld], from its column 0): each
-// 16 columns of one k one fused multiply-add of q by the group's scale and min.
-template <int Bits, bool Mins>
-void dequantize_block(const QuantWeight& w, int64_t blk, float* wt, int64_t ld) {
+// float32 as bfloat16, rounded to nearest even (as Tensor.to rounds; weights are finite).
+inline uint16_t bf16_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+inline void put(float* out, float v) { *out = v; }
+inline void put(uint16_t* out, float v) { *out = bf16_bits(v); }
+
+// Rows [c0, c1) of block `blk` (columns of W: c0 <= c < c1 <= 16) into out (row c0's k = 0,
+// rows k elements apart): each 16 columns of one k one fused multiply-add of q by the group's
+// scale and min, into a 32 x 16 tile, which is then copied out row by row.
+template <int Bits, bool Mins, typename Out>
+void dequantize_block(const QuantWeight& w, int64_t blk, int64_t c0, int64_t c1, Out* out) {
   const int64_t g = w.group_size, header = w.header_bytes();
   const uint8_t* block = w.data.const_data_ptr<uint8_t>() + blk * w.block_bytes();
+  alignas(64) float tile[32][kBlock];
   for (int64_t grp = 0; grp < w.groups(); ++grp) {
     const uint8_t* group = block + grp * w.group_bytes();
     const uint8_t* q = group + header;
     const float* head = reinterpret_cast<const float*>(group);
-    float* out = wt + grp * g * ld;
+    F s[kVecs], m[kVecs];
     for (int h = 0; h < kVecs; ++h) {
-      const int64_t c = h * Isa::kLanes;
-      const F s = Isa::load(head + c), m = Mins ? Isa::load(head + kBlock + c) : Isa::zero();
-      if constexpr (Bits == 8) {
-        for (int64_t i = 0; i < g; ++i)
-          Isa::store(out + i * ld + c, Isa::fma(Isa::i8(q + i * kBlock + c), s, m));
-      } else {
-        for (int64_t u = 0; u < g / 32; ++u) {
+      s[h] = Isa::load(head + h * Isa::kLanes);
+      m[h] = Mins ? Isa::load(head + kBlock + h * Isa::kLanes) : Isa::zero();
+    }
+    for (int64_t k0 = 0; k0 < g; k0 += 32) {  // 32 k at a time (a 4-bit unit)
+      const int64_t count = std::min<int64_t>(32, g - k0);
+      for (int h = 0; h < kVecs; ++h) {
+        const int64_t c = h * Isa::kLanes;
+        if constexpr (Bits == 8) {
+          for (int64_t i = 0; i < count; ++i)
+            Isa::store(tile[i] + c, Isa::fma(Isa::i8(q + (k0 + i) * kBlock + c), s[h], m[h]));
+        } else {
           for (int64_t j = 0; j < 16; ++j) {
             F lo, hi;
-            Isa::u4(q + (u * 16 + j) * kBlock + c, lo, hi);
-            Isa::store(out + (u * 32 + j) * ld + c, Isa::fma(lo, s, m));
-            Isa::store(out + (u * 32 + 16 + j) * ld + c, Isa::fma(hi, s, m));
+            Isa::u4(q + (k0 / 2 + j) * kBlock + c, lo, hi);
+            Isa::store(tile[j] + c, Isa::fma(lo, s[h], m[h]));
+            Isa::store(tile[16 + j] + c, Isa::fma(hi, s[h], m[h]));
           }
         }
       }
+      for (int64_t c = c0; c < c1; ++c) {
+        Out* row = out + (c - c0) * w.k + grp * g + k0;
+        for (int64_t i = 0; i < count; ++i) put(row + i, tile[i][c]);
+      }
     }
   }
+}
+
+template <typename Out>
+void dequantize_into(const QuantWeight& w, int64_t n0, int64_t n1, Out* out) {
+  auto* fill = w.bits == 8 ? (w.has_mins ? dequantize_block<8, true, Out>
+                                         : dequantize_block<8, false, Out>)
+                           : (w.has_mins ? dequantize_block<4, true, Out>
+                                         : dequantize_block<4, false, Out>);
+  at::parallel_for(n0 / kBlock, (n1 + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t first = std::max(n0, blk * kBlock), last = std::min(n1, (blk + 1) * kBlock);
+      fill(w, blk, first - blk * kBlock, last - blk * kBlock, out + (first - n0) * w.k);
+    }
+  });
 }
 
 }  // namespace
@@ -120,18 +154,13 @@ at::Tensor dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, at::Sca
               n1, ") must lie in [0, N = ", w.n, "]");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "dequantize_rows: dtype must be float32 or bfloat16, got ", dtype);
-  // Written transposed, [K][whole blocks' columns], where a block's 16 columns of one k are
-  // one store; returned as the [n1 - n0, K] view of it (what F.linear multiplies by as it is).
-  const int64_t b0 = n0 / kBlock, b1 = (n1 + kBlock - 1) / kBlock, ld = (b1 - b0) * kBlock;
-  at::Tensor wt = at::empty({w.k, ld}, w.data.options().dtype(at::kFloat));
-  float* wd = wt.data_ptr<float>();
-  auto* fill = w.bits == 8 ? (w.has_mins ? dequantize_block<8, true> : dequantize_block<8, false>)
-                           : (w.has_mins ? dequantize_block<4, true> : dequantize_block<4, false>);
-  at::parallel_for(b0, b1, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) fill(w, blk, wd + (blk - b0) * kBlock, ld);
-  });
-  if (dtype != at::kFloat) wt = wt.to(dtype);
-  return wt.narrow(1, n0 - b0 * kBlock, n1 - n0).t();
+  at::Tensor out = at::empty({n1 - n0, w.k}, w.data.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    dequantize_into(w, n0, n1, out.data_ptr<float>());
+  } else {
+    dequantize_into(w, n0, n1, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+  return out;
 }
 
 }  // namespace carpool_gemm
