@@ -18,14 +18,20 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-# Rows up to which quant_linear beats dequantize_rows + oneDNN (docs/lab/50-quantized-gemm.md):
-# bfloat16 rows on AVX512-BF16 CPUs (Zen 4 measured; its pairs path), float32 rows there, and
-# AVX2 builds (measured on Zen 4 with the AVX2 build: its float32 FMAs against oneDNN's).
-QUANT_GEMM_MAX_ROWS = {"avx512_bf16": 64, "avx512_f32": 16, "avx2": 16}
+# Rows up to which quant_linear beat dequantize_rows + oneDNN on the 0.5B model's shapes
+# (docs/lab/50-quantized-gemm.md), by (kernel build, x's dtype, bits), measured on Zen 4 (the
+# AVX2 build there too). Above them the dequantization's fixed cost (about 1.7 ns a weight a
+# call) is repaid by oneDNN's faster bfloat16 GEMM; float32 rows found no crossing up to 256.
+QUANT_GEMM_MAX_ROWS = {
+    ("AVX512", torch.bfloat16, 8): 256, ("AVX512", torch.bfloat16, 4): 128,
+    ("AVX512", torch.float32, 8): 256, ("AVX512", torch.float32, 4): 256,
+    ("AVX2", torch.bfloat16, 8): 32, ("AVX2", torch.bfloat16, 4): 32,
+    ("AVX2", torch.float32, 8): 32, ("AVX2", torch.float32, 4): 32,
+}
 
 
-def quant_matmul(kernels: ModuleType, x: torch.Tensor, packed, bias: torch.Tensor | None = None,
-                 max_rows: int = QUANT_GEMM_MAX_ROWS["avx512_bf16"]) -> torch.Tensor:
+def quant_matmul(kernels: ModuleType, x: torch.Tensor, packed, bias: torch.Tensor | None,
+                 max_rows: int) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16, contiguous rows) @ W.T (+ bias) -> [M, N] in x's dtype:
     `quant_linear` up to max_rows rows, above them the weight dequantized to x's dtype and
     multiplied by `F.linear` (oneDNN)."""

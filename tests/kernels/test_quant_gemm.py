@@ -199,3 +199,28 @@ def test_quant_matmul_takes_the_kernel_up_to_the_cut_and_onednn_above(kernels, d
         else:  # the output's rounding; above the cut, the weight's too
             atol, rtol = (1e-5 if rows <= 8 else 2 ** -7) * scale, 2 ** -7
         torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_odd_groups_and_thread_counts(kernels, dtype):
+    """An odd group (per channel of an odd K: no whole bfloat16 pairs, so the float32 loop)
+    matches the reference; and the threads split columns only, so their number changes no
+    bit."""
+    operands = canonical(N, 125, 8, 125, True, seed=13)
+    x = torch.randn(9, 125).to(dtype)
+    packed = kernels.pack_quant_weight(*operands)
+    out = kernels.quant_linear(x, packed)
+    expected = quant_linear_ref(x, *operands)
+    scale = expected.float().abs().max().item()
+    rtol = 0.0 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-5 * scale, rtol=rtol)
+    assert torch.equal(kernels.quant_linear(x[4:5], packed), out[4:5])
+    packed = kernels.pack_quant_weight(*canonical(N, K, 4, 32, True, seed=14))
+    x = torch.randn(20, K).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.quant_linear(x, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kernels.quant_linear(x, packed), one)
