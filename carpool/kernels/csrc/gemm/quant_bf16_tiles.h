@@ -8,8 +8,8 @@
 // these integers). Pairs are (k, k + 1) for 8 bits; for 4 bits the two nibbles of one byte,
 // (k0 + j, k0 + 16 + j), with x copied once per call into that pair order.
 //
-// Up to FewRows::kRows rows build the pairs in registers as the weight streams past; more rows
-// build a block group's pairs once into a buffer (L2-resident: 64 bytes a pair of k for the
+// Up to FewPairRows::kRows rows build the pairs in registers as the weight streams past; more
+// rows build a block group's pairs once into a buffer (L2-resident: 64 bytes a pair of k for the
 // group's blocks) that every row tile then reads, in tiles of up to 6 rows x 4 blocks (the
 // bfloat16 small GEMM's wide tile). The pairs and the order of the sums are the same either
 // way, so a row's result is the same bits in any batch. Each group's partial sums are folded
@@ -122,15 +122,16 @@ void run_tile_bf16(const Call& call, int64_t rows, int64_t nb, int64_t r0, int64
   tile_bf16<MaxR, MaxB, Bits, Mins>(call, r0, blk, buffer);
 }
 
-// Tiles of the pairs path: FewRows, and for more rows 6 x 4 (24 partial sums; the row sums
-// are in y, not in registers).
+// Tiles of the pairs path: up to 2 rows x 8 blocks (8 chains of sums a row), and for more
+// rows 6 x 4 (24 partial sums). The row sums are in y, not in registers.
+struct FewPairRows { static constexpr int kRows = 2, kBlocks = 8; };
 struct WideRows { static constexpr int kRows = 6, kBlocks = 4; };
 
-// run_call's split of rows and columns, on pairs; buffered above FewRows::kRows rows.
+// run_call's split of rows and columns, on pairs; buffered above FewPairRows::kRows rows.
 template <typename Shape, int Bits, bool Mins>
 void run_call_bf16(const Call& call, int64_t m) {
   const QuantWeight& w = *call.w;
-  const bool buffered = m > FewRows::kRows;
+  const bool buffered = m > FewPairRows::kRows;
   at::parallel_for(0, w.blocks(), 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> buffer(buffered ? Shape::kBlocks * w.k / 2 * kBlock : 0);
     for (int64_t rb = 0; rb < m; rb += kRowBlock) {
@@ -162,8 +163,8 @@ inline bool takes_bf16_pairs(const at::Tensor& x, const QuantWeight& w) {
 
 template <int Bits, bool Mins>
 void run_call_bf16(const Call& call, int64_t m) {
-  if (m <= FewRows::kRows) {
-    run_call_bf16<FewRows, Bits, Mins>(call, m);
+  if (m <= FewPairRows::kRows) {
+    run_call_bf16<FewPairRows, Bits, Mins>(call, m);
   } else {
     run_call_bf16<WideRows, Bits, Mins>(call, m);
   }
