@@ -5,7 +5,8 @@ the CPU probe that picks its build, and `reference.py`, the PyTorch oracle of ev
                       paged_attention (decodes and prompt chunks, in place through the block
                       tables), prefill_attention_bf16 (bfloat16 prompt chunks, AVX512-BF16/AMX)
     csrc/gemm/        small_gemm_bf16 / small_gemm_f32 and their weight packing (few-row
-                      linears on AVX512-BF16, AMX or AVX2)
+                      linears on AVX512-BF16, AMX or AVX2); quant_linear, pack_quant_weight,
+                      dequantize_rows (quantized int8 / int4 weights)
     csrc/elementwise/ rotary_, rms_norm, silu_and_mul, write_kv_
     csrc/layers/      LayerStack: a model's decoder layers in one call, through the ops above
     csrc/sampling/    argmax_rows (the greedy rows of a step)

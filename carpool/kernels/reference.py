@@ -10,8 +10,10 @@ Ops without a function here:
 - `LayerStack.forward`: the model's own decoder loop is its reference (`DecoderLayer.forward`
   over `LlamaModel.layers` in `carpool/models/llama.py`); `tests/runner/test_layer_stack.py`
   compares the two step by step.
-- `pack_bf16_weight` / `pack_f32_weight`: layouts only; the small GEMMs' references take the
-  weight unpacked.
+- `pack_bf16_weight` / `pack_f32_weight` / `pack_quant_weight`: layouts only; the GEMMs'
+  references take the weight unpacked.
+- `quant_linear`, `dequantize_rows`: `quant_linear_ref` and `dequantize_ref` (named as
+  carpool's quantized-weight format names them; carpool/quant/ calls them too).
 - `bind_threads`, `parallel_width`, `shares_claims`, `max_head_dim`, `has_*`,
   `prefill_head_dim_ok`: facts about the build, the CPU and its threads, no numbers to
   compare; their tests check them directly.
@@ -101,6 +103,37 @@ def small_gemm_f32_reference(x: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor | None = None) -> torch.Tensor:
     """small_gemm_bf16_reference's sum in float32 throughout (nn.Linear's)."""
     return small_gemm_bf16_reference(x, weight, bias)
+
+
+def dequantize_ref(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                   bits: int, group_size: int) -> torch.Tensor:
+    """carpool's canonical quantized weight (carpool/quant/, `csrc/gemm/quant_weight.h`) as
+    float32 [N, K]: W[n, k] = scales[n, k // g] * q[n, k] + mins[n, k // g] (mins None: 0).
+
+    bits 8: q = qweight, int8 [N, K]. bits 4: qweight uint8 [N, K // 2] in units of 32 k
+    (k0 = 32 u): byte 16 u + j holds q[n, k0 + j] in its low nibble and q[n, k0 + 16 + j] in
+    its high one (ggml's Q4_0 order). `pack_quant_weight` takes the same arguments."""
+    if bits == 8:
+        q = qweight.float()
+    elif bits == 4:
+        units = qweight.reshape(qweight.shape[0], -1, 16)
+        q = torch.cat([units & 15, units >> 4], dim=-1).reshape(qweight.shape[0], -1).float()
+    else:
+        raise ValueError(f"dequantize_ref: bits must be 8 or 4, got {bits}")
+    w = scales.repeat_interleave(group_size, dim=1) * q
+    return w if mins is None else w + mins.repeat_interleave(group_size, dim=1)
+
+
+def quant_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     mins: torch.Tensor | None, bits: int, group_size: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T + bias -> [M, N] in x's dtype, W = dequantize_ref(...): float32 sums,
+    one rounding at the end. `quant_linear` computes this from the packed weight (its sums
+    group by group, so within float32 rounding of this, not its bits)."""
+    out = x.float() @ dequantize_ref(qweight, scales, mins, bits, group_size).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
 # --- elementwise/ -----------------------------------------------------------------------

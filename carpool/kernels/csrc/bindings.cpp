@@ -106,6 +106,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] @ weight.T (+ bias) for a packed float32 weight of n rows -> [M, n].",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  using carpool_gemm::QuantWeight;
+  py::class_<QuantWeight>(m, "QuantWeight", py::module_local(),
+                          "A quantized weight packed for quant_linear (pack_quant_weight).")
+      .def_property_readonly("data", [](const QuantWeight& w) { return w.data; })
+      .def_readonly("n", &QuantWeight::n)
+      .def_readonly("k", &QuantWeight::k)
+      .def_readonly("bits", &QuantWeight::bits)
+      .def_readonly("group_size", &QuantWeight::group_size)
+      .def_readonly("has_mins", &QuantWeight::has_mins)
+      .def_property_readonly("nbytes", [](const QuantWeight& w) { return w.data.nbytes(); });
+  m.def("pack_quant_weight", &carpool_gemm::pack_quant_weight,
+        "The canonical quantized weight (qweight, scales, mins or None, bits 8 or 4, "
+        "group_size; carpool/quant) packed once for quant_linear.",
+        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
+        py::arg("group_size"));
+  m.def("quant_linear", &carpool_gemm::quant_linear,
+        "x [M, K] (float32 or bfloat16) @ W.T (+ bias) -> [M, N] in x's dtype, W dequantized "
+        "in registers from a packed quantized weight; float32 sums, each row independent of "
+        "the others.",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_rows", &carpool_gemm::dequantize_rows,
+        "Rows [n0, n1) of a packed quantized weight as a [n1 - n0, K] float32 or bfloat16 "
+        "tensor (dequantize_ref within a rounding: one fused multiply-add each).",
+        py::arg("packed"), py::arg("n0"), py::arg("n1"), py::arg("dtype"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,
         "Whether prefill_attention_bf16 takes this head_dim (a multiple of 16 up to 256).");
   m.def("prefill_attention_bf16", &carpool_prefill::prefill_attention_bf16,

@@ -11,6 +11,8 @@
 #include <tuple>
 #include <vector>
 
+#include "gemm/quant_weight.h"
+
 // paged_attention.cpp
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_starts,
@@ -27,6 +29,15 @@ bool has_f32_gemm();
 at::Tensor pack_f32_weight(const at::Tensor& weight);
 at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                           const c10::optional<at::Tensor>& bias);
+}
+
+namespace carpool_gemm {  // quant_pack.cpp, quant_gemm.cpp
+QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& mins, int64_t bits,
+                              int64_t group_size);
+at::Tensor dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, at::ScalarType dtype);
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
+                        const c10::optional<at::Tensor>& bias);
 }
 
 namespace carpool_prefill {  // prefill_attention.cpp

@@ -1,0 +1,130 @@
+"""The quantized GEMM (`quant_linear`) against the bfloat16 small GEMM and oneDNN's bfloat16
+matmul, on a model's linear shapes.
+
+Each variant gets its own copies of the model's four layer shapes (qkv, o, gate_up, down),
+`--copies` times over so that their weights stream from memory as a whole model's do, with
+the same random weight; one pass over all of them is timed at each row count, the variants
+alternated pass by pass, best pass each. Variants (bfloat16 rows):
+  bf16-small   `small_gemm_bf16` on the bfloat16 weight (`PackedLinear`'s packed copy)
+  bf16-onednn  `PackedLinear._matmul` (oneDNN, bucketed rows)
+  int8 / int4  `quant_linear` on `pack_quant_weight` (int8: g 32, no mins, as GGUF Q8_0;
+               int4: g 32 with mins, as Q4_0 / AWQ)
+  int8-dq / int4-dq  `dequantize_rows` to bfloat16, then `F.linear` (oneDNN): the prefill path
+Prints each variant's time a pass, its speed over bf16-small's, and its weight bytes a pass.
+
+    python3 -m benchmarks.kernels.quant_gemm --shapes 0.5B --copies 4 --rows 1 4 16 64 256 1024
+    python3 -m benchmarks.kernels.quant_gemm --shapes 135M --copies 16 --rows 1 4 16 64 256 1024
+    python3 -m benchmarks.kernels.quant_gemm --dtype float32 --variants int8 int4 int8-dq
+    python3 -m benchmarks.kernels.quant_gemm --capability AVX2 --rows 1 16 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from carpool import kernels as cpu_kernels
+from carpool.platform.cpu_linear import PackedLinear
+
+# (in_features, out_features): qkv, o, gate_up, down
+SHAPES = {
+    "0.5B": [(896, 1152), (896, 896), (896, 9728), (4864, 896)],  # Qwen2.5-0.5B
+    "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],   # SmolLM2-135M
+}
+VARIANTS = ["bf16-small", "bf16-onednn", "int8", "int4", "int8-dq", "int4-dq"]
+
+
+def quantized(weight: torch.Tensor, bits: int, group: int, mins: bool):
+    """A canonical quantized form of weight [N, K] (round to nearest; scales per group)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    if mins:
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-8)
+        q = ((w - lo) / scale).round().clamp(0, 2 ** bits - 1)
+        offset = lo.squeeze(-1)
+    else:
+        scale = (w.abs().amax(-1, keepdim=True) / (2 ** (bits - 1) - 1)).clamp_min(1e-8)
+        q = (w / scale).round().clamp(-2 ** (bits - 1), 2 ** (bits - 1) - 1)
+        offset = None
+    q = q.reshape(n, k)
+    if bits == 8:
+        qweight = q.to(torch.int8)
+    else:
+        units = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+        qweight = (units[:, :, 0] | (units[:, :, 1] << 4)).reshape(n, k // 2)
+    return qweight, scale.squeeze(-1), offset, bits, group
+
+
+class Variant:
+    def __init__(self, name: str, linear: nn.Linear, kernels) -> None:
+        self.out_features = linear.out_features
+        self.bytes = 0
+        if name.startswith("bf16"):
+            self.layer = PackedLinear(linear, kernels)
+            self.bytes = linear.weight.numel() * 2
+            if name == "bf16-small":
+                packed = self.layer.small.packed
+                self.run = lambda x: kernels.small_gemm_bf16(x, packed, self.out_features)
+            else:
+                self.run = self.layer._matmul
+            return
+        bits = 8 if name.startswith("int8") else 4
+        packed = kernels.pack_quant_weight(*quantized(linear.weight, bits, 32, bits == 4))
+        self.bytes = packed.nbytes
+        if name.endswith("-dq"):
+            self.run = lambda x: F.linear(
+                x, kernels.dequantize_rows(packed, 0, packed.n, x.dtype))
+        else:
+            self.run = lambda x: kernels.quant_linear(x, packed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="0.5B")
+    parser.add_argument("--copies", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
+    parser.add_argument("--capability", choices=("AVX512", "AVX2"),
+                        help="time this build of the kernels (default: this CPU's)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    kernels = cpu_kernels.load(capability=args.capability)
+    if kernels is None or not kernels.has_small_gemm_bf16():
+        sys.exit("no compiled kernels with a bfloat16 small GEMM on this machine")
+    torch.manual_seed(0)
+    shapes = SHAPES[args.shapes] * args.copies
+    linears = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for k, n in shapes]
+    names = [v for v in args.variants if dtype == torch.bfloat16 or not v.startswith("bf16")]
+    variants = {name: [Variant(name, linear, kernels) for linear in linears] for name in names}
+    print(f"{args.shapes} x {args.copies}: {len(linears)} layers, {args.dtype} rows, "
+          f"{args.threads} threads; weight MB a pass: " + ", ".join(
+              f"{name} {sum(v.bytes for v in vs) / 1e6:.0f}" for name, vs in variants.items()))
+    with torch.inference_mode():
+        for rows in args.rows:
+            inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
+            repeats = max(2, args.repeats if rows <= 64 else args.repeats // 3)
+            best = {name: float("inf") for name in variants}
+            for _ in range(repeats + 1):  # the first round warms up
+                for name, layers in variants.items():
+                    start = time.perf_counter()
+                    for layer, x in zip(layers, inputs):
+                        layer.run(x)
+                    best[name] = min(best[name], time.perf_counter() - start)
+            base = best.get("bf16-small")
+            print(f"rows {rows:5d}  " + "  ".join(
+                f"{name} {t * 1e3:8.2f} ms" + (f" ({base / t:4.2f}x)" if base else "")
+                for name, t in best.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+// Quantized linear layers for a few rows: y = x @ W.T (+ bias), W dequantized in registers.
+//
+// The weight is carpool's canonical quantized form (8-bit q, or 4-bit q in ggml's nibble
+// order; float32 scales and optional mins per group of g consecutive k; W = scales * q + mins),
+// packed once by pack_quant_weight into blocks of 16 output columns that stream front to back
+// (quant_weight.h has both layouts). A decode step is a pass over its weights, so reading 1
+// (int8) or 0.5 (int4) bytes a weight instead of bfloat16's 2 is what makes it faster.
+//
+// A tile of R rows x B blocks keeps, per group, partial sums of x[r, k] * q[k] (q widened to
+// float32: exact), then folds them in: acc += part * scale, and with mins acc += sum_k(x[r, k])
+// * min, the row's group sums of x computed once per call. So a k step costs one widening and
+// R multiply-adds per 16 columns, the scales and mins a few per group, and every weight byte
+// is loaded once per row tile (the tiles of a call share a block while it is in cache).
+//
+// A row's sums run over its groups and each group's k in one fixed order whatever the number
+// of rows, its tile or its thread (threads split the columns only): row m's result is the same
+// bits alone or in any batch. x is read as float32 (bfloat16 rows widened once, exactly), the
+// sums are float32, the result rounded to x's dtype once. bfloat16 rows on AVX512-BF16 CPUs
+// take `vdpbf16ps` on q as bfloat16 instead (quant_bf16_tiles.h): the same group sums, twice
+// the multiply-adds a cycle.
+//
+// One source for every build: `Isa` (quant_isa.h) is a 16-column block as one AVX-512
+// register, two AVX2 ones, or 16 scalars (DEFAULT builds, no vector code).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm/quant_isa.h"
+#include "gemm/quant_weight.h"
+
+namespace carpool_gemm {
+
+namespace {
+
+constexpr int64_t kBlock = QuantWeight::kBlock;
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Tiles: up to 2 rows x 4 blocks (a row's 4 blocks are 4 independent chains of sums, which
+// one row needs to keep the multiply-adds busy), else up to 6 rows x 2 blocks (24 + 24 sums).
+struct FewRows { static constexpr int kRows = 2, kBlocks = 4; };
+struct ManyRows { static constexpr int kRows = 6, kBlocks = 2; };
+#elif defined(CPU_CAPABILITY_AVX2)
+// 16 registers: a block is two, so one row takes 2 blocks (4 chains), more rows 1 block.
+struct FewRows { static constexpr int kRows = 1, kBlocks = 2; };
+struct ManyRows { static constexpr int kRows = 3, kBlocks = 1; };
+#else
+struct FewRows { static constexpr int kRows = 1, kBlocks = 1; };
+struct ManyRows { static constexpr int kRows = 1, kBlocks = 1; };
+#endif
+
+using F = Isa::F;
+constexpr int kVecs = kBlock / Isa::kLanes;  // registers a block of 16 columns takes
+
+// What every tile of one call shares.
+struct Call {
+  const QuantWeight* w;
+  const float* x;      // float32 rows, x_stride apart
+  int64_t x_stride;
+  const float* xsum;   // [m][groups]: each row's sum of x over each group (with mins only)
+  const float* bias;   // padded to whole blocks, or null
+  float* y;            // [m][blocks * 16]
+  const uint16_t* xb = nullptr;  // bfloat16 rows in pair order (quant_bf16_tiles.h), or null
+  int64_t xb_stride = 0;
+};
+
+// The fold of one group's partial sums into the row sums: acc += part * scale (+ the rows'
+// group sums of x * min), for B blocks whose group header starts at `head`.
+template <int R, int B, bool Mins>
+__attribute__((always_inline)) inline void fold_group(const Call& call, int64_t r0, int64_t grp,
+                                                       const uint8_t* head, int64_t block_bytes,
+                                                       F (&part)[R][B * kVecs],
+                                                       F (&acc)[R][B * kVecs]) {
+  const int64_t groups = call.w->groups();
+  for (int b = 0; b < B; ++b) {
+    const float* scales = reinterpret_cast<const float*>(head + b * block_bytes);
+    for (int h = 0; h < kVecs; ++h) {
+      const int v = b * kVecs + h;
+      const F s = Isa::load(scales + h * Isa::kLanes);
+      for (int r = 0; r < R; ++r) acc[r][v] = Isa::fma(part[r][v], s, acc[r][v]);
+      if constexpr (Mins) {
+        const F m = Isa::load(scales + kBlock + h * Isa::kLanes);
+        for (int r = 0; r < R; ++r)
+          acc[r][v] = Isa::fma(Isa::bcast(call.xsum + (r0 + r) * groups + grp), m, acc[r][v]);
+      }
+    }
+  }
+}
+
+template <int R, int B>
+__attribute__((always_inline)) inline void store_rows(const Call& call, int64_t r0, int64_t blk,
+                                                       F (&acc)[R][B * kVecs]) {
+  const int64_t y_stride = call.w->blocks() * kBlock;
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < B * kVecs; ++v)
+      Isa::store(call.y + (r0 + r) * y_stride + blk * kBlock + v * Isa::kLanes, acc[r][v]);
+}
+
+// Rows [r0, r0 + R) times blocks [blk, blk + B) into y. Never inlined: one call a tile is
+// nothing next to its k loop, and each shape keeps its own registers.
+template <int R, int B, int Bits, bool Mins>
+__attribute__((noinline)) void tile(const Call& call, int64_t r0, int64_t blk) {
+  constexpr int V = B * kVecs;
+  const QuantWeight& w = *call.w;
+  const int64_t g = w.group_size, groups = w.groups(), group_bytes = w.group_bytes(),
+                block_bytes = w.block_bytes(), header = w.header_bytes();
+  const uint8_t* base = w.data.const_data_ptr<uint8_t>() + blk * block_bytes;
+  const float* x = call.x + r0 * call.x_stride;
+  const int64_t xs = call.x_stride;
+  F acc[R][V];
+  for (int v = 0; v < V; ++v) {
+    const F init = call.bias == nullptr ? Isa::zero()
+                                        : Isa::load(call.bias + blk * kBlock + v * Isa::kLanes);
+    for (int r = 0; r < R; ++r) acc[r][v] = init;
+  }
+  for (int64_t grp = 0; grp < groups; ++grp) {
+    const uint8_t* group = base + grp * group_bytes;
+    const uint8_t* q = group + header;
+    const float* xg = x + grp * g;
+    F part[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) part[r][v] = Isa::zero();
+    if constexpr (Bits == 8) {
+      for (int64_t i = 0; i < g; ++i) {
+        F wv[V];
+        for (int b = 0; b < B; ++b)
+          for (int h = 0; h < kVecs; ++h)
+            wv[b * kVecs + h] = Isa::i8(q + b * block_bytes + i * kBlock + h * Isa::kLanes);
+        for (int r = 0; r < R; ++r) {
+          const F xv = Isa::bcast(xg + r * xs + i);
+          for (int v = 0; v < V; ++v) part[r][v] = Isa::fma(xv, wv[v], part[r][v]);
+        }
+      }
+    } else {
+      for (int64_t u = 0; u < g / 32; ++u) {
+        for (int64_t j = 0; j < 16; ++j) {
+          F lo[V], hi[V];
+          for (int b = 0; b < B; ++b)
+            for (int h = 0; h < kVecs; ++h)
+              Isa::u4(q + b * block_bytes + (u * 16 + j) * kBlock + h * Isa::kLanes,
+                      lo[b * kVecs + h], hi[b * kVecs + h]);
+          for (int r = 0; r < R; ++r) {
+            const F xl = Isa::bcast(xg + r * xs + u * 32 + j);
+            const F xh = Isa::bcast(xg + r * xs + u * 32 + 16 + j);
+            for (int v = 0; v < V; ++v)
+              part[r][v] = Isa::fma(xh, hi[v], Isa::fma(xl, lo[v], part[r][v]));
+          }
+        }
+      }
+    }
+    fold_group<R, B, Mins>(call, r0, grp, group, block_bytes, part, acc);
+  }
+  store_rows<R, B>(call, r0, blk, acc);
+}
+
+// Calls tile<R, B, Bits, Mins> with R == rows (1..MaxR) and B == nb (1..MaxB).
+template <int MaxR, int MaxB, int Bits, bool Mins>
+void run_tile(const Call& call, int64_t rows, int64_t nb, int64_t r0, int64_t blk) {
+  if constexpr (MaxB > 1) {
+    if (nb < MaxB) return run_tile<MaxR, MaxB - 1, Bits, Mins>(call, rows, nb, r0, blk);
+  }
+  if constexpr (MaxR > 1) {
+    if (rows < MaxR) return run_tile<MaxR - 1, MaxB, Bits, Mins>(call, rows, nb, r0, blk);
+  }
+  tile<MaxR, MaxB, Bits, Mins>(call, r0, blk);
+}
+
+// Rows in blocks of up to kRowBlock: each thread runs its columns for one block of rows
+// before the next, so a block's x rows stay in cache while the weight streams past; a call of
+// up to kRowBlock rows (every decode step) reads the weight from memory once.
+constexpr int64_t kRowBlock = 64;
+
+#include "gemm/quant_bf16_tiles.h"
+
+// The whole product: threads split the column blocks evenly; each runs its share in groups
+// of Shape::kBlocks blocks, each group over the rows in tiles of at most Shape::kRows, as even
+// as they can be (7 rows as 4 + 3 rather than 6 + 1).
+template <typename Shape, int Bits, bool Mins>
+void run_call(const Call& call, int64_t m) {
+  const int64_t blocks = call.w->blocks();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rb = 0; rb < m; rb += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, m - rb);
+      const int64_t row_tiles = (rows + Shape::kRows - 1) / Shape::kRows;
+      for (int64_t blk = begin; blk < end; blk += Shape::kBlocks) {
+        const int64_t nb = std::min<int64_t>(Shape::kBlocks, end - blk);
+        for (int64_t t = 0; t < row_tiles; ++t) {
+          const int64_t r0 = rows * t / row_tiles, r1 = rows * (t + 1) / row_tiles;
+          run_tile<Shape::kRows, Shape::kBlocks, Bits, Mins>(call, r1 - r0, nb, rb + r0, blk);
+        }
+      }
+    }
+  });
+}
+
+template <int Bits, bool Mins>
+void run_call(const Call& call, int64_t m) {
+  if (m <= FewRows::kRows) {
+    run_call<FewRows, Bits, Mins>(call, m);
+  } else {
+    run_call<ManyRows, Bits, Mins>(call, m);
+  }
+}
+
+}  // namespace
+
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "quant_linear: x must be a float32 or bfloat16 CPU [M, K] tensor, got ",
+              x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(x.size(1) == w.k, "quant_linear: x has K = ", x.size(1),
+              " columns, the packed weight K = ", w.k);
+  const int64_t m = x.size(0), n = w.n, blocks = w.blocks(), groups = w.groups();
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && at::isFloatingType(bias->scalar_type()),
+                "quant_linear: bias must be a floating [N] = [", n, "] tensor, got ",
+                bias->scalar_type(), " ", bias->sizes());
+    bias_f = at::zeros({blocks * kBlock}, x.options().dtype(at::kFloat));
+    bias_f.narrow(0, 0, n).copy_(*bias);
+  }
+  // float32 rows as they are (contiguous within a row); bfloat16 widened once, exactly.
+  const at::Tensor x32 = x.scalar_type() == at::kFloat && x.stride(1) == 1
+                             ? x : x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({m, blocks * kBlock}, x.options().dtype(at::kFloat));
+  if (m > 0 && n > 0) {
+    const float* xd = x32.const_data_ptr<float>();
+    const int64_t x_stride = x32.stride(0), g = w.group_size;
+    std::vector<float> xsum(w.has_mins ? m * groups : 0);
+    for (int64_t r = 0; r < (w.has_mins ? m : 0); ++r) {
+      for (int64_t grp = 0; grp < groups; ++grp) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < g; ++i) sum += xd[r * x_stride + grp * g + i];
+        xsum[r * groups + grp] = sum;
+      }
+    }
+    Call call{&w, xd, x_stride, xsum.data(),
+              bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr, y.data_ptr<float>()};
+    if (takes_bf16_pairs(x, w)) {
+      // 8 bits: x's own rows, pairs (k, k + 1); 4 bits: each 32 k as (k0 + j, k0 + 16 + j)
+      const at::Tensor xb =
+          w.bits == 8 ? (x.stride(1) == 1 ? x : x.contiguous())
+                      : x.reshape({m, w.k / 32, 2, 16}).transpose(2, 3).contiguous().view({m, w.k});
+      call.xb = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
+      call.xb_stride = xb.stride(0);
+      if (w.bits == 8) {
+        w.has_mins ? run_call_bf16<8, true>(call, m) : run_call_bf16<8, false>(call, m);
+      } else {
+        w.has_mins ? run_call_bf16<4, true>(call, m) : run_call_bf16<4, false>(call, m);
+      }
+    } else if (w.bits == 8) {
+      w.has_mins ? run_call<8, true>(call, m) : run_call<8, false>(call, m);
+    } else {
+      w.has_mins ? run_call<4, true>(call, m) : run_call<4, false>(call, m);
+    }
+  }
+  at::Tensor out = blocks * kBlock == n ? y : y.narrow(1, 0, n);
+  return x.scalar_type() == at::kFloat ? out.contiguous() : out.to(x.scalar_type());
+}
+
+}  // namespace carpool_gemm

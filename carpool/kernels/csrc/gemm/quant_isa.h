@@ -1,0 +1,71 @@
+// The vector registers the quantized GEMM (quant_gemm.cpp) and dequantize_rows
+// (quant_pack.cpp) work in: 16 output columns of float32 as one AVX-512 register, two AVX2
+// ones, or 16 scalars (DEFAULT builds, no vector code). Internal linkage: each build's copy
+// is its own.
+
+#pragma once
+
+#include <cstdint>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(CPU_CAPABILITY_AVX512)
+struct Isa {
+  static constexpr int kLanes = 16;
+  using F = __m512;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F i8(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void u4(const uint8_t* p, F& lo, F& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+};
+#elif defined(CPU_CAPABILITY_AVX2)
+struct Isa {
+  static constexpr int kLanes = 8;
+  using F = __m256;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F i8(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void u4(const uint8_t* p, F& lo, F& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+};
+#else
+struct Isa {
+  static constexpr int kLanes = 1;
+  using F = float;
+  static F zero() { return 0.0f; }
+  static F load(const float* p) { return *p; }
+  static F bcast(const float* p) { return *p; }
+  static F fma(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+  static void store(float* p, F v) { *p = v; }
+  static F i8(const uint8_t* p) { return static_cast<float>(static_cast<int8_t>(*p)); }
+  static void u4(const uint8_t* p, F& lo, F& hi) {
+    lo = static_cast<float>(*p & 15);
+    hi = static_cast<float>(*p >> 4);
+  }
+};
+#endif
+
+}  // namespace

@@ -1,0 +1,166 @@
+// The quantized weight's packing (canonical form -> QuantWeight, once at load) and its
+// dequantization back to float rows (dequantize_rows: what calls of many rows multiply by
+// with oneDNN). The layout is described in quant_weight.h; the kernel reading it in quant_gemm.cpp.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "gemm/quant_isa.h"
+#include "gemm/quant_weight.h"
+
+namespace carpool_gemm {
+
+namespace {
+
+using F = Isa::F;
+constexpr int64_t kBlock = QuantWeight::kBlock;
+constexpr int kVecs = kBlock / Isa::kLanes;
+
+// float32 as bfloat16, rounded to nearest even (as Tensor.to rounds; weights are finite).
+inline uint16_t bf16_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+inline void put(float* out, float v) { *out = v; }
+inline void put(uint16_t* out, float v) { *out = bf16_bits(v); }
+
+// Rows [c0, c1) of block `blk` (columns of W: c0 <= c < c1 <= 16) into out (row c0's k = 0,
+// rows k elements apart): each 16 columns of one k one fused multiply-add of q by the group's
+// scale and min, into a 32 x 16 tile, which is then copied out row by row.
+template <int Bits, bool Mins, typename Out>
+void dequantize_block(const QuantWeight& w, int64_t blk, int64_t c0, int64_t c1, Out* out) {
+  const int64_t g = w.group_size, header = w.header_bytes();
+  const uint8_t* block = w.data.const_data_ptr<uint8_t>() + blk * w.block_bytes();
+  alignas(64) float tile[32][kBlock];
+  for (int64_t grp = 0; grp < w.groups(); ++grp) {
+    const uint8_t* group = block + grp * w.group_bytes();
+    const uint8_t* q = group + header;
+    const float* head = reinterpret_cast<const float*>(group);
+    F s[kVecs], m[kVecs];
+    for (int h = 0; h < kVecs; ++h) {
+      s[h] = Isa::load(head + h * Isa::kLanes);
+      m[h] = Mins ? Isa::load(head + kBlock + h * Isa::kLanes) : Isa::zero();
+    }
+    for (int64_t k0 = 0; k0 < g; k0 += 32) {  // 32 k at a time (a 4-bit unit)
+      const int64_t count = std::min<int64_t>(32, g - k0);
+      for (int h = 0; h < kVecs; ++h) {
+        const int64_t c = h * Isa::kLanes;
+        if constexpr (Bits == 8) {
+          for (int64_t i = 0; i < count; ++i)
+            Isa::store(tile[i] + c, Isa::fma(Isa::i8(q + (k0 + i) * kBlock + c), s[h], m[h]));
+        } else {
+          for (int64_t j = 0; j < 16; ++j) {
+            F lo, hi;
+            Isa::u4(q + (k0 / 2 + j) * kBlock + c, lo, hi);
+            Isa::store(tile[j] + c, Isa::fma(lo, s[h], m[h]));
+            Isa::store(tile[16 + j] + c, Isa::fma(hi, s[h], m[h]));
+          }
+        }
+      }
+      for (int64_t c = c0; c < c1; ++c) {
+        Out* row = out + (c - c0) * w.k + grp * g + k0;
+        for (int64_t i = 0; i < count; ++i) put(row + i, tile[i][c]);
+      }
+    }
+  }
+}
+
+template <typename Out>
+void dequantize_into(const QuantWeight& w, int64_t n0, int64_t n1, Out* out) {
+  auto* fill = w.bits == 8 ? (w.has_mins ? dequantize_block<8, true, Out>
+                                         : dequantize_block<8, false, Out>)
+                           : (w.has_mins ? dequantize_block<4, true, Out>
+                                         : dequantize_block<4, false, Out>);
+  at::parallel_for(n0 / kBlock, (n1 + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t first = std::max(n0, blk * kBlock), last = std::min(n1, (blk + 1) * kBlock);
+      fill(w, blk, first - blk * kBlock, last - blk * kBlock, out + (first - n0) * w.k);
+    }
+  });
+}
+
+}  // namespace
+
+QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& mins, int64_t bits,
+                              int64_t group_size) {
+  TORCH_CHECK(bits == 8 || bits == 4, "pack_quant_weight: bits must be 8 or 4, got ", bits);
+  const auto want = bits == 8 ? at::kChar : at::kByte;
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 2 && qweight.scalar_type() == want,
+              "pack_quant_weight: qweight must be a CPU ",
+              bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]", " tensor for bits ", bits,
+              ", got ", qweight.scalar_type(), " ", qweight.sizes());
+  const int64_t n = qweight.size(0), k = qweight.size(1) * (bits == 8 ? 1 : 2);
+  TORCH_CHECK(group_size > 0 && k % group_size == 0,
+              "pack_quant_weight: group_size (", group_size, ") must divide K (", k, ")");
+  TORCH_CHECK(bits == 8 || group_size % 32 == 0,
+              "pack_quant_weight: group_size must be a multiple of 32 for bits 4, got ",
+              group_size);
+  const int64_t groups = k / group_size;
+  const auto check_per_group = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
+                    t.size(0) == n && t.size(1) == groups,
+                "pack_quant_weight: ", name, " must be float32 [N, K / group_size] = [", n,
+                ", ", groups, "], got ", t.scalar_type(), " ", t.sizes());
+  };
+  check_per_group(scales, "scales");
+  if (mins.has_value()) check_per_group(*mins, "mins");
+
+  QuantWeight w;
+  w.n = n;
+  w.k = k;
+  w.bits = bits;
+  w.group_size = group_size;
+  w.has_mins = mins.has_value();
+  const int64_t blocks = w.blocks(), block_bytes = w.block_bytes(),
+                group_bytes = w.group_bytes(), header = w.header_bytes();
+  w.data = at::zeros({blocks, block_bytes}, qweight.options().dtype(at::kByte));
+  const at::Tensor q = qweight.contiguous(), s = scales.contiguous();
+  const at::Tensor m = mins.has_value() ? mins->contiguous() : at::Tensor();
+  const uint8_t* qd = reinterpret_cast<const uint8_t*>(q.const_data_ptr());
+  const float* sd = s.const_data_ptr<float>();
+  const float* md = m.defined() ? m.const_data_ptr<float>() : nullptr;
+  uint8_t* out = w.data.data_ptr<uint8_t>();
+  const int64_t row_bytes = q.size(1);                       // canonical bytes a column
+  const int64_t group_q_bytes = group_size * bits / 8;       // of one column's group
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
+        const int64_t col = blk * kBlock + c;
+        for (int64_t grp = 0; grp < groups; ++grp) {
+          uint8_t* dst = out + blk * block_bytes + grp * group_bytes;
+          std::memcpy(dst + c * 4, sd + col * groups + grp, 4);
+          if (md != nullptr) std::memcpy(dst + (kBlock + c) * 4, md + col * groups + grp, 4);
+          const uint8_t* src = qd + col * row_bytes + grp * group_q_bytes;
+          for (int64_t i = 0; i < group_q_bytes; ++i) dst[header + i * kBlock + c] = src[i];
+        }
+      }
+    }
+  });
+  return w;
+}
+
+at::Tensor dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, at::ScalarType dtype) {
+  TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= w.n, "dequantize_rows: rows [n0, n1) = [", n0, ", ",
+              n1, ") must lie in [0, N = ", w.n, "]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "dequantize_rows: dtype must be float32 or bfloat16, got ", dtype);
+  at::Tensor out = at::empty({n1 - n0, w.k}, w.data.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    dequantize_into(w, n0, n1, out.data_ptr<float>());
+  } else {
+    dequantize_into(w, n0, n1, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+  return out;
+}
+
+}  // namespace carpool_gemm

@@ -1,0 +1,47 @@
+// A quantized linear weight packed once at load (quant_pack.cpp) for the quantized GEMM
+// (quant_gemm.cpp): the layout both files and the bindings share.
+//
+// It starts from carpool's canonical quantized weight (what every loader converts GGUF, AWQ,
+// GPTQ and compressed-tensors weights to; carpool/quant/): W [N, K] as
+//   bits 8: qweight int8 [N, K], q = qweight[n, k] (-128..127);
+//   bits 4: qweight uint8 [N, K / 2], q in 0..15, in units of 32 consecutive k (k0 = 32 u):
+//           byte 16 u + j holds q[n, k0 + j] in its low nibble, q[n, k0 + 16 + j] in its high
+//           one (ggml's Q4_0 order);
+//   scales float32 [N, K / g], mins float32 [N, K / g] or none (0), g = group_size, K % g == 0
+//   (bits 4: g % 32 == 0);
+//   W[n, k] = scales[n, k / g] * q[n, k] + mins[n, k / g]   (float32).
+//
+// Packed (`data`, uint8 [blocks, block_bytes], blocks = ceil(N / 16)): blocks of 16 output
+// columns (N padded with zero columns), each block a run of its K / g groups, each group
+//   scales[16] float32, mins[16] float32 (only with mins), then the group's q:
+//   bits 8: g x 16 bytes, byte [k][c] = q[column c][k0 + k];
+//   bits 4: g / 32 units x 16 x 16 bytes, byte [u][j][c] = qweight byte 16 u + j of column c
+//           (the canonical bytes, columns interleaved).
+// So a block streams front to back once: 16 columns' q for one k are one 16-byte load (bits 8)
+// or one 16-byte load gives k0 + j and k0 + 16 + j (bits 4), and a group's scales and mins
+// sit in the cache line before its q. Its size is the canonical bytes plus the padding of N.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace carpool_gemm {
+
+struct QuantWeight {
+  at::Tensor data;  // uint8 [blocks, block_bytes]
+  int64_t n = 0, k = 0, bits = 8, group_size = 0;
+  bool has_mins = false;
+
+  static constexpr int64_t kBlock = 16;  // output columns per block
+  int64_t blocks() const { return (n + kBlock - 1) / kBlock; }
+  int64_t groups() const { return k / group_size; }
+  int64_t header_bytes() const { return (has_mins ? 2 : 1) * kBlock * 4; }
+  int64_t group_bytes() const {
+    return header_bytes() + group_size * kBlock * bits / 8;
+  }
+  int64_t block_bytes() const { return groups() * group_bytes(); }
+};
+
+}  // namespace carpool_gemm

@@ -1,0 +1,41 @@
+"""A quantized linear of any number of rows, from one packed weight (`pack_quant_weight`).
+
+Up to a cut, `quant_linear`: the weight streams once, dequantized in registers, and each row's
+result is the same bits in any batch. Above it, the rows are many enough that the product is
+bound by multiply-adds, not by the weight's bytes: the weight is dequantized to x's dtype once
+per call (`dequantize_rows`) and multiplied by oneDNN's GEMM (`F.linear`), which outruns the
+register kernel there (its results differ from the kernel's in the last bits, so a row's
+result depends on which side of the cut its batch falls: batch-invariant callers keep
+`quant_linear` for every row count). The cuts were measured in
+docs/lab/53-quantized-gemm.md; which one applies (the CPU's class, x's dtype) is the caller's
+choice, as the other linears' cuts are `platform/cpu_route.py`'s.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+# Rows up to which quant_linear beat dequantize_rows + oneDNN on the 0.5B model's shapes
+# (docs/lab/53-quantized-gemm.md), by (kernel build, x's dtype, bits), measured on Zen 4 (the
+# AVX2 build there too). Above them the dequantization's fixed cost (about 1.7 ns a weight a
+# call) is repaid by oneDNN's faster bfloat16 GEMM; float32 rows found no crossing up to 256.
+QUANT_GEMM_MAX_ROWS = {
+    ("AVX512", torch.bfloat16, 8): 256, ("AVX512", torch.bfloat16, 4): 128,
+    ("AVX512", torch.float32, 8): 256, ("AVX512", torch.float32, 4): 256,
+    ("AVX2", torch.bfloat16, 8): 32, ("AVX2", torch.bfloat16, 4): 32,
+    ("AVX2", torch.float32, 8): 32, ("AVX2", torch.float32, 4): 32,
+}
+
+
+def quant_matmul(kernels: ModuleType, x: torch.Tensor, packed, bias: torch.Tensor | None,
+                 max_rows: int) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16, contiguous rows) @ W.T (+ bias) -> [M, N] in x's dtype:
+    `quant_linear` up to max_rows rows, above them the weight dequantized to x's dtype and
+    multiplied by `F.linear` (oneDNN)."""
+    if x.shape[0] <= max_rows:
+        return kernels.quant_linear(x, packed, bias)
+    weight = kernels.dequantize_rows(packed, 0, packed.n, x.dtype)
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
