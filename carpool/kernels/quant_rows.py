@@ -7,8 +7,8 @@ per call (`dequantize_rows`) and multiplied by oneDNN's GEMM (`F.linear`), which
 register kernel there (its results differ from the kernel's in the last bits, so a row's
 result depends on which side of the cut its batch falls: batch-invariant callers keep
 `quant_linear` for every row count). The cuts were measured in
-docs/lab/53-quantized-gemm.md; which one applies (the CPU's class, x's dtype) is the caller's
-choice, as the other linears' cuts are `platform/cpu_route.py`'s.
+docs/lab/53-quantized-gemm.md; which one applies (the CPU's class, x's dtype, the bits) is
+the route's (`platform/cpu_route.QuantRoute`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,6 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-
-# Rows up to which quant_linear beat dequantize_rows + oneDNN on the 0.5B model's shapes
-# (docs/lab/53-quantized-gemm.md), by (kernel build, x's dtype, bits), measured on Zen 4 (the
-# AVX2 build there too). Above them the dequantization's fixed cost (about 1.7 ns a weight a
-# call) is repaid by oneDNN's faster bfloat16 GEMM; float32 rows found no crossing up to 256.
-QUANT_GEMM_MAX_ROWS = {
-    ("AVX512", torch.bfloat16, 8): 256, ("AVX512", torch.bfloat16, 4): 128,
-    ("AVX512", torch.float32, 8): 256, ("AVX512", torch.float32, 4): 256,
-    ("AVX2", torch.bfloat16, 8): 32, ("AVX2", torch.bfloat16, 4): 32,
-    ("AVX2", torch.float32, 8): 32, ("AVX2", torch.float32, 4): 32,
-}
 
 
 def quant_matmul(kernels: ModuleType, x: torch.Tensor, packed, bias: torch.Tensor | None,

@@ -18,6 +18,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from carpool.kernels.quant_rows import quant_matmul
 from carpool.models.quant.linear import PartMatmul, QuantLinear, reference_matmul
 from carpool.models.quant.weight import QuantizedWeight
 from carpool.platform.cpu_invariant_linear import agreeing_tiles, in_row_tiles
@@ -55,16 +56,15 @@ def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatm
     """The multiply of one part: the compiled kernel up to route.max_rows rows, else the
     reference (float parts: always `F.linear`)."""
     reference = reference_matmul(part)
-    if not isinstance(part, QuantizedWeight) or not route.max_rows or kernels is None:
+    if not isinstance(part, QuantizedWeight) or kernels is None or not route.max_rows(part.bits):
         return reference
     packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, part.bits,
                                        part.group_size)
-    max_rows = route.max_rows
+    max_rows = route.max_rows(part.bits)
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= max_rows:  # the kernel takes x as the stored matrix does
-            return kernels.quant_linear(part.prepare_input(x).contiguous(), packed, None)
-        return reference(x)
+        # the kernel takes x as the stored matrix does (a permuted or int8-rounded input)
+        return quant_matmul(kernels, part.prepare_input(x).contiguous(), packed, None, max_rows)
     return matmul
 
 

@@ -202,32 +202,51 @@ class LinearRoute:
 @dataclass(frozen=True)
 class QuantRoute:
     """How the parts of a quantized linear (`models.quant.QuantLinear`) multiply
-    (`cpu_quant`): the compiled `quant_linear` up to `max_rows` rows (0: never), larger calls
-    by slices of the weight dequantized into `F.linear`; under batch invariance every call in
-    the invariant tiles of `cpu_invariant_linear`."""
+    (`cpu_quant`): the compiled `quant_linear` up to `int8_max_rows` / `int4_max_rows` rows
+    (0: never), larger calls by the weight dequantized into `F.linear` (the kernels'
+    `dequantize_rows` where they are built, else PyTorch's slices); without the kernels under
+    batch invariance, every call in the invariant tiles of `cpu_invariant_linear`."""
 
-    max_rows: int
+    int8_max_rows: int
+    int4_max_rows: int
     tiles: bool
 
+    def max_rows(self, bits: int) -> int:
+        return self.int8_max_rows if bits == 8 else self.int4_max_rows
+
     def describe(self) -> str:
-        few = f"quant_linear up to {self.max_rows} rows, else " if self.max_rows else ""
-        tiles = ", in batch-invariant tiles" if self.tiles else ""
-        return f"{few}dequantized slices into F.linear{tiles}"
+        if not self.int8_max_rows:
+            return "PyTorch: dequantized slices into F.linear" + (
+                ", in batch-invariant tiles" if self.tiles else "")
+        if self.int8_max_rows >= ALL_ROWS:
+            return "quant_linear at every row count (batch-invariant)"
+        return (f"quant_linear up to {self.int8_max_rows} rows (int8) / {self.int4_max_rows} "
+                f"(int4), else dequantize_rows into F.linear")
 
 
-# Quantized calls of up to this many rows take the compiled quant_linear, which dequantizes in
-# registers and reads each weight byte once per call; larger ones dequantize slices of the
-# weight and hand them to the float GEMM.
-QUANT_GEMM_MAX_ROWS = 16
+ALL_ROWS = 1 << 30
+# Quantized calls of up to these many rows take the compiled quant_linear, which reads each
+# weight byte once and dequantizes in registers; above, the product is bound by multiply-adds
+# and oneDNN's GEMM on the weight dequantized once per call wins. By CPU class and x's dtype:
+# (int8, int4). Measured on Zen 4, both builds (docs/lab/53-quantized-gemm.md); the other
+# AVX-512 classes take Zen 4's until measured (AMX's bfloat16 GEMM may cross earlier).
+QUANT_GEMM_MAX_ROWS: dict[CpuClass, dict[torch.dtype, tuple[int, int]]] = {
+    cls: {torch.bfloat16: (256, 128), torch.float32: (256, 256)}
+    for cls in (CpuClass.AMX, CpuClass.AVX512_BF16, CpuClass.ZEN4, CpuClass.AVX512,
+                CpuClass.OTHER)}
+QUANT_GEMM_MAX_ROWS[CpuClass.AVX2] = {torch.bfloat16: (32, 32), torch.float32: (32, 32)}
 
 
-def decide_quant(kernels: KernelFacts | None, batch_invariant: bool) -> QuantRoute:
-    """The compiled quantized GEMM where the kernels have one; all rows under batch
-    invariance (its rows are computed independently), else up to QUANT_GEMM_MAX_ROWS."""
+def decide_quant(cpu_class: CpuClass, dtype: torch.dtype, kernels: KernelFacts | None,
+                 batch_invariant: bool) -> QuantRoute:
+    """The compiled quantized GEMM where the kernels have one, up to the class's cut; at every
+    row count under batch invariance (a row's sums never depend on the others)."""
     if kernels is None or not kernels.quant_gemm:
-        return QuantRoute(max_rows=0, tiles=batch_invariant)
-    return QuantRoute(max_rows=1 << 30 if batch_invariant else QUANT_GEMM_MAX_ROWS,
-                      tiles=False)
+        return QuantRoute(0, 0, tiles=batch_invariant)
+    if batch_invariant:
+        return QuantRoute(ALL_ROWS, ALL_ROWS, tiles=False)
+    int8, int4 = QUANT_GEMM_MAX_ROWS[cpu_class].get(dtype, (0, 0))
+    return QuantRoute(int8, int4, tiles=False)
 
 
 @dataclass(frozen=True)
@@ -278,7 +297,7 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
     return CpuRoute(cpu_class=cpu.cpu_class, dtype=dtype, head_dim=head_dim,
                     sliding_window=sliding_window, linears=linears, attention=attention,
                     fused_elementwise=kernels is not None, layer_stack=layer_stack,
-                    quant=decide_quant(kernels, batch_invariant))
+                    quant=decide_quant(cpu.cpu_class, dtype, kernels, batch_invariant))
 
 
 def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | None, *,

@@ -163,8 +163,38 @@ def test_compressed_tensors_checkpoint_matches_transformers(name, make_checkpoin
     rng = random.Random(11)
     prompts = [(random_prompt(rng, n), m) for n, m in ((1, 16), (9, 12), (40, 16), (90, 8))]
     got, llm = carpool_greedy(quantized, prompts, num_kv_blocks=128)
-    assert got == hf_greedy(reference, prompts), name
+    if preset == "W8A8":
+        assert_equal_up_to_near_ties(reference, prompts, got)
+    else:
+        assert got == hf_greedy(reference, prompts), name
     assert "compressed-tensors" in llm.engine.runner.model.quantization
+
+
+# W8A8 rounds every activation to int8: a last-bit difference in a sum (the compiled kernel
+# adds in another order than transformers' matmul) can move one activation a whole int8 step,
+# and so a logit by about this much at most (a 1e-2 of the logits' spread).
+W8A8_TIE = 0.05
+
+
+def assert_equal_up_to_near_ties(path, prompts, got) -> None:
+    """carpool's greedy tokens equal transformers' until a position where transformers' own
+    logits put carpool's token within W8A8_TIE of its top one (after which the texts differ)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for (ids, n), tokens in zip(prompts, got):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            ref = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=n)[0, len(ids):].tolist()
+        if tokens == ref:
+            continue
+        i = next(k for k in range(min(len(tokens), len(ref))) if tokens[k] != ref[k])
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + ref[:i]])).logits[0, -1]
+        gap = float(logits[ref[i]] - logits[tokens[i]])
+        assert gap < W8A8_TIE, f"prompt of {len(ids)}: token {i} is {tokens[i]}, transformers' " \
+                               f"{ref[i]} leads it by {gap:.4f}"
 
 
 def test_w8a8_activations_are_int8(make_checkpoint, tmp_path):
