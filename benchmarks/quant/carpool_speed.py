@@ -34,9 +34,12 @@ SINGLE_PROMPT_LEN, SINGLE_OUTPUT_LEN = 32, 128
 
 
 def workloads(vocab_size: int, num_requests: int, seed: int = 0) -> dict:
+    """The single stream, and the `num_requests` workload unless it is 0."""
     rng = random.Random(seed)
     single = [([rng.randrange(3, vocab_size) for _ in range(SINGLE_PROMPT_LEN)],
                SINGLE_OUTPUT_LEN)]
+    if not num_requests:
+        return {"1": single}
     return {"1": single, str(num_requests): build_requests(num_requests, vocab_size, seed)}
 
 
@@ -52,7 +55,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", help="activations' dtype (all models)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--num-requests", type=int, default=200,
+                        help="the batch workload's size (0: the single stream only)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args()

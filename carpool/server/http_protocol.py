@@ -57,7 +57,10 @@ DEFAULT_MAX_CONNECTIONS = 4096
 DEFAULT_SEND_BUFFER_BYTES = 32 * 1024
 # File descriptors kept for everything but client sockets (model files, logs, pipes).
 _RESERVED_FDS = 64
-DEFAULT_BACKLOG = 2048  # uvicorn's listen backlog: asyncio accepts up to this many at once
+# The listen backlog, which is also how many sockets asyncio accepts in one go on the event
+# loop: a flood of connections costs every stream one burst's worth of accepting (about 0.8 s
+# at uvicorn's 2048, docs/lab/52), so it is nginx's size instead.
+DEFAULT_BACKLOG = 512
 _LOG_INTERVAL_S = 10.0
 # How often a connection whose reply is still in asyncio's buffer looks again before its
 # keep-alive read deadline starts.

@@ -12,7 +12,8 @@ from carpool.models.quant.gguf_blocks import SUPPORTED, to_float, to_quantized
 from carpool.models.quant.weight import QuantizedWeight, pack_int4, unpack_int4
 
 # Byte offsets of each type's float16 scales in its block (the rest are any bits at all).
-F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0):
@@ -26,7 +27,7 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int =
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", list(F16_OFFSETS))
 def test_conversion_equals_gguf_dequantize(name):
     qtype = GGMLQuantizationType[name]
     raw = random_blocks(qtype, rows=7, cols=512)
@@ -61,9 +62,9 @@ def test_float_types():
 
 
 def test_unsupported_type_is_named():
-    raw = np.zeros((2, 20 * 2), dtype=np.uint8)
-    with pytest.raises(ValueError, match="Q4_1 is not supported.*Q4_K"):
-        to_quantized(raw, GGMLQuantizationType.Q4_1)
+    raw = np.zeros((2, 84), dtype=np.uint8)
+    with pytest.raises(ValueError, match="Q2_K is not supported.*Q4_K"):
+        to_quantized(raw, GGMLQuantizationType.Q2_K)
     assert "Q6_K" in SUPPORTED and "BF16" in SUPPORTED
 
 

@@ -6,6 +6,8 @@ The block layouts are ggml's (the `gguf` package reads the file and its block si
 Each function takes one matrix's blocks as uint8 [N, bytes per row] and returns the canonical
 (qweight, scales, mins) of its N rows. K-quant super-blocks hold 256 inputs in sub-blocks of
 32 (Q4_K, Q5_K) or 16 (Q6_K) with their own scales: the sub-block is the canonical group.
+Q4_1, Q5_0 and Q5_1 are the legacy types llama.cpp's quantizer falls back to where a row is not
+a multiple of 256 (Qwen2.5-0.5B's 896: its Q4_K_M files hold Q5_0 beside Q4_K and Q6_K).
 """
 
 from __future__ import annotations
@@ -43,6 +45,33 @@ def q4_0(data: np.ndarray):
     d = _f16(blocks[..., :2])
     qweight = np.ascontiguousarray(blocks[..., 2:]).reshape(n, -1)  # already canonical order
     return qweight, d, -8.0 * d, 4, 32
+
+
+def q4_1(data: np.ndarray):
+    blocks, n = _blocks(data, GGMLQuantizationType.Q4_1)
+    d, m = _f16(blocks[..., :2]), _f16(blocks[..., 2:4])
+    return np.ascontiguousarray(blocks[..., 4:]).reshape(n, -1), d, m, 4, 32
+
+
+def _five_bits(blocks: np.ndarray, n: int) -> np.ndarray:
+    """Q5_0 / Q5_1's 32 values a block: the high bit of value j is bit j of the 4-byte qh."""
+    qh = np.ascontiguousarray(blocks[..., -20:-16]).view(np.uint32)  # [N, B, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, B, 32]
+    qs = blocks[..., -16:]
+    low = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # values 0..15, then 16..31
+    return low | (high << 4)
+
+
+def q5_0(data: np.ndarray):
+    blocks, n = _blocks(data, GGMLQuantizationType.Q5_0)
+    q = (_five_bits(blocks, n).astype(np.int8) - np.int8(16)).reshape(n, -1)
+    return q, _f16(blocks[..., :2]), None, 8, 32
+
+
+def q5_1(data: np.ndarray):
+    blocks, n = _blocks(data, GGMLQuantizationType.Q5_1)
+    q = _five_bits(blocks, n).reshape(n, -1).view(np.int8)  # 0..31 fits int8
+    return q, _f16(blocks[..., :2]), _f16(blocks[..., 2:4]), 8, 32
 
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -100,6 +129,9 @@ def _pack4(q: np.ndarray) -> np.ndarray:
 CONVERTERS = {
     GGMLQuantizationType.Q8_0: q8_0,
     GGMLQuantizationType.Q4_0: q4_0,
+    GGMLQuantizationType.Q4_1: q4_1,
+    GGMLQuantizationType.Q5_0: q5_0,
+    GGMLQuantizationType.Q5_1: q5_1,
     GGMLQuantizationType.Q4_K: q4_k,
     GGMLQuantizationType.Q5_K: q5_k,
     GGMLQuantizationType.Q6_K: q6_k,
