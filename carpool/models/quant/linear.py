@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from carpool.models.quant.weight import QuantizedWeight
+from carpool.models.quant.weight import QuantizedWeight, stack_rows
 
 Part = QuantizedWeight | torch.Tensor  # a float part is a plain [N, K] tensor
 PartMatmul = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> [M, N] in x's dtype
@@ -50,6 +50,25 @@ def part_kind(part: Part) -> str:
         "torch.")
 
 
+def merge_like_parts(parts: list[Part]) -> list[Part]:
+    """Neighbouring parts that multiply alike stacked into one (`weight.stack_rows`; float
+    parts of one dtype by `torch.cat`): fewer, larger calls, and no concatenation after."""
+    merged: list[Part] = [parts[0]]
+    for part in parts[1:]:
+        last = merged[-1]
+        if isinstance(part, QuantizedWeight) and isinstance(last, QuantizedWeight):
+            stacked = stack_rows([last, part])
+            if stacked is not None:
+                merged[-1] = stacked
+                continue
+        elif isinstance(part, torch.Tensor) and isinstance(last, torch.Tensor) and \
+                part.dtype == last.dtype:
+            merged[-1] = torch.cat([last, part])
+            continue
+        merged.append(part)
+    return merged
+
+
 class QuantLinear(nn.Module):
     """y = x @ [part_0; part_1; ...].T + bias, each part multiplied by its own `part_matmuls`
     entry. Holds no parameters: the parts are loaded, never trained."""
@@ -61,9 +80,10 @@ class QuantLinear(nn.Module):
             raise ValueError(f"stacked parts differ in in_features: {shapes}")
         self.in_features = shapes[0][1]
         self.out_features = sum(n for n, _ in shapes)
-        self.parts = list(parts)
+        self.part_kinds = [part_kind(p) for p in parts]  # as loaded, before merging
+        self.parts = merge_like_parts(list(parts))
         self.bias = bias
-        self.part_matmuls: list[PartMatmul] = [reference_matmul(p) for p in parts]
+        self.part_matmuls: list[PartMatmul] = [reference_matmul(p) for p in self.parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -76,8 +96,8 @@ class QuantLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def kinds(self) -> list[str]:
-        """The source type of each part, e.g. ["Q4_K", "Q4_K", "Q6_K"]."""
-        return [part_kind(p) for p in self.parts]
+        """The source type of each stacked projection, e.g. ["Q4_K", "Q4_K", "Q6_K"]."""
+        return list(self.part_kinds)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -106,6 +106,25 @@ class QuantizedWeight:
                           self.group_size).to(dtype)
 
 
+def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """The weights stacked by rows as one (rows are independent), or None where they differ in
+    what a multiply needs to know (bits, group, mins or none, the input's permutation or
+    rounding): q/k/v of one type become one matrix and one kernel call."""
+    first = weights[0]
+    for w in weights[1:]:
+        if (w.bits, w.group_size, w.mins is None, w.input_int8) != (
+                first.bits, first.group_size, first.mins is None, first.input_int8) or \
+                w.input_perm is not None or first.input_perm is not None:
+            return None
+
+    def cat(name):
+        parts = [getattr(w, name) for w in weights]
+        return None if parts[0] is None else torch.cat(parts)
+    kinds = dict.fromkeys(w.kind for w in weights)
+    return QuantizedWeight(cat("qweight"), cat("scales"), cat("mins"), first.bits,
+                           first.group_size, "+".join(kinds), input_int8=first.input_int8)
+
+
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K // 2] in the canonical nibble order -> uint8 [N, K] of values 0..15."""
     n = qweight.shape[0]
