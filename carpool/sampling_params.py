@@ -42,7 +42,8 @@ class StructuredOutputsParams:
     `json` (a JSON schema, as a dict or its JSON text), `json_object` (any JSON object),
     `regex`, `choice` (one of these strings) or `grammar` (Lark, or llama.cpp's GBNF).
 
-    Plain data, so it pickles across a process boundary; a `json` dict is kept as its JSON
+    Plain data, so it crosses a process boundary (as JSON to the grammar checker, pickled
+    to the engine process); a `json` dict is kept as its JSON
     text. Whether the schema, regex or grammar compiles is checked by the engine
     (`carpool.structured`), which raises ValueError naming `structured_outputs.<field>`.
     """

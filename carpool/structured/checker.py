@@ -13,9 +13,9 @@ checks queue there and never hold the threads the rest of the server shares.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
-import pickle
 import select
 import subprocess
 import sys
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from carpool.sampling_params import GrammarLimits, StructuredOutputsParams
-from carpool.structured.check_worker import HEADER, frame
+from carpool.structured.check_worker import HEADER, encode_request, frame
 from carpool.structured.limits import NOUNS, check_limits
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class GrammarChecker:
         """ValueError naming `field` when the grammar of `params` is over the limits, invalid,
         too slow to check or crashes the checker."""
         check_limits(params, self.limits, field)
-        key = hashlib.sha256(pickle.dumps((params, field))).digest()
+        key = hashlib.sha256(encode_request(params, field, self.limits)).digest()
         with self._lock:
             if key in self._answers:
                 self._answers.move_to_end(key)
@@ -70,7 +70,7 @@ class GrammarChecker:
             self._stop()
 
     def _ask(self, params: StructuredOutputsParams, field: str) -> str | None:
-        request = frame(pickle.dumps((params, field, self.limits)))
+        request = frame(encode_request(params, field, self.limits))
         self.num_asked += 1
         process = self._running()
         try:
@@ -92,7 +92,7 @@ class GrammarChecker:
                            "%s; the next check starts a new one", code, field)
             return (f"{field}: the {NOUNS[params.kind]} crashed the grammar library (too many "
                     "rules or too deep a nesting for it); make it smaller")
-        return pickle.loads(reply)
+        return json.loads(reply)
 
     def _running(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
