@@ -17,7 +17,8 @@ from torch import nn
 
 from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
-from carpool.models.llama import LlamaForCausalLM, StackedLinear, checkpoint_targets
+from carpool.models.llama import LlamaForCausalLM, StackedLinear
+from carpool.models.quant.float_params import fill_float_parameters
 from carpool.models.quant.gguf_blocks import to_float, to_quantized
 from carpool.models.quant.gguf_file import GgufFile
 from carpool.models.quant.linear import QuantEmbedding, QuantLinear
@@ -41,7 +42,7 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype, device:
     model.model.rotary_emb.reset()
     with torch.no_grad():
         _quantize_modules(model, file, dtype)
-        _fill_floats(model, file, config)
+        fill_float_parameters(model, config, lambda name: _read_float(file, name))
     model.eval()
     model.quantization = f"gguf ({describe_types(file)})"
     logger.info("GGUF %s: %s", Path(path).name, model.quantization)
@@ -94,26 +95,12 @@ def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtyp
         model.lm_head = QuantLinear([part(head)], None)
 
 
-def _fill_floats(model: LlamaForCausalLM, file: GgufFile, config: ModelConfig) -> None:
-    """Fill every remaining parameter from the file's float tensors."""
-    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
-        model.lm_head.weight = model.model.embed_tokens.weight
-    targets = checkpoint_targets(model)
-    if config.tie_word_embeddings:
-        targets.pop("lm_head.weight", None)
-    for name, target in targets.items():
-        if target.param is None:
-            continue
-        data, qtype = file.tensor(name)
-        if file.is_quantized(name):
-            raise ValueError(f"tensor {file.gguf_name(name)!r} of type {file.type_name(name)} "
-                             f"cannot fill {name} (a float parameter)")
-        source = to_float(data, qtype)
-        dest = target.param[target.rows]
-        if tuple(source.shape) != tuple(dest.shape):
-            raise ValueError(f"tensor {file.gguf_name(name)!r} has shape {tuple(source.shape)}, "
-                             f"expected {tuple(dest.shape)} for {name}")
-        dest.copy_(source.to(dest.dtype))
+def _read_float(file: GgufFile, name: str):
+    """A float tensor of the file by its Hugging Face name; ValueError for a quantized one."""
+    if file.is_quantized(name):
+        raise ValueError(f"tensor {file.gguf_name(name)!r} of type {file.type_name(name)} "
+                         f"cannot fill {name} (a float parameter)")
+    return to_float(*file.tensor(name))
 
 
 def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:

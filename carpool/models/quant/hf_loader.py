@@ -18,7 +18,8 @@ from torch import nn
 
 from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
-from carpool.models.llama import LlamaForCausalLM, StackedLinear, checkpoint_targets
+from carpool.models.llama import LlamaForCausalLM, StackedLinear
+from carpool.models.quant.float_params import fill_float_parameters
 from carpool.models.quant.hf_config import HfScheme
 from carpool.models.quant.hf_formats import to_quantized
 from carpool.models.quant.linear import QuantLinear
@@ -120,22 +121,11 @@ def _fill_floats(model: LlamaForCausalLM, tensors: Tensors, config: ModelConfig,
                  path: Path) -> None:
     """Fill every remaining parameter from the checkpoint's float tensors; any tensor left
     unread is an error naming it."""
-    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
-        model.lm_head.weight = model.model.embed_tokens.weight
-    targets = checkpoint_targets(model)
-    if config.tie_word_embeddings:
-        targets.pop("lm_head.weight", None)
-    for name, target in targets.items():
-        if target.param is None:
-            continue
+    def read(name: str):
         if not tensors.has(name):
             raise ValueError(f"checkpoint {path} lacks tensor {name!r}")
-        source = tensors.get(name)
-        dest = target.param[target.rows]
-        if tuple(source.shape) != tuple(dest.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(source.shape)}, expected "
-                             f"{tuple(dest.shape)}")
-        dest.copy_(source.to(dest.dtype))
+        return tensors.get(name)
+    fill_float_parameters(model, config, read)
     tied_head = "lm_head.weight" if config.tie_word_embeddings else None
     unread = sorted(n for n in tensors.where if n not in tensors.used and n != tied_head
                     and not n.endswith(_IGNORED_SUFFIXES))
