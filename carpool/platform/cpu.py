@@ -41,7 +41,7 @@ from carpool.platform.cpu_huge_pages import zeros_on_huge_pages
 from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.platform.cpu_linear import pack_linears
-from carpool.platform.cpu_memory import keep_freed_memory_in_heap
+from carpool.platform.cpu_memory import keep_freed_memory_in_heap, release_free_heap
 from carpool.platform.cpu_quant import describe_quantized, prepare_quant_linears
 from carpool.platform.cpu_route import CpuFacts, CpuRoute, KernelFacts, decide_route
 from carpool.utils.cpu_threads import NO_BIND, bind_threads
@@ -142,6 +142,7 @@ class CpuPlatform(Platform):
             if model.layer_stack is None:
                 logger.info("C++ layer stack off for this model: tensor parallel, a linear "
                             "its small GEMM does not take, or norms of differing eps")
+        release_free_heap()  # what loading and packing freed (converted copies) goes back
 
     def compiled_kernels(self) -> ModuleType | None:
         if not self.kernels:

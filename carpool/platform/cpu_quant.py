@@ -49,22 +49,27 @@ def prepare_quant_linears(model: nn.Module, kernels: ModuleType | None, route: Q
                     return in_row_tiles(x, tiles, inner)
             matmuls.append(matmul)
         linear.part_matmuls = matmuls
+        if kernels is not None and all(not isinstance(part, QuantizedWeight)
+                                       or route.max_rows(part.bits) for part in linear.parts):
+            # every part is packed: the packed copy is the only one its multiply reads
+            linear.release_parts()
     return len(linears)
 
 
 def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatmul:
     """The multiply of one part: the compiled kernel up to route.max_rows rows, else the
     reference (float parts: always `F.linear`)."""
-    reference = reference_matmul(part)
     if not isinstance(part, QuantizedWeight) or kernels is None or not route.max_rows(part.bits):
-        return reference
+        return reference_matmul(part)
     packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, part.bits,
                                        part.group_size)
     max_rows = route.max_rows(part.bits)
+    # the kernel takes x as the stored matrix does (a permuted or int8-rounded input); the
+    # closure holds the packed copy only, so the canonical one can be freed
+    prepare = part.input_preparation()
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        # the kernel takes x as the stored matrix does (a permuted or int8-rounded input)
-        return quant_matmul(kernels, part.prepare_input(x).contiguous(), packed, None, max_rows)
+        return quant_matmul(kernels, prepare(x).contiguous(), packed, None, max_rows)
     return matmul
 
 

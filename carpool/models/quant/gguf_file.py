@@ -11,6 +11,7 @@ independent in every block type, so that is a row gather on the integers.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,14 @@ class GgufFile:
                 heads = self.field("{arch}.attention.head_count_kv", heads)
             data = data[_unpermute_rows(data.shape[0], heads)]
         return data, qtype
+
+    def release_pages(self) -> None:
+        """Drop the file's pages read so far from this process's resident memory. They stay in
+        the page cache and fault back in if read again; without this, every page a load read
+        counts in the process's RSS beside the weights made from it until the file closes."""
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def type_name(self, hf_name: str) -> str:
         return GGMLQuantizationType(self._info(hf_name).tensor_type).name

@@ -43,6 +43,7 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype, device:
     with torch.no_grad():
         _quantize_modules(model, file, dtype)
         fill_float_parameters(model, config, lambda name: _read_float(file, name))
+        file.release_pages()
     model.eval()
     model.quantization = f"gguf ({describe_types(file)})"
     logger.info("GGUF %s: %s", Path(path).name, model.quantization)
@@ -57,18 +58,23 @@ def describe_types(file: GgufFile) -> str:
 
 def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtype) -> None:
     """Replace every linear (and the embedding) whose file tensors are quantized."""
-    cache: dict[str, object] = {}
+    embed_name = "model.embed_tokens.weight"
+    kept: dict[str, object] = {}  # the embedding, which a tied LM head reads again
 
     def part(hf_name: str):
-        if hf_name not in cache:
-            data, qtype = file.tensor(hf_name)
-            try:
-                cache[hf_name] = (to_quantized(data, qtype) if file.is_quantized(hf_name)
-                                  else to_float(data, qtype).to(dtype))
-            except ValueError as exc:
-                raise ValueError(f"tensor {file.gguf_name(hf_name)!r} in {file.path.name}: "
-                                 f"{exc}") from None
-        return cache[hf_name]
+        if hf_name in kept:
+            return kept[hf_name]
+        data, qtype = file.tensor(hf_name)
+        try:
+            converted = (to_quantized(data, qtype) if file.is_quantized(hf_name)
+                         else to_float(data, qtype).to(dtype))
+        except ValueError as exc:
+            raise ValueError(f"tensor {file.gguf_name(hf_name)!r} in {file.path.name}: "
+                             f"{exc}") from None
+        file.release_pages()  # its blocks are converted: only the converted copy stays
+        if hf_name == embed_name:
+            kept[hf_name] = converted
+        return converted
 
     def bias(prefix: str, names: list[str]) -> torch.Tensor | None:
         found = [f"{prefix}.{n}.bias" for n in names]
@@ -76,7 +82,6 @@ def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtyp
             return None
         return torch.cat([to_float(*file.tensor(n)).to(dtype) for n in found])
 
-    embed_name = "model.embed_tokens.weight"
     for module_name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module_name == "lm_head":
             continue

@@ -95,6 +95,12 @@ class QuantLinear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def release_parts(self) -> None:
+        """Drop the canonical parts once a platform gave every part a multiply of its own
+        copy (a packed weight): two copies of every weight would double the model's memory.
+        The layer keeps its shape and kinds; its multiplies can no longer be rebuilt."""
+        self.parts = []
+
     def kinds(self) -> list[str]:
         """The source type of each stacked projection, e.g. ["Q4_K", "Q4_K", "Q6_K"]."""
         return list(self.part_kinds)

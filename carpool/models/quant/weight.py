@@ -94,11 +94,18 @@ class QuantizedWeight:
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] as the stored matrix multiplies it: columns gathered by `input_perm`,
         then int8-rounded per token where `input_int8` (identity for most weights)."""
-        if self.input_perm is not None:
-            x = x[:, self.input_perm]
-        if self.input_int8:
-            x = int8_per_token(x)
-        return x
+        return self.input_preparation()(x)
+
+    def input_preparation(self):
+        """`prepare_input` as a function holding only what it needs, not the weight: a
+        multiply of a packed copy keeps it without keeping the canonical tensors alive."""
+        perm, to_int8 = self.input_perm, self.input_int8
+
+        def prepare(x: torch.Tensor) -> torch.Tensor:
+            if perm is not None:
+                x = x[:, perm]
+            return int8_per_token(x) if to_int8 else x
+        return prepare
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float matrix [N, K] (for references, embeddings' rows and prompt-size calls)."""

@@ -1,0 +1,71 @@
+"""A quantized model holds each weight once: a GGUF load keeps none of the file's pages
+resident, and once the platform packed a linear's parts its canonical tensors are freed (a
+second copy of every weight doubled the model's memory). The packed model still answers as
+the reference does."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from carpool import kernels as cpu_kernels
+from carpool.models.quant.gguf_file import GgufFile
+from carpool.models.quant.gguf_loader import load_gguf_model
+from carpool.models.quant.linear import QuantLinear
+from carpool.platform import CpuPlatform
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "gguf" / "tiny-qwen2-Q4_K_M.gguf"
+
+
+def _rss_file_kib() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("RssFile"))
+               .split()[1])
+
+
+def _load(path: Path) -> torch.nn.Module:
+    return load_gguf_model(path, GgufFile(path).model_config(), torch.float32,
+                           torch.device("cpu"))
+
+
+def test_packed_linears_free_their_canonical_parts():
+    if cpu_kernels.load() is None:
+        pytest.skip("packing needs the compiled C++ kernels")
+    model = _load(FIXTURE)
+    reference = _load(FIXTURE)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    canonical = [weakref.ref(part.qweight) for linear in linears for part in linear.parts
+                 if hasattr(part, "qweight")]
+    assert canonical
+    CpuPlatform(kernels=True).prepare_model(model)
+    gc.collect()
+    alive = [ref for ref in canonical if ref() is not None]
+    # the tied embedding's rows stay (it looks tokens up in them); nothing else may
+    embedding = model.model.embed_tokens.weight_q.qweight
+    assert all(ref() is embedding for ref in alive), f"{len(alive)} canonical weights alive"
+    assert all(linear.parts == [] for linear in linears)
+    x = torch.randn(3, linears[0].in_features)
+    ref_linear = next(m for m in reference.modules() if isinstance(m, QuantLinear))
+    torch.testing.assert_close(linears[0](x), ref_linear(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status")
+def test_gguf_load_leaves_no_file_pages_resident(tmp_path):
+    # a private copy, so no other test's mapping of the same file shares its pages
+    source = FIXTURE.parent / "carpool-default-Q4_K_M.gguf"
+    copy = tmp_path / source.name
+    copy.write_bytes(source.read_bytes())
+    before = _rss_file_kib()
+    file = GgufFile(copy)
+    for tensor in file.reader.tensors:
+        tensor.data.sum()  # touch every page, as a load's conversions do
+    touched = _rss_file_kib() - before
+    file.release_pages()
+    released = _rss_file_kib() - before
+    size_kib = copy.stat().st_size // 1024
+    assert touched > size_kib // 2, (touched, size_kib)
+    assert released < size_kib // 4, (released, size_kib)
