@@ -61,9 +61,10 @@ def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatm
     reference (float parts: always `F.linear`)."""
     if not isinstance(part, QuantizedWeight) or kernels is None or not route.max_rows(part.bits):
         return reference_matmul(part)
-    packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, part.bits,
+    bits = packed_bits(part)
+    packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, bits,
                                        part.group_size)
-    max_rows = route.max_rows(part.bits)
+    max_rows = route.max_rows(bits)
     # the kernel takes x as the stored matrix does (a permuted or int8-rounded input); the
     # closure holds the packed copy only, so the canonical one can be freed
     prepare = part.input_preparation()
@@ -71,6 +72,17 @@ def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatm
     def matmul(x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(kernels, prepare(x).contiguous(), packed, None, max_rows)
     return matmul
+
+
+def packed_bits(part: QuantizedWeight) -> int:
+    """The bits a weight is packed in: an int8 weight whose values fit five bits (GGUF's Q5_0,
+    the type llama.cpp's Q4_K_M files fall back to where a row is not a multiple of 256) in
+    five, which the kernel reads as 5/8 of the bytes; else the canonical bits."""
+    if part.bits == 8 and part.group_size % 32 == 0 and part.qweight.numel():
+        q = part.qweight
+        if int(q.min()) >= -16 and int(q.max()) <= 15:
+            return 5
+    return part.bits
 
 
 def describe_quantized(model: nn.Module) -> str | None:

@@ -212,6 +212,7 @@ class QuantRoute:
     tiles: bool
 
     def max_rows(self, bits: int) -> int:
+        """The cut for a weight packed in `bits` (5 bits, unpacked like 4, takes int4's)."""
         return self.int8_max_rows if bits == 8 else self.int4_max_rows
 
     def describe(self) -> str:

@@ -3,7 +3,7 @@
 The files follow what llama.cpp's converter writes for these architectures (its metadata keys,
 tensor names from `gguf`'s own name map, the q/k row order of `llama` models, a byte-level BPE
 tokenizer with its merges and chat template), in the types the `gguf` package can quantize
-itself (F32, F16, Q8_0, Q4_0). Files made by llama.cpp's own converter and quantizer, K-quants
+itself (F32, F16, Q8_0, Q5_0, Q4_0). Files made by llama.cpp's own converter and quantizer, K-quants
 included, are committed under tests/fixtures/gguf with the script that made them.
 """
 

@@ -14,7 +14,7 @@ __all__ = ["kernels"]  # the fixture, imported for pytest
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0", "Q4_0"])
 def test_quantized_alone_equals_batched(kernels, make_checkpoint, tmp_path, qtype, dtype):
     file = write_gguf(make_checkpoint("qwen2"), tmp_path / f"qwen2-{qtype}.gguf", qtype)
     prompts = prompts_of(7)

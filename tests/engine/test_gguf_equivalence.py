@@ -72,7 +72,7 @@ def workload():
     return [(random_prompt(rng, n), m) for n, m in zip(PROMPT_LENGTHS, OUTPUT_LENGTHS)]
 
 
-CASES = [(arch, qtype, "default") for arch in ARCHS for qtype in ("Q8_0", "Q4_0", "F16")] + [
+CASES = [(arch, qtype, "default") for arch in ARCHS for qtype in ("Q8_0", "Q5_0", "Q4_0", "F16")] + [
     (arch, "Q4_0", setting) for arch in ARCHS for setting in ("chunked_preemption", "static")]
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 

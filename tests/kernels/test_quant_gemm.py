@@ -16,9 +16,10 @@ from carpool.kernels.reference import dequantize_ref, quant_linear_ref
 K = 256
 N = 67  # odd: a partial last block of 16 columns
 # (bits, group_size, mins): int8 in groups of 16 and 32 and per channel (g = K), int4 in 32s
-# (Q4_0, Q4_K, AWQ) and 128s (GPTQ), with mins and without
+# (Q4_0, Q4_K, AWQ) and 128s (GPTQ), with mins and without; int8 q in -16..15 packed in five
+# bits (Q5_0)
 FORMATS = [(8, 16, False), (8, 32, True), (8, K, False), (4, 32, True), (4, 128, False),
-           (4, 32, False), (8, 16, True)]
+           (4, 32, False), (8, 16, True), (5, 32, False), (5, 64, True)]
 ROWS = [1, 2, 3, 7, 16, 33, 300]
 
 
@@ -30,13 +31,21 @@ def fmt_id(fmt) -> str:
 def canonical(n: int, k: int, bits: int, group: int, mins: bool, seed: int):
     """Random canonical operands: (qweight, scales, mins or None, bits, group_size)."""
     gen = torch.Generator().manual_seed(seed)
-    if bits == 8:
+    if bits == 5:
+        qweight = torch.randint(-16, 16, (n, k), dtype=torch.int8, generator=gen)
+    elif bits == 8:
         qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     else:
         qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     scales = torch.rand(n, k // group, generator=gen) / (8 * k ** 0.5)
     offsets = torch.randn(n, k // group, generator=gen) / 16 if mins else None
     return qweight, scales, offsets, bits, group
+
+
+def reference_args(operands):
+    """The canonical weight the reference takes: a five-bit packing's q is the int8 one."""
+    qweight, scales, offsets, bits, group = operands
+    return qweight, scales, offsets, 8 if bits == 5 else bits, group
 
 
 # --- the reference against gguf -------------------------------------------------------------
@@ -86,7 +95,7 @@ def test_quant_linear_matches_reference(kernels, rows, fmt, dtype, bias):
     x = torch.randn(rows, K, generator=gen).to(dtype)
     b = torch.randn(N, generator=gen) if bias else None
     out = kernels.quant_linear(x, kernels.pack_quant_weight(*operands), b)
-    expected = quant_linear_ref(x, *operands, b)
+    expected = quant_linear_ref(x, *reference_args(operands), b)
     assert out.dtype == dtype and out.shape == (rows, N)
     scale = expected.float().abs().max().item()
     rtol = 0.0 if dtype == torch.float32 else 2 ** -7
@@ -124,7 +133,7 @@ def test_dequantize_rows_matches_reference(kernels, fmt):
     """Each weight s * q + m in one fused multiply-add: within a float32 rounding."""
     operands = canonical(N, K, *fmt, seed=11)
     packed = kernels.pack_quant_weight(*operands)
-    expected = dequantize_ref(*operands)
+    expected = dequantize_ref(*reference_args(operands))
     for n0, n1 in [(0, N), (5, 40), (16, 32), (66, 67), (3, 3)]:
         rows = kernels.dequantize_rows(packed, n0, n1, torch.float32)
         assert rows.shape == (n1 - n0, K) and rows.dtype == torch.float32
@@ -134,11 +143,13 @@ def test_dequantize_rows_matches_reference(kernels, fmt):
 
 
 def test_packed_weight_is_no_bigger_than_the_canonical_one(kernels):
-    """Whole blocks of 16 columns: exactly the canonical bytes (q, scales, mins)."""
+    """Whole blocks of 16 columns: exactly the canonical bytes (q, scales, mins); five-bit
+    packing holds the int8 q in 5/8 of its bytes."""
     for bits, group, mins in FORMATS:
         qweight, scales, offsets, _, _ = canonical(64, K, bits, group, mins, seed=0)
         packed = kernels.pack_quant_weight(qweight, scales, offsets, bits, group)
-        canonical_bytes = qweight.nbytes + scales.nbytes * (2 if mins else 1)
+        q_bytes = qweight.nbytes * 5 // 8 if bits == 5 else qweight.nbytes
+        canonical_bytes = q_bytes + scales.nbytes * (2 if mins else 1)
         assert packed.nbytes == canonical_bytes, (bits, group, mins)
         assert (packed.n, packed.k, packed.bits, packed.group_size, packed.has_mins) == (
             64, K, bits, group, mins)
@@ -147,8 +158,10 @@ def test_packed_weight_is_no_bigger_than_the_canonical_one(kernels):
 def test_bad_arguments_name_the_argument(kernels):
     qweight, scales, offsets, _, _ = canonical(N, K, 8, 32, True, seed=0)
     pack = kernels.pack_quant_weight
-    with pytest.raises(RuntimeError, match="bits must be 8 or 4, got 3"):
+    with pytest.raises(RuntimeError, match="bits must be 8, 5 or 4, got 3"):
         pack(qweight, scales, offsets, 3, 32)
+    with pytest.raises(RuntimeError, match="bits 5 takes q in -16..15 only"):
+        pack(qweight, scales, offsets, 5, 32)
     with pytest.raises(RuntimeError, match="group_size .48. must divide K .256."):
         pack(qweight, torch.rand(N, 5), None, 8, 48)
     with pytest.raises(RuntimeError, match="qweight must be a CPU int8"):
@@ -192,7 +205,7 @@ def test_quant_matmul_takes_the_kernel_up_to_the_cut_and_onednn_above(kernels, d
         out = quant_matmul(kernels, x, packed, b, max_rows=8)
         if rows <= 8:
             assert torch.equal(out, kernels.quant_linear(x, packed, b))
-        expected = quant_linear_ref(x, *operands, b)
+        expected = quant_linear_ref(x, *reference_args(operands), b)
         scale = expected.float().abs().max().item()
         if dtype == torch.float32:
             atol, rtol = 1e-5 * scale, 1e-5

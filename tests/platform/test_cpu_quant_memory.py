@@ -69,3 +69,17 @@ def test_gguf_load_leaves_no_file_pages_resident(tmp_path):
     size_kib = copy.stat().st_size // 1024
     assert touched > size_kib // 2, (touched, size_kib)
     assert released < size_kib // 4, (released, size_kib)
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q5_0", 5), ("Q8_0", 8), ("Q4_0", 4)])
+def test_five_bit_weights_are_packed_in_five_bits(make_checkpoint, tmp_path, qtype, bits):
+    """Q5_0's q (-16..15) is held as int8 in the canonical form; the kernel reads it packed in
+    five bits. Q8_0's full int8 range stays in eight."""
+    from carpool.platform.cpu_quant import packed_bits
+    from carpool.testing.gguf_writer import write_gguf
+
+    file = write_gguf(make_checkpoint("qwen2"), tmp_path / f"m-{qtype}.gguf", qtype)
+    model = _load(file)
+    parts = [part for m in model.modules() if isinstance(m, QuantLinear) for part in m.parts
+             if hasattr(part, "qweight")]
+    assert parts and {packed_bits(part) for part in parts} == {bits}

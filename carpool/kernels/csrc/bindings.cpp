@@ -118,7 +118,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("nbytes", [](const QuantWeight& w) { return w.data.nbytes(); });
   m.def("pack_quant_weight", &carpool_gemm::pack_quant_weight,
         "The canonical quantized weight (qweight, scales, mins or None, bits 8 or 4, "
-        "group_size; carpool/quant) packed once for quant_linear.",
+        "group_size; carpool/quant) packed once for quant_linear; bits 5 stores an int8 "
+        "qweight whose values lie in -16..15 in five bits a weight.",
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("group_size"));
   m.def("quant_linear", &carpool_gemm::quant_linear,

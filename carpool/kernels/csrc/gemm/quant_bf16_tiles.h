@@ -24,6 +24,7 @@
 // bfloat16 in its low half. 8 bits: two widened float32 vectors, their high halves kept
 // (exact for these integers). 4 bits: each byte's two nibbles moved to the low bits of the
 // dword's two halves, then looked up in a table of bfloat16 0..15 (`vpermw`): no conversions.
+// 5 bits: the same with each half's bit 4 set from the unit's masks, in a table of -16..15.
 template <int Bits>
 CARPOOL_BF16_TARGET inline __m512i q_pairs(const uint8_t* q, int64_t p) {
   if constexpr (Bits == 8) {
@@ -32,6 +33,23 @@ CARPOOL_BF16_TARGET inline __m512i q_pairs(const uint8_t* q, int64_t p) {
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
                                      _mm512_castps_si512(second),
                                      _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xf8);
+  } else if constexpr (Bits == 5) {
+    // bfloat16 of -16..15, indexed by u = q + 16 (vpermw's 5 index bits)
+    const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
+        0xc110, 0xc120, 0xc130, 0xc140, 0xc150, 0xc160, 0xc170, 0xc180);
+    const uint8_t* unit = q + (p / 16) * kUnit5;
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + (p % 16) * kBlock)));
+    uint16_t masks[2];
+    std::memcpy(masks, unit + 256 + (p % 16) * 4, 4);
+    __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
+                                              _mm512_set1_epi32(0x000f000f), 0xa8);
+    index = _mm512_mask_or_epi32(index, masks[0], index, _mm512_set1_epi32(0x10));
+    index = _mm512_mask_or_epi32(index, masks[1], index, _mm512_set1_epi32(0x100000));
+    return _mm512_permutexvar_epi16(index, table);
   } else {
     // bfloat16 of 0..15, twice (vpermw reads 5 index bits; the 5th is always 0 here)
     const __m512i table = _mm512_set_epi16(

@@ -42,6 +42,7 @@ namespace carpool_gemm {
 namespace {
 
 constexpr int64_t kBlock = QuantWeight::kBlock;
+constexpr int64_t kUnit5 = 320;  // bytes of 32 k x 16 columns at 5 bits (quant_weight.h)
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Tiles: up to 2 rows x 4 blocks (a row's 4 blocks are 4 independent chains of sums, which
@@ -143,10 +144,20 @@ __attribute__((noinline)) void tile(const Call& call, int64_t r0, int64_t blk) {
       for (int64_t u = 0; u < g / 32; ++u) {
         for (int64_t j = 0; j < 16; ++j) {
           F lo[V], hi[V];
-          for (int b = 0; b < B; ++b)
-            for (int h = 0; h < kVecs; ++h)
-              Isa::u4(q + b * block_bytes + (u * 16 + j) * kBlock + h * Isa::kLanes,
-                      lo[b * kVecs + h], hi[b * kVecs + h]);
+          for (int b = 0; b < B; ++b) {
+            if constexpr (Bits == 5) {
+              const uint8_t* unit = q + b * block_bytes + u * kUnit5;
+              uint16_t masks[2];
+              std::memcpy(masks, unit + 256 + j * 4, 4);
+              for (int h = 0; h < kVecs; ++h)
+                Isa::u5(unit + j * kBlock + h * Isa::kLanes, masks[0] >> (h * Isa::kLanes),
+                        masks[1] >> (h * Isa::kLanes), lo[b * kVecs + h], hi[b * kVecs + h]);
+            } else {
+              for (int h = 0; h < kVecs; ++h)
+                Isa::u4(q + b * block_bytes + (u * 16 + j) * kBlock + h * Isa::kLanes,
+                        lo[b * kVecs + h], hi[b * kVecs + h]);
+            }
+          }
           for (int r = 0; r < R; ++r) {
             const F xl = Isa::bcast(xg + r * xs + u * 32 + j);
             const F xh = Isa::bcast(xg + r * xs + u * 32 + 16 + j);
@@ -247,7 +258,7 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
     Call call{&w, xd, x_stride, xsum.data(),
               bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr, y.data_ptr<float>()};
     if (takes_bf16_pairs(x, w)) {
-      // 8 bits: x's own rows, pairs (k, k + 1); 4 bits: each 32 k as (k0 + j, k0 + 16 + j)
+      // 8 bits: x's own rows, pairs (k, k + 1); 4, 5 bits: each 32 k as (k0 + j, k0 + 16 + j)
       const at::Tensor xb =
           w.bits == 8 ? (x.stride(1) == 1 ? x : x.contiguous())
                       : x.reshape({m, w.k / 32, 2, 16}).transpose(2, 3).contiguous().view({m, w.k});
@@ -255,11 +266,15 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
       call.xb_stride = xb.stride(0);
       if (w.bits == 8) {
         w.has_mins ? run_call_bf16<8, true>(call, m) : run_call_bf16<8, false>(call, m);
+      } else if (w.bits == 5) {
+        w.has_mins ? run_call_bf16<5, true>(call, m) : run_call_bf16<5, false>(call, m);
       } else {
         w.has_mins ? run_call_bf16<4, true>(call, m) : run_call_bf16<4, false>(call, m);
       }
     } else if (w.bits == 8) {
       w.has_mins ? run_call<8, true>(call, m) : run_call<8, false>(call, m);
+    } else if (w.bits == 5) {
+      w.has_mins ? run_call<5, true>(call, m) : run_call<5, false>(call, m);
     } else {
       w.has_mins ? run_call<4, true>(call, m) : run_call<4, false>(call, m);
     }

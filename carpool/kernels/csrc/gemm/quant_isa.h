@@ -31,6 +31,17 @@ struct Isa {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   }
+  // 5 bits (quant_weight.h): u4's nibbles, bit 4 from the masks (bit i: lane i), minus 16.
+  static void u5(const uint8_t* p, uint32_t mlo, uint32_t mhi, F& lo, F& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i l = _mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), sixteen);
+    __m512i h = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), sixteen);
+    l = _mm512_mask_add_epi32(l, static_cast<__mmask16>(mlo), l, sixteen);
+    h = _mm512_mask_add_epi32(h, static_cast<__mmask16>(mhi), h, sixteen);
+    lo = _mm512_cvtepi32_ps(l);
+    hi = _mm512_cvtepi32_ps(h);
+  }
 };
 #elif defined(CPU_CAPABILITY_AVX2)
 struct Isa {
@@ -50,6 +61,18 @@ struct Isa {
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   }
+  static void u5(const uint8_t* p, uint32_t mlo, uint32_t mhi, F& lo, F& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i sixteen = _mm256_set1_epi32(16);
+    // 16 where the lane's mask bit is set, else 0; then minus 16
+    const auto high = [&](uint32_t mask) {
+      const __m256i bit = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask)), lanes);
+      return _mm256_sub_epi32(_mm256_and_si256(_mm256_cmpeq_epi32(bit, lanes), sixteen), sixteen);
+    };
+    lo = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_and_si256(v, _mm256_set1_epi32(15)), high(mlo)));
+    hi = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_srli_epi32(v, 4), high(mhi)));
+  }
 };
 #else
 struct Isa {
@@ -64,6 +87,10 @@ struct Isa {
   static void u4(const uint8_t* p, F& lo, F& hi) {
     lo = static_cast<float>(*p & 15);
     hi = static_cast<float>(*p >> 4);
+  }
+  static void u5(const uint8_t* p, uint32_t mlo, uint32_t mhi, F& lo, F& hi) {
+    lo = static_cast<float>(static_cast<int>((*p & 15) | ((mlo & 1) << 4)) - 16);
+    hi = static_cast<float>(static_cast<int>((*p >> 4) | ((mhi & 1) << 4)) - 16);
   }
 };
 #endif

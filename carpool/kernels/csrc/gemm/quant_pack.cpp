@@ -23,6 +23,7 @@ namespace {
 using F = Isa::F;
 constexpr int64_t kBlock = QuantWeight::kBlock;
 constexpr int kVecs = kBlock / Isa::kLanes;
+constexpr int64_t kUnit5 = 320;  // bytes of 32 k x 16 columns at 5 bits
 
 // float32 as bfloat16, rounded to nearest even (as Tensor.to rounds; weights are finite).
 inline uint16_t bf16_bits(float v) {
@@ -57,6 +58,16 @@ void dequantize_block(const QuantWeight& w, int64_t blk, int64_t c0, int64_t c1,
         if constexpr (Bits == 8) {
           for (int64_t i = 0; i < count; ++i)
             Isa::store(tile[i] + c, Isa::fma(Isa::i8(q + (k0 + i) * kBlock + c), s[h], m[h]));
+        } else if constexpr (Bits == 5) {
+          const uint8_t* unit = q + (k0 / 32) * kUnit5;
+          for (int64_t j = 0; j < 16; ++j) {
+            uint16_t masks[2];
+            std::memcpy(masks, unit + 256 + j * 4, 4);
+            F lo, hi;
+            Isa::u5(unit + j * kBlock + c, masks[0] >> c, masks[1] >> c, lo, hi);
+            Isa::store(tile[j] + c, Isa::fma(lo, s[h], m[h]));
+            Isa::store(tile[16 + j] + c, Isa::fma(hi, s[h], m[h]));
+          }
         } else {
           for (int64_t j = 0; j < 16; ++j) {
             F lo, hi;
@@ -76,10 +87,12 @@ void dequantize_block(const QuantWeight& w, int64_t blk, int64_t c0, int64_t c1,
 
 template <typename Out>
 void dequantize_into(const QuantWeight& w, int64_t n0, int64_t n1, Out* out) {
-  auto* fill = w.bits == 8 ? (w.has_mins ? dequantize_block<8, true, Out>
-                                         : dequantize_block<8, false, Out>)
-                           : (w.has_mins ? dequantize_block<4, true, Out>
-                                         : dequantize_block<4, false, Out>);
+  auto* fill = w.bits == 8   ? (w.has_mins ? dequantize_block<8, true, Out>
+                                           : dequantize_block<8, false, Out>)
+               : w.bits == 5 ? (w.has_mins ? dequantize_block<5, true, Out>
+                                           : dequantize_block<5, false, Out>)
+                             : (w.has_mins ? dequantize_block<4, true, Out>
+                                           : dequantize_block<4, false, Out>);
   at::parallel_for(n0 / kBlock, (n1 + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t first = std::max(n0, blk * kBlock), last = std::min(n1, (blk + 1) * kBlock);
@@ -88,23 +101,44 @@ void dequantize_into(const QuantWeight& w, int64_t n0, int64_t n1, Out* out) {
   });
 }
 
+// Column c's g q (-16..15) of one group into its 5-bit units at `dst` (quant_weight.h).
+void pack_group5(const int8_t* q, int64_t g, int64_t c, uint8_t* dst) {
+  for (int64_t k0 = 0; k0 < g; k0 += 32) {
+    uint8_t* unit = dst + (k0 / 32) * kUnit5;
+    for (int64_t j = 0; j < 16; ++j) {
+      const int lo = q[k0 + j] + 16, hi = q[k0 + 16 + j] + 16;
+      unit[j * kBlock + c] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
+      uint16_t masks[2];
+      std::memcpy(masks, unit + 256 + j * 4, 4);
+      masks[0] |= static_cast<uint16_t>(((lo >> 4) & 1) << c);
+      masks[1] |= static_cast<uint16_t>(((hi >> 4) & 1) << c);
+      std::memcpy(unit + 256 + j * 4, masks, 4);
+    }
+  }
+}
+
 }  // namespace
 
 QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& mins, int64_t bits,
                               int64_t group_size) {
-  TORCH_CHECK(bits == 8 || bits == 4, "pack_quant_weight: bits must be 8 or 4, got ", bits);
-  const auto want = bits == 8 ? at::kChar : at::kByte;
+  TORCH_CHECK(bits == 8 || bits == 5 || bits == 4,
+              "pack_quant_weight: bits must be 8, 5 or 4, got ", bits);
+  const bool int8 = bits != 4;  // bits 5 packs an int8 canonical q in -16..15
+  const auto want = int8 ? at::kChar : at::kByte;
   TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 2 && qweight.scalar_type() == want,
               "pack_quant_weight: qweight must be a CPU ",
-              bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]", " tensor for bits ", bits,
+              int8 ? "int8 [N, K]" : "uint8 [N, K / 2]", " tensor for bits ", bits,
               ", got ", qweight.scalar_type(), " ", qweight.sizes());
-  const int64_t n = qweight.size(0), k = qweight.size(1) * (bits == 8 ? 1 : 2);
+  const int64_t n = qweight.size(0), k = qweight.size(1) * (int8 ? 1 : 2);
   TORCH_CHECK(group_size > 0 && k % group_size == 0,
               "pack_quant_weight: group_size (", group_size, ") must divide K (", k, ")");
   TORCH_CHECK(bits == 8 || group_size % 32 == 0,
-              "pack_quant_weight: group_size must be a multiple of 32 for bits 4, got ",
+              "pack_quant_weight: group_size must be a multiple of 32 for bits ", bits, ", got ",
               group_size);
+  TORCH_CHECK(bits != 5 || qweight.numel() == 0 ||
+                  (qweight.min().item<int8_t>() >= -16 && qweight.max().item<int8_t>() <= 15),
+              "pack_quant_weight: bits 5 takes q in -16..15 only");
   const int64_t groups = k / group_size;
   const auto check_per_group = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
@@ -131,7 +165,7 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
   const float* md = m.defined() ? m.const_data_ptr<float>() : nullptr;
   uint8_t* out = w.data.data_ptr<uint8_t>();
   const int64_t row_bytes = q.size(1);                       // canonical bytes a column
-  const int64_t group_q_bytes = group_size * bits / 8;       // of one column's group
+  const int64_t group_q_bytes = group_size * (int8 ? 8 : 4) / 8;  // of one column's group
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       for (int64_t c = 0; c < kBlock && blk * kBlock + c < n; ++c) {
@@ -141,6 +175,10 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
           std::memcpy(dst + c * 4, sd + col * groups + grp, 4);
           if (md != nullptr) std::memcpy(dst + (kBlock + c) * 4, md + col * groups + grp, 4);
           const uint8_t* src = qd + col * row_bytes + grp * group_q_bytes;
+          if (bits == 5) {
+            pack_group5(reinterpret_cast<const int8_t*>(src), group_size, c, dst + header);
+            continue;
+          }
           for (int64_t i = 0; i < group_q_bytes; ++i) dst[header + i * kBlock + c] = src[i];
         }
       }

@@ -17,6 +17,10 @@
 //   bits 8: g x 16 bytes, byte [k][c] = q[column c][k0 + k];
 //   bits 4: g / 32 units x 16 x 16 bytes, byte [u][j][c] = qweight byte 16 u + j of column c
 //           (the canonical bytes, columns interleaved).
+//   bits 5 (packed from bits-8 q in -16..15, e.g. GGUF's Q5_0, with g % 32 == 0): per 32 k,
+//           a unit of 320 bytes: 256 bytes as bits 4's of u = q + 16's low nibbles, then
+//           16 x 4 bytes, for j: uint16 whose bit c is bit 4 of u[c][k0 + j], uint16 the
+//           same for k0 + 16 + j. Five bits a weight instead of eight.
 // So a block streams front to back once: 16 columns' q for one k are one 16-byte load (bits 8)
 // or one 16-byte load gives k0 + j and k0 + 16 + j (bits 4), and a group's scales and mins
 // sit in the cache line before its q. Its size is the canonical bytes plus the padding of N.
