@@ -63,7 +63,7 @@ def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatm
         return reference_matmul(part)
     bits = packed_bits(part)
     packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, bits,
-                                       part.group_size)
+                                       part.group_size, f16_header(part))
     max_rows = route.max_rows(bits)
     # the kernel takes x as the stored matrix does (a permuted or int8-rounded input); the
     # closure holds the packed copy only, so the canonical one can be freed
@@ -83,6 +83,15 @@ def packed_bits(part: QuantizedWeight) -> int:
         if int(q.min()) >= -16 and int(q.max()) <= 15:
             return 5
     return part.bits
+
+
+def f16_header(part: QuantizedWeight) -> bool:
+    """Whether the packed weight keeps its scales and mins as float16: where every one is
+    exact in float16 (GGUF's Q8_0, Q5_0 and Q4_0 store theirs so), which halves the bytes the
+    kernel reads besides q, at no change to any result."""
+    def exact(t: torch.Tensor | None) -> bool:
+        return t is None or torch.equal(t.half().float(), t)
+    return exact(part.scales) and exact(part.mins)
 
 
 def describe_quantized(model: nn.Module) -> str | None:

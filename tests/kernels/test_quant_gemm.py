@@ -237,3 +237,43 @@ def test_odd_groups_and_thread_counts(kernels, dtype):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(kernels.quant_linear(x, packed), one)
+
+
+# --- float16 group headers -----------------------------------------------------------------
+
+F16_FORMATS = [(8, 32, False), (5, 32, False), (4, 32, True), (8, 16, True)]
+
+
+def f16_exact(operands):
+    """The operands with scales and mins rounded to float16, as GGUF's Q8_0 / Q5_0 / Q4_0
+    store them."""
+    qweight, scales, offsets, bits, group = operands
+    def rounded(t):
+        return None if t is None else t.half().float()
+    return qweight, rounded(scales), rounded(offsets), bits, group
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("fmt", F16_FORMATS, ids=fmt_id)
+def test_f16_headers_give_the_same_bits_in_fewer_bytes(kernels, fmt, dtype):
+    """Scales and mins exact in float16 packed as float16: every result the same bits as the
+    float32 header's, the packed weight smaller by half its header."""
+    operands = f16_exact(canonical(N, K, *fmt, seed=13))
+    wide = kernels.pack_quant_weight(*operands)
+    narrow = kernels.pack_quant_weight(*operands, f16_header=True)
+    assert narrow.f16_header and not wide.f16_header
+    groups = (N + 15) // 16 * 16 * (K // fmt[1])
+    assert wide.nbytes - narrow.nbytes == groups * 2 * (2 if fmt[2] else 1)
+    b = torch.randn(N)
+    for rows in (1, 2, 7, 300):
+        x = torch.randn(rows, K).to(dtype)
+        assert torch.equal(kernels.quant_linear(x, narrow, b), kernels.quant_linear(x, wide, b))
+    for out in (torch.float32, torch.bfloat16):
+        assert torch.equal(kernels.dequantize_rows(narrow, 3, N, out),
+                           kernels.dequantize_rows(wide, 3, N, out))
+
+
+def test_f16_headers_refuse_scales_float16_cannot_hold(kernels):
+    operands = canonical(N, K, 8, 32, False, seed=0)  # float32 scales, not float16's
+    with pytest.raises(RuntimeError, match="f16_header needs every scale and min exact"):
+        kernels.pack_quant_weight(*operands, f16_header=True)

@@ -71,15 +71,30 @@ def test_gguf_load_leaves_no_file_pages_resident(tmp_path):
     assert released < size_kib // 4, (released, size_kib)
 
 
+def _parts(model: torch.nn.Module) -> list:
+    return [part for m in model.modules() if isinstance(m, QuantLinear) for part in m.parts
+            if hasattr(part, "qweight")]
+
+
 @pytest.mark.parametrize(("qtype", "bits"), [("Q5_0", 5), ("Q8_0", 8), ("Q4_0", 4)])
-def test_five_bit_weights_are_packed_in_five_bits(make_checkpoint, tmp_path, qtype, bits):
+def test_packing_reads_the_fewest_bytes_that_hold_the_weight(make_checkpoint, tmp_path, qtype,
+                                                             bits):
     """Q5_0's q (-16..15) is held as int8 in the canonical form; the kernel reads it packed in
-    five bits. Q8_0's full int8 range stays in eight."""
-    from carpool.platform.cpu_quant import packed_bits
+    five bits. Q8_0's full int8 range stays in eight. These types' scales (and Q4_0's mins, -8
+    times its scale) are float16 in the file, so their packed headers are float16 too."""
+    from carpool.platform.cpu_quant import f16_header, packed_bits
     from carpool.testing.gguf_writer import write_gguf
 
     file = write_gguf(make_checkpoint("qwen2"), tmp_path / f"m-{qtype}.gguf", qtype)
-    model = _load(file)
-    parts = [part for m in model.modules() if isinstance(m, QuantLinear) for part in m.parts
-             if hasattr(part, "qweight")]
+    parts = _parts(_load(file))
     assert parts and {packed_bits(part) for part in parts} == {bits}
+    assert all(f16_header(part) for part in parts)
+
+
+def test_k_quant_scales_keep_float32_headers():
+    """Q4_K's and Q6_K's scales are a float16 times a 6- or 8-bit integer: not float16 in
+    general, so they stay float32 (exact) in the packed header."""
+    from carpool.platform.cpu_quant import f16_header
+
+    kinds = {part.kind: f16_header(part) for part in _parts(_load(FIXTURE))}
+    assert kinds.get("Q4_K") is False and kinds.get("Q6_K") is False

@@ -115,13 +115,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("bits", &QuantWeight::bits)
       .def_readonly("group_size", &QuantWeight::group_size)
       .def_readonly("has_mins", &QuantWeight::has_mins)
+      .def_readonly("f16_header", &QuantWeight::f16_header)
       .def_property_readonly("nbytes", [](const QuantWeight& w) { return w.data.nbytes(); });
   m.def("pack_quant_weight", &carpool_gemm::pack_quant_weight,
         "The canonical quantized weight (qweight, scales, mins or None, bits 8 or 4, "
         "group_size; carpool/quant) packed once for quant_linear; bits 5 stores an int8 "
-        "qweight whose values lie in -16..15 in five bits a weight.",
+        "qweight whose values lie in -16..15 in five bits a weight; f16_header keeps scales "
+        "and mins that are exact in float16 as float16.",
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-        py::arg("group_size"));
+        py::arg("group_size"), py::arg("f16_header") = false);
   m.def("quant_linear", &carpool_gemm::quant_linear,
         "x [M, K] (float32 or bfloat16) @ W.T (+ bias) -> [M, N] in x's dtype, W dequantized "
         "in registers from a packed quantized weight; float32 sums, each row independent of "

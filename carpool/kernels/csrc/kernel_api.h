@@ -34,7 +34,7 @@ at::Tensor small_gemm_f32(const at::Tensor& x, const at::Tensor& packed, int64_t
 namespace carpool_gemm {  // quant_pack.cpp, quant_gemm.cpp
 QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& mins, int64_t bits,
-                              int64_t group_size);
+                              int64_t group_size, bool f16_header = false);
 at::Tensor dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, at::ScalarType dtype);
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
                         const c10::optional<at::Tensor>& bias);

@@ -115,9 +115,9 @@ CARPOOL_BF16_TARGET __attribute__((noinline)) void tile_bf16(const Call& call, i
       }
     }
     for (int b = 0; b < B; ++b) {
-      const float* scales = reinterpret_cast<const float*>(group + b * block_bytes);
-      const F s = Isa::load(scales);
-      const F mn = Mins ? Isa::load(scales + kBlock) : Isa::zero();
+      const uint8_t* scales = group + b * block_bytes;
+      const F s = header_load(scales, 0, w.f16_header);
+      const F mn = Mins ? header_load(scales, kBlock, w.f16_header) : Isa::zero();
       for (int r = 0; r < R; ++r) {
         float* out = y + r * y_stride + b * kBlock;
         F sum = Isa::fma(part[r][b], s, Isa::load(out));

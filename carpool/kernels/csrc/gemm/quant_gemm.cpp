@@ -81,14 +81,15 @@ __attribute__((always_inline)) inline void fold_group(const Call& call, int64_t 
                                                        F (&part)[R][B * kVecs],
                                                        F (&acc)[R][B * kVecs]) {
   const int64_t groups = call.w->groups();
+  const bool f16 = call.w->f16_header;
   for (int b = 0; b < B; ++b) {
-    const float* scales = reinterpret_cast<const float*>(head + b * block_bytes);
+    const uint8_t* scales = head + b * block_bytes;
     for (int h = 0; h < kVecs; ++h) {
       const int v = b * kVecs + h;
-      const F s = Isa::load(scales + h * Isa::kLanes);
+      const F s = header_load(scales, h * Isa::kLanes, f16);
       for (int r = 0; r < R; ++r) acc[r][v] = Isa::fma(part[r][v], s, acc[r][v]);
       if constexpr (Mins) {
-        const F m = Isa::load(scales + kBlock + h * Isa::kLanes);
+        const F m = header_load(scales, kBlock + h * Isa::kLanes, f16);
         for (int r = 0; r < R; ++r)
           acc[r][v] = Isa::fma(Isa::bcast(call.xsum + (r0 + r) * groups + grp), m, acc[r][v]);
       }

@@ -5,6 +5,8 @@
 
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -20,6 +22,9 @@ struct Isa {
   static F zero() { return _mm512_setzero_ps(); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static F load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F i8(const uint8_t* p) {
@@ -50,6 +55,9 @@ struct Isa {
   static F zero() { return _mm256_setzero_ps(); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static F load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F i8(const uint8_t* p) {
@@ -81,6 +89,7 @@ struct Isa {
   static F zero() { return 0.0f; }
   static F load(const float* p) { return *p; }
   static F bcast(const float* p) { return *p; }
+  static F load_f16(const uint16_t* p) { return c10::detail::fp16_ieee_to_fp32_value(*p); }
   static F fma(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
   static void store(float* p, F v) { *p = v; }
   static F i8(const uint8_t* p) { return static_cast<float>(static_cast<int8_t>(*p)); }
@@ -94,5 +103,12 @@ struct Isa {
   }
 };
 #endif
+
+// Element i of a group header (scales 0..15, mins 16..31) and the lanes after it, as float32:
+// the header is float32, or float16 where the weight was packed with f16_header.
+inline Isa::F header_load(const uint8_t* head, int64_t i, bool f16) {
+  return f16 ? Isa::load_f16(reinterpret_cast<const uint16_t*>(head) + i)
+             : Isa::load(reinterpret_cast<const float*>(head) + i);
+}
 
 }  // namespace

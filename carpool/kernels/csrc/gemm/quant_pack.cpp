@@ -6,7 +6,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/equal.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>
@@ -45,11 +47,10 @@ void dequantize_block(const QuantWeight& w, int64_t blk, int64_t c0, int64_t c1,
   for (int64_t grp = 0; grp < w.groups(); ++grp) {
     const uint8_t* group = block + grp * w.group_bytes();
     const uint8_t* q = group + header;
-    const float* head = reinterpret_cast<const float*>(group);
     F s[kVecs], m[kVecs];
     for (int h = 0; h < kVecs; ++h) {
-      s[h] = Isa::load(head + h * Isa::kLanes);
-      m[h] = Mins ? Isa::load(head + kBlock + h * Isa::kLanes) : Isa::zero();
+      s[h] = header_load(group, h * Isa::kLanes, w.f16_header);
+      m[h] = Mins ? header_load(group, kBlock + h * Isa::kLanes, w.f16_header) : Isa::zero();
     }
     for (int64_t k0 = 0; k0 < g; k0 += 32) {  // 32 k at a time (a 4-bit unit)
       const int64_t count = std::min<int64_t>(32, g - k0);
@@ -101,6 +102,16 @@ void dequantize_into(const QuantWeight& w, int64_t n0, int64_t n1, Out* out) {
   });
 }
 
+// Header element i (scales 0..15, mins 16..31) of a group starting at dst.
+void put_header(uint8_t* dst, int64_t i, float v, bool f16) {
+  if (f16) {
+    const uint16_t half = c10::Half(v).x;
+    std::memcpy(dst + i * 2, &half, 2);
+  } else {
+    std::memcpy(dst + i * 4, &v, 4);
+  }
+}
+
 // Column c's g q (-16..15) of one group into its 5-bit units at `dst` (quant_weight.h).
 void pack_group5(const int8_t* q, int64_t g, int64_t c, uint8_t* dst) {
   for (int64_t k0 = 0; k0 < g; k0 += 32) {
@@ -121,7 +132,7 @@ void pack_group5(const int8_t* q, int64_t g, int64_t c, uint8_t* dst) {
 
 QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& mins, int64_t bits,
-                              int64_t group_size) {
+                              int64_t group_size, bool f16_header) {
   TORCH_CHECK(bits == 8 || bits == 5 || bits == 4,
               "pack_quant_weight: bits must be 8, 5 or 4, got ", bits);
   const bool int8 = bits != 4;  // bits 5 packs an int8 canonical q in -16..15
@@ -148,6 +159,11 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
   };
   check_per_group(scales, "scales");
   if (mins.has_value()) check_per_group(*mins, "mins");
+  const auto exact_in_f16 = [](const at::Tensor& t) {
+    return at::equal(t.to(at::kHalf).to(at::kFloat), t);
+  };
+  TORCH_CHECK(!f16_header || (exact_in_f16(scales) && (!mins.has_value() || exact_in_f16(*mins))),
+              "pack_quant_weight: f16_header needs every scale and min exact in float16");
 
   QuantWeight w;
   w.n = n;
@@ -155,6 +171,7 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
   w.bits = bits;
   w.group_size = group_size;
   w.has_mins = mins.has_value();
+  w.f16_header = f16_header;
   const int64_t blocks = w.blocks(), block_bytes = w.block_bytes(),
                 group_bytes = w.group_bytes(), header = w.header_bytes();
   w.data = at::zeros({blocks, block_bytes}, qweight.options().dtype(at::kByte));
@@ -172,8 +189,8 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
         const int64_t col = blk * kBlock + c;
         for (int64_t grp = 0; grp < groups; ++grp) {
           uint8_t* dst = out + blk * block_bytes + grp * group_bytes;
-          std::memcpy(dst + c * 4, sd + col * groups + grp, 4);
-          if (md != nullptr) std::memcpy(dst + (kBlock + c) * 4, md + col * groups + grp, 4);
+          put_header(dst, c, sd[col * groups + grp], f16_header);
+          if (md != nullptr) put_header(dst, kBlock + c, md[col * groups + grp], f16_header);
           const uint8_t* src = qd + col * row_bytes + grp * group_q_bytes;
           if (bits == 5) {
             pack_group5(reinterpret_cast<const int8_t*>(src), group_size, c, dst + header);

@@ -13,7 +13,9 @@
 //
 // Packed (`data`, uint8 [blocks, block_bytes], blocks = ceil(N / 16)): blocks of 16 output
 // columns (N padded with zero columns), each block a run of its K / g groups, each group
-//   scales[16] float32, mins[16] float32 (only with mins), then the group's q:
+//   scales[16] float32, mins[16] float32 (only with mins), then the group's q (float16
+//   scales and mins instead where every one is exact in float16, `f16_header`: GGUF's
+//   Q8_0 / Q5_0 / Q4_0 store theirs so, and the header is then half the bytes):
 //   bits 8: g x 16 bytes, byte [k][c] = q[column c][k0 + k];
 //   bits 4: g / 32 units x 16 x 16 bytes, byte [u][j][c] = qweight byte 16 u + j of column c
 //           (the canonical bytes, columns interleaved).
@@ -37,11 +39,12 @@ struct QuantWeight {
   at::Tensor data;  // uint8 [blocks, block_bytes]
   int64_t n = 0, k = 0, bits = 8, group_size = 0;
   bool has_mins = false;
+  bool f16_header = false;  // the groups' scales and mins as float16
 
   static constexpr int64_t kBlock = 16;  // output columns per block
   int64_t blocks() const { return (n + kBlock - 1) / kBlock; }
   int64_t groups() const { return k / group_size; }
-  int64_t header_bytes() const { return (has_mins ? 2 : 1) * kBlock * 4; }
+  int64_t header_bytes() const { return (has_mins ? 2 : 1) * kBlock * (f16_header ? 2 : 4); }
   int64_t group_bytes() const {
     return header_bytes() + group_size * kBlock * bits / 8;
   }
