@@ -10,6 +10,8 @@ alternated pass by pass, best pass each. Variants (bfloat16 rows):
   int8 / int4  `quant_linear` on `pack_quant_weight` (int8: g 32, no mins, as GGUF Q8_0;
                int4: g 32 with mins, as Q4_0 / AWQ)
   int8-dq / int4-dq  `dequantize_rows` to bfloat16, then `F.linear` (oneDNN): the prefill path
+  int8-r / int4-r    `quant_linear` with `rounded_from=1`: the weight rounded to bfloat16 pairs
+               once per call, summed over K in registers (bfloat16 rows, AVX512-BF16 only)
 Prints each variant's time a pass, its speed over bf16-small's, and its weight bytes a pass.
 
     python3 -m benchmarks.kernels.quant_gemm --shapes 0.5B --copies 4 --rows 1 4 16 64 256 1024
@@ -36,7 +38,8 @@ SHAPES = {
     "0.5B": [(896, 1152), (896, 896), (896, 9728), (4864, 896)],  # Qwen2.5-0.5B
     "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],   # SmolLM2-135M
 }
-VARIANTS = ["bf16-small", "bf16-onednn", "int8", "int4", "int8-dq", "int4-dq"]
+VARIANTS = ["bf16-small", "bf16-onednn", "int8", "int4", "int8-dq", "int4-dq", "int8-r",
+            "int4-r"]
 
 
 def quantized(weight: torch.Tensor, bits: int, group: int, mins: bool):
@@ -77,7 +80,9 @@ class Variant:
         bits = 8 if name.startswith("int8") else 4
         packed = kernels.pack_quant_weight(*quantized(linear.weight, bits, 32, bits == 4))
         self.bytes = packed.nbytes
-        if name.endswith("-dq"):
+        if name.endswith("-r"):
+            self.run = lambda x: kernels.quant_linear(x, packed, None, 1)
+        elif name.endswith("-dq"):
             self.run = lambda x: F.linear(
                 x, kernels.dequantize_rows(packed, 0, packed.n, x.dtype))
         else:

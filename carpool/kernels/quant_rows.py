@@ -20,11 +20,12 @@ import torch.nn.functional as F
 
 
 def quant_matmul(kernels: ModuleType, x: torch.Tensor, packed, bias: torch.Tensor | None,
-                 max_rows: int) -> torch.Tensor:
+                 max_rows: int, rounded_from: int = 0) -> torch.Tensor:
     """x [M, K] (float32 or bfloat16, contiguous rows) @ W.T (+ bias) -> [M, N] in x's dtype:
-    `quant_linear` up to max_rows rows, above them the weight dequantized to x's dtype and
+    `quant_linear` up to max_rows rows (from `rounded_from` bfloat16 rows on, on the weight
+    rounded to bfloat16; 0: never), above them the weight dequantized to x's dtype and
     multiplied by `F.linear` (oneDNN)."""
     if x.shape[0] <= max_rows:
-        return kernels.quant_linear(x, packed, bias)
+        return kernels.quant_linear(x, packed, bias, rounded_from)
     weight = kernels.dequantize_rows(packed, 0, packed.n, x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))

@@ -70,7 +70,8 @@ def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatm
     prepare = part.input_preparation()
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(kernels, prepare(x).contiguous(), packed, None, max_rows)
+        return quant_matmul(kernels, prepare(x).contiguous(), packed, None, max_rows,
+                            route.rounded_from)
     return matmul
 
 

@@ -210,6 +210,7 @@ class QuantRoute:
     int8_max_rows: int
     int4_max_rows: int
     tiles: bool
+    rounded_from: int = 0  # bfloat16 calls from this many rows: the weight rounded (0: never)
 
     def max_rows(self, bits: int) -> int:
         """The cut for a weight packed in `bits` (5 bits, unpacked like 4, takes int4's)."""
@@ -221,8 +222,10 @@ class QuantRoute:
                 ", in batch-invariant tiles" if self.tiles else "")
         if self.int8_max_rows >= ALL_ROWS:
             return "quant_linear at every row count (batch-invariant)"
+        rounded = (f", from {self.rounded_from} rows on the weight rounded to bfloat16"
+                   if self.rounded_from else "")
         return (f"quant_linear up to {self.int8_max_rows} rows (int8) / {self.int4_max_rows} "
-                f"(int4), else dequantize_rows into F.linear")
+                f"(int4){rounded}, else dequantize_rows into F.linear")
 
 
 ALL_ROWS = 1 << 30
@@ -236,6 +239,13 @@ QUANT_GEMM_MAX_ROWS: dict[CpuClass, dict[torch.dtype, tuple[int, int]]] = {
     for cls in (CpuClass.AMX, CpuClass.AVX512_BF16, CpuClass.ZEN4, CpuClass.AVX512,
                 CpuClass.OTHER)}
 QUANT_GEMM_MAX_ROWS[CpuClass.AVX2] = {torch.bfloat16: (32, 32), torch.float32: (32, 32)}
+# From these many bfloat16 rows, quant_linear multiplies by the weight rounded to bfloat16
+# (csrc/gemm/quant_bf16_rounded.h: the small GEMM's arithmetic, no per-group folds), on the
+# CPUs with AVX512-BF16; rows then depend on their batch's size, so never under batch
+# invariance. Measured on Zen 4 (docs/lab/58-quantized-batched-decode.md).
+QUANT_ROUNDED_FROM: dict[CpuClass, int] = {cls: 16 for cls in (CpuClass.AMX,
+                                                                CpuClass.AVX512_BF16,
+                                                                CpuClass.ZEN4)}
 
 
 def decide_quant(cpu_class: CpuClass, dtype: torch.dtype, kernels: KernelFacts | None,
@@ -247,7 +257,8 @@ def decide_quant(cpu_class: CpuClass, dtype: torch.dtype, kernels: KernelFacts |
     if batch_invariant:
         return QuantRoute(ALL_ROWS, ALL_ROWS, tiles=False)
     int8, int4 = QUANT_GEMM_MAX_ROWS[cpu_class].get(dtype, (0, 0))
-    return QuantRoute(int8, int4, tiles=False)
+    rounded = QUANT_ROUNDED_FROM.get(cpu_class, 0) if dtype == torch.bfloat16 else 0
+    return QuantRoute(int8, int4, tiles=False, rounded_from=rounded)
 
 
 @dataclass(frozen=True)

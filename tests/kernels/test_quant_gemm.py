@@ -277,3 +277,36 @@ def test_f16_headers_refuse_scales_float16_cannot_hold(kernels):
     operands = canonical(N, K, 8, 32, False, seed=0)  # float32 scales, not float16's
     with pytest.raises(RuntimeError, match="f16_header needs every scale and min exact"):
         kernels.pack_quant_weight(*operands, f16_header=True)
+
+
+# --- the weight rounded to bfloat16, for many rows ----------------------------------------------
+
+
+def takes_rounded_path(kernels) -> bool:
+    """The rounded path needs AVX512-BF16 and the AVX-512 build (the others run exact rows)."""
+    from carpool.kernels import cpu_flags
+    return (kernels.__name__.find("avx512") >= 0 and "avx512_bf16" in cpu_flags())
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=fmt_id)
+@pytest.mark.parametrize("rows", [3, 7, 64, 200])
+def test_rounded_rows_multiply_by_the_weight_rounded_to_bfloat16(kernels, fmt, rows):
+    """From `rounded_from` bfloat16 rows on, the product is x @ bf16(W).T in float32 sums,
+    rounded once: the reference on the dequantized weight rounded to bfloat16. Below it, and
+    on builds without AVX512-BF16, the exact path's bits."""
+    operands = canonical(N, K, *fmt, seed=17)
+    packed = kernels.pack_quant_weight(*operands)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+    b = torch.randn(N, generator=gen)
+    exact = kernels.quant_linear(x, packed, b)
+    assert torch.equal(kernels.quant_linear(x, packed, b, rows + 1), exact)
+    got = kernels.quant_linear(x, packed, b, rows)
+    if not takes_rounded_path(kernels):
+        assert torch.equal(got, exact)
+        return
+    weight = dequantize_ref(*reference_args(operands)).bfloat16().float()
+    expected = (x.float() @ weight.T + b).bfloat16()
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5 * scale, rtol=2 ** -7)
+    assert not torch.equal(got, exact)  # the weight's rounding shows in some output

@@ -153,3 +153,16 @@ def test_the_platform_decides_once_logs_and_describes_the_route(llama_checkpoint
     assert platform.decide_route(F32, config.head_dim, config.sliding_window) is route
     with pytest.raises(ValueError, match="already runs the route"):
         platform.decide_route(BF16, config.head_dim, config.sliding_window)
+
+
+@pytest.mark.parametrize("cpu_class", list(CPUS))
+def test_quantized_rows_take_the_rounded_weight_only_where_allowed(cpu_class):
+    """bfloat16 calls of many rows may multiply by the weight rounded to bfloat16 on the CPUs
+    with AVX512-BF16; never in float32, never under batch invariance (a row's bits would
+    depend on its batch's size), never on the others (their kernels have no such path)."""
+    from carpool.platform.cpu_route import decide_quant
+    kernels = dataclasses.replace(KERNELS[cpu_class], quant_gemm=True)
+    bf16 = decide_quant(cpu_class, BF16, kernels, batch_invariant=False)
+    assert bool(bf16.rounded_from) == CPUS[cpu_class].avx512_bf16
+    assert decide_quant(cpu_class, F32, kernels, batch_invariant=False).rounded_from == 0
+    assert decide_quant(cpu_class, BF16, kernels, batch_invariant=True).rounded_from == 0

@@ -127,8 +127,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &carpool_gemm::quant_linear,
         "x [M, K] (float32 or bfloat16) @ W.T (+ bias) -> [M, N] in x's dtype, W dequantized "
         "in registers from a packed quantized weight; float32 sums, each row independent of "
-        "the others.",
+        "the others. From rounded_from bfloat16 rows on (0: never), the weight rounded to "
+        "bfloat16 instead (the small GEMM's arithmetic; rows then depend on the call's size).",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+        py::arg("rounded_from") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &carpool_gemm::dequantize_rows,
         "Rows [n0, n1) of a packed quantized weight as a [n1 - n0, K] float32 or bfloat16 "

@@ -36,8 +36,10 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
                               const c10::optional<at::Tensor>& mins, int64_t bits,
                               int64_t group_size, bool f16_header = false);
 at::Tensor dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, at::ScalarType dtype);
+// rounded_from: bfloat16 calls of at least this many rows multiply by the weight rounded to
+// bfloat16 (quant_bf16_rounded.h); 0: never (every row exact, the same bits in any batch).
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
-                        const c10::optional<at::Tensor>& bias);
+                        const c10::optional<at::Tensor>& bias, int64_t rounded_from = 0);
 }
 
 namespace carpool_prefill {  // prefill_attention.cpp

@@ -191,6 +191,7 @@ void run_tile(const Call& call, int64_t rows, int64_t nb, int64_t r0, int64_t bl
 constexpr int64_t kRowBlock = 64;
 
 #include "gemm/quant_bf16_tiles.h"
+#include "gemm/quant_bf16_rounded.h"
 
 // The whole product: threads split the column blocks evenly; each runs its share in groups
 // of Shape::kBlocks blocks, each group over the rows in tiles of at most Shape::kRows, as even
@@ -225,7 +226,7 @@ void run_call(const Call& call, int64_t m) {
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
-                        const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& bias, int64_t rounded_from) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be a float32 or bfloat16 CPU [M, K] tensor, got ",
@@ -265,7 +266,15 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
                       : x.reshape({m, w.k / 32, 2, 16}).transpose(2, 3).contiguous().view({m, w.k});
       call.xb = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
       call.xb_stride = xb.stride(0);
-      if (w.bits == 8) {
+      if (rounded_from > 0 && m >= rounded_from) {
+        const auto run = w.bits == 8   ? (w.has_mins ? run_call_rounded<8, true>
+                                                     : run_call_rounded<8, false>)
+                         : w.bits == 5 ? (w.has_mins ? run_call_rounded<5, true>
+                                                     : run_call_rounded<5, false>)
+                                       : (w.has_mins ? run_call_rounded<4, true>
+                                                     : run_call_rounded<4, false>);
+        run(call, m);
+      } else if (w.bits == 8) {
         w.has_mins ? run_call_bf16<8, true>(call, m) : run_call_bf16<8, false>(call, m);
       } else if (w.bits == 5) {
         w.has_mins ? run_call_bf16<5, true>(call, m) : run_call_bf16<5, false>(call, m);
