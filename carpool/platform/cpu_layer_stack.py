@@ -84,9 +84,15 @@ class KernelLayerStack:
 
 
 def _stack_linear(kernels: ModuleType, linear: PackedLinear | QuantLinear):
-    if isinstance(linear, QuantLinear):  # every call back to its own forward (max_rows 0)
-        return kernels.StackLinear(torch.empty(0), linear.out_features, None, False, False, 0,
-                                   linear.forward)
+    if isinstance(linear, QuantLinear):
+        parts = linear.stack_parts
+        if parts is None:
+            # every call back to its own forward (max_rows 0)
+            return kernels.StackLinear(torch.empty(0), linear.out_features, None, False, False,
+                                       0, linear.forward)
+        bias = None if linear.bias is None else linear.bias.detach()
+        return kernels.StackLinear.quantized(parts.packed, linear.out_features, bias,
+                                             parts.max_rows, parts.rounded_from, linear.forward)
     small = linear.small
     bias = None if small.bias is None else small.bias.detach()
     return kernels.StackLinear(small.packed, small.out_features, bias, small.float32, small.amx,

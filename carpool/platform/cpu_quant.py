@@ -13,6 +13,8 @@ invariant tiles of `cpu_invariant_linear`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -36,9 +38,11 @@ def prepare_quant_linears(model: nn.Module, kernels: ModuleType | None, route: Q
     linears = quant_linears(model)
     tiles_of: dict[tuple, tuple[int, ...]] = {}
     for linear in linears:
-        matmuls = []
+        matmuls, packed_parts = [], []
         for part in linear.parts:
-            matmul = part_matmul(part, kernels, route)
+            packed = pack_part(part, kernels, route)
+            packed_parts.append(packed)
+            matmul = part_matmul(part, packed, route)
             if route.tiles:
                 key = (type(part), *part.shape, getattr(part, "kind", None))
                 if key not in tiles_of:
@@ -49,30 +53,70 @@ def prepare_quant_linears(model: nn.Module, kernels: ModuleType | None, route: Q
                     return in_row_tiles(x, tiles, inner)
             matmuls.append(matmul)
         linear.part_matmuls = matmuls
-        if kernels is not None and all(not isinstance(part, QuantizedWeight)
-                                       or route.max_rows(part.bits) for part in linear.parts):
+        linear.stack_parts = stack_parts(packed_parts, route)
+        if all(packed is not None or not isinstance(part, QuantizedWeight)
+               for part, packed in zip(linear.parts, packed_parts)):
             # every part is packed: the packed copy is the only one its multiply reads
             linear.release_parts()
     return len(linears)
 
 
-def part_matmul(part, kernels: ModuleType | None, route: QuantRoute) -> PartMatmul:
-    """The multiply of one part: the compiled kernel up to route.max_rows rows, else the
-    reference (float parts: always `F.linear`)."""
+@dataclass(frozen=True)
+class PackedPart:
+    """One part packed for `quant_linear`: its rows cut, and how its input is prepared."""
+
+    kernels: ModuleType
+    packed: object  # the kernels' QuantWeight
+    max_rows: int
+    prepare: Callable[[torch.Tensor], torch.Tensor]  # `QuantizedWeight.input_preparation`
+    plain_input: bool  # prepare is the identity (no permutation, no int8 rounding)
+
+
+@dataclass(frozen=True)
+class StackParts:
+    """A quantized linear as the C++ layer stack runs it (`StackLinear.quantized`): every
+    part packed with a plain input, up to the smallest of their cuts."""
+
+    packed: list
+    max_rows: int
+    rounded_from: int
+
+
+def pack_part(part, kernels: ModuleType | None, route: QuantRoute) -> PackedPart | None:
+    """The part packed for the compiled kernel, or None where the reference multiplies it (a
+    float part, no kernels, or a route without the kernel)."""
     if not isinstance(part, QuantizedWeight) or kernels is None or not route.max_rows(part.bits):
-        return reference_matmul(part)
+        return None
     bits = packed_bits(part)
     packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, bits,
                                        part.group_size, f16_header(part))
-    max_rows = route.max_rows(bits)
-    # the kernel takes x as the stored matrix does (a permuted or int8-rounded input); the
-    # closure holds the packed copy only, so the canonical one can be freed
-    prepare = part.input_preparation()
+    return PackedPart(kernels, packed, route.max_rows(bits), part.input_preparation(),
+                      part.input_perm is None and not part.input_int8)
+
+
+def part_matmul(part, packed: PackedPart | None, route: QuantRoute) -> PartMatmul:
+    """The multiply of one part: the compiled kernel up to its cut where it is packed, else
+    the reference (float parts: always `F.linear`). The closure holds the packed copy only,
+    so the canonical one can be freed."""
+    if packed is None:
+        return reference_matmul(part)
+    kernels, weight, max_rows, prepare = packed.kernels, packed.packed, packed.max_rows, \
+        packed.prepare
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(kernels, prepare(x).contiguous(), packed, None, max_rows,
+        # the kernel takes x as the stored matrix does (a permuted or int8-rounded input)
+        return quant_matmul(kernels, prepare(x).contiguous(), weight, None, max_rows,
                             route.rounded_from)
     return matmul
+
+
+def stack_parts(parts: list[PackedPart | None], route: QuantRoute) -> StackParts | None:
+    """The layer's parts for the C++ layer stack, where every one is packed and takes x as it
+    is (else the stack calls the module back); None under the invariant tiles."""
+    if route.tiles or not parts or any(p is None or not p.plain_input for p in parts):
+        return None
+    return StackParts([p.packed for p in parts], min(p.max_rows for p in parts),
+                      route.rounded_from)
 
 
 def packed_bits(part: QuantizedWeight) -> int:

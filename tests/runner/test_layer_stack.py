@@ -131,3 +131,54 @@ def test_the_stack_keeps_the_modules_for_a_backend_made_apart(make_checkpoint, m
     taken = compare_each_step(runner, monkeypatch)
     Driver(runner, chunk=4).run(requests(seed=1))
     assert taken and not any(taken)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["Q8_0", "Q5_0", "Q4_0", "llama.cpp Q4_K_M"])
+def test_quantized_linears_run_inside_the_stack(make_checkpoint, monkeypatch, tmp_path, source,
+                                                dtype):
+    """A GGUF model's quantized linears multiply in the stack (quant_linear on each packed
+    part, then the bias: qwen2's q/k/v biases), giving the modules' hidden states to the bit,
+    and call their module back only above their cut."""
+    from pathlib import Path
+
+    from carpool.models.quant.linear import QuantLinear
+    from carpool.testing.gguf_writer import write_gguf
+
+    if source.startswith("llama.cpp"):
+        path = Path(__file__).parents[1] / "fixtures" / "gguf" / "tiny-qwen2-Q4_K_M.gguf"
+    else:
+        path = write_gguf(make_checkpoint("qwen2"), tmp_path / f"qwen2-{source}.gguf", source)
+    runner = make_runner(path, dtype)
+    linears = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(lin.stack_parts is not None for lin in linears)
+    stack = Flagged(runner.model.layer_stack)
+    callbacks = []
+    for lin in linears:
+        forward = lin.forward
+        monkeypatch.setattr(lin, "forward", lambda x, f=forward: (
+            callbacks.append(x.shape[0]) if stack.active else None) or f(x))
+    stack.inner = KernelLayerStack.of(runner.model, cpu_kernels.load(), runner.platform.route)
+    runner.model.layer_stack = stack
+    taken = compare_each_step(runner, monkeypatch)
+    Driver(runner, chunk=4).run(requests(seed=3))
+    assert len(taken) > 8 and all(taken)
+    assert callbacks == []  # every call of these steps is under the cut: none left the stack
+
+
+class Flagged:
+    """A layer stack that says whether a step is inside it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.active = inner, False
+
+    def takes(self, meta) -> bool:
+        return self.inner.takes(meta)
+
+    def __call__(self, *args):
+        self.active = True
+        try:
+            return self.inner(*args)
+        finally:
+            self.active = False

@@ -163,7 +163,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 max_rows, std::move(call)};
            }),
            py::arg("packed"), py::arg("out_features"), py::arg("bias"), py::arg("f32"),
-           py::arg("amx"), py::arg("max_rows"), py::arg("forward"));
+           py::arg("amx"), py::arg("max_rows"), py::arg("forward"))
+      .def_static(
+          "quantized",
+          [](std::vector<carpool_gemm::QuantWeight> parts, int64_t out_features,
+             c10::optional<at::Tensor> bias, int64_t max_rows, int64_t rounded_from,
+             py::function forward) {
+            TORCH_CHECK(!parts.empty(), "StackLinear.quantized: no parts");
+            auto call = [forward = std::move(forward)](const at::Tensor& x) {
+              py::gil_scoped_acquire gil;
+              return forward(x).cast<at::Tensor>();
+            };
+            StackLinear linear{at::Tensor(), out_features, std::move(bias), false, false,
+                               max_rows, std::move(call)};
+            linear.quant = std::move(parts);
+            linear.rounded_from = rounded_from;
+            return linear;
+          },
+          "A quantized linear: quant_linear on each packed part up to max_rows rows (their "
+          "outputs side by side, then the bias), else forward.",
+          py::arg("parts"), py::arg("out_features"), py::arg("bias"), py::arg("max_rows"),
+          py::arg("rounded_from"), py::arg("forward"));
   py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local(),
                              "One decoder layer's norms and linears.")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,

@@ -84,6 +84,7 @@ class QuantLinear(nn.Module):
         self.parts = merge_like_parts(list(parts))
         self.bias = bias
         self.part_matmuls: list[PartMatmul] = [reference_matmul(p) for p in self.parts]
+        self.stack_parts = None  # the packed parts a platform's layer stack multiplies by
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -16,6 +16,7 @@
 #include "layers/layer_stack.h"
 
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <c10/util/Exception.h>
 
 #include <utility>
@@ -29,6 +30,15 @@ namespace {
 
 at::Tensor multiply(const StackLinear& linear, const at::Tensor& x) {
   if (x.size(0) > linear.max_rows) return linear.forward(x);
+  if (!linear.quant.empty()) {
+    const at::Tensor rows = x.contiguous();
+    std::vector<at::Tensor> outs;
+    for (const carpool_gemm::QuantWeight& part : linear.quant)
+      outs.push_back(carpool_gemm::quant_linear(rows, part, c10::nullopt, linear.rounded_from));
+    at::Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+    if (linear.bias.has_value()) y = at::add(y, linear.bias->to(y.scalar_type()));
+    return y;
+  }
   if (linear.f32) return carpool_gemm::small_gemm_f32(x, linear.packed, linear.out_features,
                                                       linear.bias);
   return carpool_gemm::small_gemm_bf16(x, linear.packed, linear.out_features, linear.bias,

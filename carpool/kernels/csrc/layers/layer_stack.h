@@ -10,11 +10,15 @@
 #include <functional>
 #include <vector>
 
+#include "gemm/quant_weight.h"
+
 namespace carpool_layers {
 
 // One linear layer: calls of up to max_rows rows by its small GEMM (the packed weight, the
 // output width, the bias), larger ones by `forward`, the layer's own (the Python module's
-// forward, which takes the GIL: oneDNN's calls, whose row counts it buckets).
+// forward, which takes the GIL: oneDNN's calls, whose row counts it buckets). A quantized
+// layer (`quant` not empty) multiplies by quant_linear on each stacked part instead, their
+// outputs side by side, then adds the bias: what its QuantLinear module computes.
 struct StackLinear {
   at::Tensor packed;
   int64_t out_features = 0;
@@ -23,6 +27,8 @@ struct StackLinear {
   bool amx = false;  // small_gemm_bf16 on AMX tiles
   int64_t max_rows = 0;
   std::function<at::Tensor(const at::Tensor&)> forward;
+  std::vector<carpool_gemm::QuantWeight> quant;
+  int64_t rounded_from = 0;  // quant_linear's
 };
 
 // One decoder layer: its two norms' weights, the q and k norms' (Qwen3) or none, and its four
