@@ -142,11 +142,11 @@ class Scheduler(RequestTable):
                 if not scheduled.draft_token_ids or scheduled.request_id not in sampled_token_ids:
                     continue
                 num_accepted = len(accepted_draft_ids.get(scheduled.request_id, ()))
+                request = self._requests.get(scheduled.request_id)  # None: it finished
                 self.speculator.record(scheduled.request_id, len(scheduled.draft_token_ids),
-                                       num_accepted)
-                request = self._requests.get(scheduled.request_id)
-                if num_accepted and request is not None:  # still running: accepted drafts
-                    # may have filled a block, hashed by the next lookup or free
+                                       num_accepted, running=request is not None)
+                if num_accepted and request is not None:  # accepted drafts may have filled
+                    # a block: hashed by the next lookup or free
                     self._note_filled_blocks(request, scheduled.num_computed_tokens,
                                              1 + num_accepted)
         return produced

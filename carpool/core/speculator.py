@@ -27,9 +27,11 @@ from carpool.core.ngram_proposer import NgramIndex
 from carpool.core.request import Request
 from carpool.core.spec_config import SpeculativeConfig
 
-# A verify row of k + 1 tokens costs little more than a 1-token decode at small batches; a
-# request whose drafts earn fewer accepted tokens than this per step is not worth it.
-MIN_ACCEPTED_PER_DRAFT = 0.25
+# A draft pays when its accepted tokens outweigh what its k extra rows add to the step: from
+# nothing on a model whose decode reads its weights (135M: a 5-token row costs 1.0-1.4x a
+# 1-token one, lab 55) to 0.7x of a step on the tiny built-in model (host work per row). A
+# request whose drafts earn fewer accepted tokens than this per step stops drafting a while.
+MIN_ACCEPTED_PER_DRAFT = 0.5
 _AVERAGE_WEIGHT = 0.25  # of the newest draft in the running average
 _FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 128
 
@@ -74,10 +76,12 @@ class Speculator:
         """Draft tokens for the request's next decode in a step of `batch_size` running
         requests with `token_budget` tokens left (its own decode token included); [] for a
         plain decode."""
-        params = request.sampling_params
-        num_left = request.max_output_tokens - request.num_output_tokens
-        k = min(self.config.num_tokens_for_batch(batch_size), token_budget - 1, num_left - 1)
-        if k <= 0 or params.structured_outputs is not None:
+        k = self.config.num_tokens_for_batch(batch_size)  # first: large batches stop here
+        if k == 0 or request.sampling_params.structured_outputs is not None:
+            return []
+        k = min(k, token_budget - 1,
+                request.max_output_tokens - request.num_output_tokens - 1)
+        if k <= 0:
             return []
         acceptance = self._acceptance.get(request.request_id)
         if acceptance is not None and acceptance.paused_steps:
@@ -89,9 +93,13 @@ class Speculator:
             self._indexes[request.request_id] = index
         return index.propose(request, k)
 
-    def record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
-        """A draft of `num_drafted` tokens was verified and `num_accepted` of them accepted."""
+    def record(self, request_id: str, num_drafted: int, num_accepted: int,
+               running: bool = True) -> None:
+        """A draft of `num_drafted` tokens was verified and `num_accepted` of them accepted;
+        `running`: the request goes on (else it is only counted: it left, or `forget` ran)."""
         self.stats.record(num_drafted, num_accepted)
+        if not running:
+            return
         acceptance = self._acceptance.setdefault(request_id, _Acceptance())
         acceptance.average += _AVERAGE_WEIGHT * (num_accepted - acceptance.average)
         if acceptance.average >= MIN_ACCEPTED_PER_DRAFT:

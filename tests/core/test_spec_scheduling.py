@@ -186,3 +186,5 @@ def test_random_runs_with_preemption_leak_no_block():
                  next_token=lambda _: rng.choice(LOOP + [1]))
         assert not s.has_unfinished_requests()
         assert s.block_manager.num_free_blocks == 24
+        # nothing kept for requests that left (finished, or aborted between steps)
+        assert not s.speculator._indexes and not s.speculator._acceptance

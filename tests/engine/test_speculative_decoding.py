@@ -12,6 +12,7 @@ with speculation silently off.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -179,3 +180,30 @@ def test_batch_invariant_logprobs_and_seeded_samples_bitwise(separated_checkpoin
             assert llm.stats().spec_decode_num_accepted_tokens > accepted
             assert run(llm, param) == want  # the same seeds give the same tokens again
         assert_clean(llm)
+
+
+def test_grammar_requests_keep_their_grammar_beside_speculating_ones():
+    """Structured outputs do not speculate (the matcher cannot take rejected tokens back):
+    their outputs hold the grammar and equal those without speculation, while a plain
+    request in the same steps speculates."""
+    from carpool import StructuredOutputsParams
+
+    regex = r"[0-9]{3}-[a-z]{2}"
+    looping = "def add(a, b):\n    return a + b\n\n" * 2 + "def add("
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(regex=regex))
+              for i in range(3)] + [SamplingParams(temperature=0.0, max_tokens=48,
+                                                   ignore_eos=True)]
+    prompts = ["A code:"] * 3 + [looping]
+
+    def run(llm):
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(max_model_len=256, num_kv_blocks=64) as plain:
+        expected = [(o.text, o.token_ids) for o in run(plain)]
+    with LLM(max_model_len=256, num_kv_blocks=64, speculative_config=NGRAM) as llm:
+        outs = run(llm)
+        assert llm.stats().spec_decode_num_accepted_tokens > 0
+        assert_clean(llm)
+    for out in outs[:3]:
+        assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), out.text
+    assert [(o.text, o.token_ids) for o in outs] == expected
