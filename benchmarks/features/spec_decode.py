@@ -110,17 +110,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated; empty: only the verify-step cost")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
             "prompt_lookup_max": 5}
     common = dict(model=args.model, max_model_len=512, num_kv_blocks=128,
                   enable_prefix_caching=False)
-    sides = {"off": LLM(**common), "ngram": LLM(**common, speculative_config=spec)}
-    names = args.workloads.split(",")
+    sides = {"off": LLM(**common)}
+    names = [name for name in args.workloads.split(",") if name]
+    if names:
+        sides["ngram"] = LLM(**common, speculative_config=spec)
     for llm in sides.values():  # warm up both
-        itl_and_counts(llm, WORKLOADS[names[0]][0], 16, {})
+        itl_and_counts(llm, WORKLOADS["novel-greedy"][0], 16, {})
     itls = {(w, s): [] for w in names for s in sides}
     cpus = {(w, s): [] for w in names for s in sides}
     counts = {w: (0, 0, 0) for w in names}
