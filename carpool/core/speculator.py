@@ -27,10 +27,11 @@ from carpool.core.ngram_proposer import NgramIndex
 from carpool.core.request import Request
 from carpool.core.spec_config import SpeculativeConfig
 
-# A draft pays when its accepted tokens outweigh what its k extra rows add to the step: from
-# nothing on a model whose decode reads its weights (135M: a 5-token row costs 1.0-1.4x a
-# 1-token one, lab 55) to 0.7x of a step on the tiny built-in model (host work per row). A
-# request whose drafts earn fewer accepted tokens than this per step stops drafting a while.
+# A draft pays when its accepted tokens outweigh what its k extra rows add to the step: 0.1
+# of a step on a model whose decode reads its weights (135M, short contexts), 0.3-0.5 on the
+# tiny built-in model (host work per row) or at a 2,000-token context (five queries'
+# attention), lab 55. A request whose drafts earn fewer accepted tokens than this per step
+# stops drafting a while.
 MIN_ACCEPTED_PER_DRAFT = 0.5
 _AVERAGE_WEIGHT = 0.25  # of the newest draft in the running average
 _FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 128
