@@ -212,6 +212,11 @@ def add_engine_arguments(group) -> None:
                        help="env:// to meet ranks started elsewhere (MASTER_ADDR, MASTER_PORT, "
                             "RANK, WORLD_SIZE; one command per node, `carpool tp-worker` for "
                             "ranks other than 0); default: start them here.")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="Speculative decoding as vLLM's JSON object, e.g. "
+                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                            "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (default "
+                            "off; see docs/serving.md).")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="Not supported: carpool never runs code shipped with a checkpoint.")
 

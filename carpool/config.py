@@ -25,6 +25,7 @@ from carpool.core.config import (  # noqa: F401 - the usage defaults, re-exporte
     default_max_num_batched_tokens,
     default_max_num_seqs,
 )
+from carpool.core.spec_config import SpeculativeConfig
 from carpool.cpu_options import CpuOptions
 from carpool.sampling_params import GrammarLimits
 
@@ -102,6 +103,8 @@ class EngineConfig:
     # defaults for usage and device.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    # Speculative decoding (vLLM's speculative_config); None: off. Continuous scheduler only.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -158,6 +161,12 @@ class EngineConfig:
                              f"got {self.grammar_cache_memory!r}")
         if not isinstance(self.grammar_limits, GrammarLimits):
             raise ValueError(f"grammar_limits must be a GrammarLimits, got {self.grammar_limits!r}")
+        if self.speculative_config is not None and (
+                not isinstance(self.speculative_config, SpeculativeConfig)
+                or self.scheduler.scheduler != "continuous"):
+            raise ValueError("speculative_config needs a SpeculativeConfig and the continuous "
+                             f"scheduler, got {self.speculative_config!r} with "
+                             f"{self.scheduler.scheduler!r}")
 
     @property
     def is_resolved(self) -> bool:
@@ -187,7 +196,8 @@ class EngineConfig:
                   max_grammar_alternatives: int = GrammarLimits.max_alternatives,
                   grammar_check_timeout: float = GrammarLimits.check_timeout,
                   enforce_eager: bool = False, usage: str = "offline",
-                  quantization: str | None = None, **cpu_args) -> EngineConfig:
+                  quantization: str | None = None,
+                  speculative_config: dict | str | None = None, **cpu_args) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
@@ -199,13 +209,15 @@ class EngineConfig:
         grammar_check_timeout: the fields of `GrammarLimits`. cpu_args: the CPU switches by their
         public names (cpu_kernels=False, ...), read by `CpuOptions.from_args`. enforce_eager
         is accepted for vLLM's sake and changes nothing: carpool has no CUDA graphs or
-        compilation to turn off.
+        compilation to turn off. speculative_config: vLLM's mapping (or its JSON text), read
+        by `SpeculativeConfig.from_dict`.
         """
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
                              "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
                              "safetensors, never code or pickles from a checkpoint")
         cpu = CpuOptions.from_args(**cpu_args)
+        speculative = SpeculativeConfig.from_dict(speculative_config)
         grammar_limits = GrammarLimits(
             max_bytes=max_grammar_bytes, max_rules=max_grammar_rules, max_depth=max_grammar_depth,
             max_alternatives=max_grammar_alternatives, check_timeout=grammar_check_timeout)
@@ -245,7 +257,8 @@ class EngineConfig:
                    tensor_parallel_size=tensor_parallel_size,
                    distributed_init_method=distributed_init_method, usage=usage,
                    max_num_seqs=requested_max_num_seqs,
-                   max_num_batched_tokens=requested_max_num_batched_tokens)
+                   max_num_batched_tokens=requested_max_num_batched_tokens,
+                   speculative_config=speculative)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, usage: str = "offline") -> EngineConfig:

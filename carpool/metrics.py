@@ -155,6 +155,7 @@ class ServerMetrics:
         self.prompt_tokens_cached = counter(
             "prompt_tokens_cached",
             "Prompt tokens of started requests served from the prefix cache.")
+        self.spec_decode = SpecDecodeMetrics(counter, self._families, self._labels)
         self.request_success = self._families.get(
             Counter, "carpool:request_success", "Finished requests, by finish reason.",
             [*self._labels, "finished_reason"])
@@ -252,6 +253,7 @@ class ServerMetrics:
             self.prefix_cache_queries, self._prefix_cache_queries_seen, stats.prefix_cache_queries)
         self._prefix_cache_hits_seen = _advance(
             self.prefix_cache_hits, self._prefix_cache_hits_seen, stats.prefix_cache_hits)
+        self.spec_decode.record(stats)
         num_prompt_tokens = num_generation_tokens = num_cached_tokens = 0
         for out in outputs:
             if out.new_token_ids:
@@ -311,12 +313,60 @@ class ServerMetrics:
             ("" if self._engine is None else f"Engine {self._engine}: ") +
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d, "
-            "Prefix cache hit rate: %.1f%%",
+            "Prefix cache hit rate: %.1f%%%s",
             (self._totals["prompt"] - prompt_seen) / elapsed,
             (self._totals["generation"] - generation_seen) / elapsed,
             stats.num_running, stats.num_waiting, 100.0 * stats.kv_cache_usage,
-            stats.num_preemptions, 100.0 * hit_rate)
+            stats.num_preemptions, 100.0 * hit_rate, self.spec_decode.log_part(stats))
         self._last_log = (now, self._totals["prompt"], self._totals["generation"])
+
+
+class SpecDecodeMetrics:
+    """vLLM's spec_decode_* counters (carpool: prefix), fed from `EngineStats`' running totals,
+    and the acceptance figures of the periodic log line since the last one."""
+
+    def __init__(self, counter, families: MetricFamilies, labels: dict) -> None:
+        self._labels = labels
+        self.num_drafts = counter("spec_decode_num_drafts", "Draft proposals verified.")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted.")
+        self.per_pos = families.get(Counter, "carpool:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft (0: first).",
+                                    [*labels, "position"])
+        self._seen = (0, 0, 0)  # drafts, draft tokens, accepted tokens
+        self._seen_per_pos: list[int] = []
+        self._logged = (0, 0, 0)
+
+    def record(self, stats: EngineStats) -> None:
+        totals = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                  stats.spec_decode_num_accepted_tokens)
+        self._seen = tuple(_advance(counter, seen, total) for counter, seen, total in zip(
+            (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens), self._seen,
+            totals))
+        per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+        seen = self._seen_per_pos
+        seen.extend([0] * (len(per_pos) - len(seen)))
+        for position, total in enumerate(per_pos):
+            if total > seen[position]:
+                self.per_pos.labels(**self._labels, position=str(position)).inc(
+                    total - seen[position])
+                seen[position] = total
+
+    def log_part(self, stats: EngineStats) -> str:
+        """", Draft acceptance rate: ..., Mean acceptance length: ..." over the drafts since
+        the last call ("" when none)."""
+        drafts, draft_tokens, accepted = (
+            now - then for now, then in zip((stats.spec_decode_num_drafts,
+                                             stats.spec_decode_num_draft_tokens,
+                                             stats.spec_decode_num_accepted_tokens), self._logged))
+        self._logged = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                        stats.spec_decode_num_accepted_tokens)
+        if not drafts:
+            return ""
+        # vLLM's mean acceptance length: tokens a verify step emits, its own token included
+        return (f", Draft acceptance rate: {100.0 * accepted / draft_tokens:.1f}%, "
+                f"Mean acceptance length: {1 + accepted / drafts:.2f}")
 
 
 def _advance(counter, seen: int, total: int) -> int:

@@ -107,6 +107,12 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of blocks in use, 0-1
     num_paused: int = 0  # unfinished requests held back because their reader is behind
+    # Speculative decoding since start (vLLM's spec_decode_* counters): drafts verified, their
+    # tokens, the tokens accepted, and accepted by position in the draft (0 = first).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         return asdict(self)

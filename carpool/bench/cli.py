@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--compare", nargs="?", const=",".join(DEFAULT_COMPARE),
                          help="Comma-separated variants run one after another on the same "
                               "requests (static, continuous, chunked, chunked-partial, "
-                              "chunked-no-prefix-cache; default: the first three).")
+                              "chunked-no-prefix-cache, chunked-ngram; default: the first three).")
     offline.add_argument("--repeat", type=int, default=1,
                          help="Rounds, for min/median/max of each ratio; every other round runs "
                               "the variants in reverse order.")

@@ -12,6 +12,8 @@ Variants, compared one after another on identical requests:
   chunked          continuous batching with chunked prefill (one partial prefill at a time)
   chunked-partial  chunked prefill with several partial prefills, at most one long
   chunked-no-prefix-cache  `chunked` with prefix caching off (every variant but static has it on)
+  chunked-ngram    `chunked` with n-gram speculative decoding (k = 4, lookup 2..5, the
+                   default batch-size gate)
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ VARIANTS: dict[str, dict] = {
     "chunked-no-prefix-cache": dict(scheduler="continuous", enable_chunked_prefill=True,
                                     max_num_partial_prefills=1, max_long_partial_prefills=1,
                                     enable_prefix_caching=False),
+    "chunked-ngram": dict(scheduler="continuous", enable_chunked_prefill=True,
+                          max_num_partial_prefills=1, max_long_partial_prefills=1,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
 }
 DEFAULT_COMPARE = ("static", "continuous", "chunked")
 CLOCKS = ("wall", "cpu")

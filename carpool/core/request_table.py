@@ -9,7 +9,7 @@ stop rules and frees a finished request's blocks in the same call.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from carpool.core.block_manager import BlockManager
 from carpool.core.config import SchedulerConfig
@@ -64,11 +64,15 @@ class RequestTable:
         self._register(request)
         self._waiting.append(request)
 
-    def update(self, scheduler_output: SchedulerOutput,
-               sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
+               accepted_draft_ids: Mapping[str, Sequence[int]] | None = None) -> list[Request]:
         """Advance the scheduled requests, append their sampled tokens, finish (and free) the
-        ones that stop. Returns the requests that received a token, in schedule order."""
-        return self._apply_step(scheduler_output, sampled_token_ids)
+        ones that stop. Returns the requests that received a token, in schedule order.
+
+        `accepted_draft_ids`: for a request scheduled with drafts, those verified (a prefix of
+        them); they are appended before its sampled token, one at a time under the stop rules,
+        so a stop among them ends the request there and drops the rest."""
+        return self._apply_step(scheduler_output, sampled_token_ids, accepted_draft_ids or {})
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -130,8 +134,8 @@ class RequestTable:
         request.queued_time = self._clock()
         self._requests[request.request_id] = request
 
-    def _apply_step(self, scheduler_output: SchedulerOutput,
-                    sampled_token_ids: Mapping[str, int]) -> list[Request]:
+    def _apply_step(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
+                    accepted_draft_ids: Mapping[str, Sequence[int]]) -> list[Request]:
         produced = []
         now = self._clock()  # the step's tokens all arrive now
         for scheduled in scheduler_output.scheduled:
@@ -143,11 +147,21 @@ class RequestTable:
                                  f"planned at {scheduled.num_computed_tokens} computed tokens, "
                                  f"the request has {request.num_computed_tokens}")
             # (the blocks this fills were hashed when the step was planned: `Scheduler`)
-            request.num_computed_tokens += len(scheduled.token_ids)
+            num_fed = len(scheduled.token_ids)
+            if scheduled.draft_token_ids:
+                accepted = accepted_draft_ids.get(scheduled.request_id, ())
+                num_fed += len(accepted) - len(scheduled.draft_token_ids)
+            request.num_computed_tokens += num_fed
             if scheduled.sample:
                 if scheduled.request_id not in sampled_token_ids:
                     raise ValueError(f"no sampled token for {scheduled.request_id!r}")
-                self._append_token(request, sampled_token_ids[scheduled.request_id], now)
+                if scheduled.draft_token_ids:
+                    for token_id in accepted:
+                        self._append_token(request, token_id, now)
+                        if request.is_finished:
+                            break
+                if not request.is_finished:
+                    self._append_token(request, sampled_token_ids[scheduled.request_id], now)
                 produced.append(request)
         return produced
 

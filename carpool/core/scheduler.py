@@ -32,12 +32,19 @@ victim's blocks are freed and it goes back to the front of the queue to be
 recomputed.
 No waiting request is admitted in a step that preempted one.
 `update()` then takes the sampled tokens back and finishes requests.
+
+With speculative decoding (`speculative`), a decode may carry draft tokens from the
+`Speculator` (the one place that decides who drafts how many): it is scheduled for 1 + k
+tokens and its blocks for all of them are taken before the step runs, so verification never
+allocates; a draft that does not fit the free blocks is dropped, never a reason to preempt.
+Only the accepted drafts become computed tokens (`update`); the rejected ones' slots are
+overwritten by later steps and never hashed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from carpool.core.admission import PartialPrefillSlots, prefill_chunk
 from carpool.core.block_manager import BlockManager, NoFreeBlocksError
@@ -46,12 +53,15 @@ from carpool.core.preemption import get_victim_policy
 from carpool.core.request import Request, RequestStatus
 from carpool.core.request_table import RequestTable
 from carpool.core.scheduler_output import SchedulerOutput
+from carpool.core.spec_config import SpeculativeConfig
+from carpool.core.speculator import Speculator
 from carpool.core.step_plan import StepPlan
 
 
 class Scheduler(RequestTable):
     def __init__(self, config: SchedulerConfig, num_blocks: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 speculative: SpeculativeConfig | None = None) -> None:
         block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         super().__init__(config, block_manager, clock)
         self._running: list[Request] = []  # admission order, oldest first
@@ -64,6 +74,7 @@ class Scheduler(RequestTable):
         self._unhashed: dict[str, Request] = {}
         self._choose_victim = get_victim_policy(config.preemption_policy)
         self.num_preemptions_total = 0
+        self.speculator = Speculator(speculative) if speculative is not None else None
 
     @property
     def num_running(self) -> int:
@@ -91,6 +102,7 @@ class Scheduler(RequestTable):
         for request in seated[:self.config.max_num_seqs]:
             (prefilling if request.num_computed_tokens < prefills[request.request_id].stop
              else decoding).append(request)
+        speculator, num_seated = self.speculator, min(len(seated), self.config.max_num_seqs)
         for request in decoding + prefilling:
             if plan.token_budget == 0:
                 return
@@ -98,12 +110,46 @@ class Scheduler(RequestTable):
                 continue  # preempted earlier in this pass
             computed = request.num_computed_tokens
             num_remaining = request.num_tokens - computed
+            if speculator is not None and num_remaining == 1 and self._schedule_draft(
+                    request, speculator.propose(request, num_seated, plan.token_budget), plan):
+                continue
             # a decode's one token always fits the budget left (> 0) and any chunk cap
             num_new = 1 if num_remaining == 1 else prefill_chunk(num_remaining,
                                                                  plan.token_budget, self.config)
             if num_new and self._grow_or_preempt(request, num_new, plan, unseated):
                 plan.add(request, num_new)
                 self._note_filled_blocks(request, computed, num_new)
+
+    def _schedule_draft(self, request: Request, drafts: list[int], plan: StepPlan) -> bool:
+        """Schedule the decode with its drafts if the free blocks hold them all (False: none,
+        or they do not fit; the plain decode follows)."""
+        if not drafts:
+            return False
+        computed = request.num_computed_tokens
+        try:
+            self.block_manager.allocate(request.request_id, computed + 1 + len(drafts))
+        except NoFreeBlocksError:
+            return False
+        plan.add(request, 1, drafts)
+        self._note_filled_blocks(request, computed, 1)
+        return True
+
+    def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
+               accepted_draft_ids: Mapping[str, Sequence[int]] | None = None) -> list[Request]:
+        produced = super().update(scheduler_output, sampled_token_ids, accepted_draft_ids)
+        if self.speculator is not None and accepted_draft_ids is not None:
+            for scheduled in scheduler_output.scheduled:
+                if not scheduled.draft_token_ids or scheduled.request_id not in sampled_token_ids:
+                    continue
+                num_accepted = len(accepted_draft_ids.get(scheduled.request_id, ()))
+                request = self._requests.get(scheduled.request_id)  # None: it finished
+                self.speculator.record(scheduled.request_id, len(scheduled.draft_token_ids),
+                                       num_accepted, running=request is not None)
+                if num_accepted and request is not None:  # accepted drafts may have filled
+                    # a block: hashed by the next lookup or free
+                    self._note_filled_blocks(request, scheduled.num_computed_tokens,
+                                             1 + num_accepted)
+        return produced
 
     def _grow_or_preempt(self, request: Request, num_new: int, plan: StepPlan,
                          unseated: list[Request]) -> bool:
@@ -295,6 +341,8 @@ class Scheduler(RequestTable):
 
     def _remove(self, request: Request) -> None:
         self._hash_computed_blocks(request)  # it leaves; _finish frees its blocks next
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         if request.status == RequestStatus.RUNNING:
             self._running.remove(request)
             del self._prefills[request.request_id]

@@ -27,11 +27,16 @@ class ScheduledRequest:
     # Read-only views of the request's tokens, for penalties (do not mutate).
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # Speculative decoding: the last len(draft_token_ids) of token_ids are proposed tokens, not
+    # the request's own; each of the last 1 + len(draft_token_ids) rows gets logits, and the
+    # runner keeps the drafts its samples confirm (then one token of its own).
+    draft_token_ids: Sequence[int] = ()
 
     def __init__(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                  block_ids: Sequence[int], sample: bool, sampling_params: SamplingParams,
                  prompt_token_ids: Sequence[int] = (),
-                 output_token_ids: Sequence[int] = ()) -> None:
+                 output_token_ids: Sequence[int] = (),
+                 draft_token_ids: Sequence[int] = ()) -> None:
         # One is built per scheduled request per step. The generated frozen __init__ sets each
         # field through object.__setattr__ (2.1 µs here); filling __dict__ takes 0.7 µs, and
         # assignment still raises FrozenInstanceError.
@@ -44,10 +49,16 @@ class ScheduledRequest:
         fields["sampling_params"] = sampling_params
         fields["prompt_token_ids"] = prompt_token_ids
         fields["output_token_ids"] = output_token_ids
+        fields["draft_token_ids"] = draft_token_ids
 
     @property
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of this request whose logits the step samples: 0, 1, or 1 + its drafts."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
 
 
 @dataclass(frozen=True)

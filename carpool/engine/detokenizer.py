@@ -45,6 +45,9 @@ _REPLACEMENT_CHAR = "\ufffd"
 class TextDelta:
     text: str  # new text to send; "" while held back
     stop_string: str | None = None  # the stop string that ended the request, if one did
+    # With a stop string among several new tokens (speculative decoding): how many of them
+    # reached it; the request's output ends there. None: all of them.
+    num_tokens: int | None = None
 
 
 class IncrementalDetokenizer:
@@ -71,8 +74,20 @@ class IncrementalDetokenizer:
 
         With `finished` (the request ended for another reason), everything held
         back is flushed, even a trailing partial character. Once a stop string
-        is returned the request is over; later calls are not expected.
+        is returned the request is over; later calls are not expected. Several tokens with
+        stop strings are taken one at a time, so a stop string ends the output at the token
+        that completed it, as when each came in its own step (`TextDelta.num_tokens`).
         """
+        if len(new_token_ids) > 1 and self._stops:
+            texts = []
+            for i, token_id in enumerate(new_token_ids):
+                last = i == len(new_token_ids) - 1
+                delta = self.update((token_id,), finished=finished and last)
+                texts.append(delta.text)
+                if delta.stop_string is not None:
+                    return TextDelta("".join(texts), delta.stop_string,
+                                     None if last else i + 1)
+            return TextDelta("".join(texts))
         self._ids.extend(new_token_ids)
         self._num_output_tokens += len(new_token_ids)
         text = self._decode_new_text(flush=finished)

@@ -171,12 +171,20 @@ def _labelled(factory: Callable[..., Any], engine: str) -> Callable[[EngineInfo]
 
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:
-    """Every count summed; the KV cache usage of the pooled blocks."""
-    total = {f.name: sum(getattr(s, f.name) for s in stats)
+    """Every count summed (per position for a tuple of counts); the KV cache usage of the
+    pooled blocks."""
+    total = {f.name: _sum([getattr(s, f.name) for s in stats])
              for f in dataclasses.fields(EngineStats) if f.name != "kv_cache_usage"}
     num_total = total["num_total_blocks"]
     usage = 1.0 - total["num_free_blocks"] / num_total if num_total else 0.0
     return EngineStats(**total, kv_cache_usage=usage)
+
+
+def _sum(values: list) -> Any:
+    if values and isinstance(values[0], (tuple, list)):
+        width = max(len(v) for v in values)
+        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+    return sum(values)
 
 
 def merge_results(results: list[Any]) -> Any:

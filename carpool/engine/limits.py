@@ -24,6 +24,14 @@ def check_single_params(sampling_params: SamplingParams) -> None:
                          "fan out n > 1 into separate requests above it")
 
 
+def check_prompt_list_length(num_tokens: int, max_model_len: int) -> None:
+    """ValueError for a token-id prompt longer than max_model_len (before walking it)."""
+    if num_tokens > max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, the "
+            f"prompt has {num_tokens} tokens. Please reduce the length of the prompt.")
+
+
 def check_prompt_token_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> list[int]:
     """The ids as a list of plain ints (numpy ints accepted); ValueError for an empty prompt,
     a non-integer, or an id outside [0, vocab_size)."""

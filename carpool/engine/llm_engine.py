@@ -29,7 +29,7 @@ from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.request_state import RequestState, request_metrics
 from carpool.engine.runner_setup import resolve_for_model
-from carpool.engine.step_stats import StepStats
+from carpool.engine.step_stats import StepStats, spec_decode_stats
 from carpool.engine.tokenizer import encode_prompt, load_engine_tokenizer
 from carpool.outputs import EngineStats, StepOutput
 from carpool.runner.executor import RankFailedError
@@ -92,8 +92,10 @@ class LLMEngine:
         sched_config = config.scheduler
         runner = create_executor(config, path)
         try:
-            scheduler_cls = StaticScheduler if sched_config.scheduler == "static" else Scheduler
-            scheduler = scheduler_cls(sched_config, runner.num_kv_blocks, clock=time.monotonic)
+            scheduler = (StaticScheduler(sched_config, runner.num_kv_blocks)
+                         if sched_config.scheduler == "static" else
+                         Scheduler(sched_config, runner.num_kv_blocks,
+                                   speculative=config.speculative_config))
             tokenizer = load_engine_tokenizer(config, path)
         except BaseException:
             runner.close()
@@ -113,11 +115,7 @@ class LLMEngine:
             prompt_token_ids = encode_prompt(self.tokenizer, prompt,
                                              max_tokens=self.max_model_len)
         elif isinstance(prompt, (list, tuple)):
-            if len(prompt) > self.max_model_len:  # before walking a huge list in Python
-                raise ValueError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, the prompt has {len(prompt)} tokens. Please reduce the length "
-                    "of the prompt.")
+            limits.check_prompt_list_length(len(prompt), self.max_model_len)
             prompt_token_ids = prompt
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, "
@@ -250,11 +248,12 @@ class LLMEngine:
             state = self._states.get(request_id)
             if state is not None:
                 state.add_prompt_logprobs(chunk)
-        advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids)
+        advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids,
+                                         runner_out.accepted_draft_ids)
         for request in advanced:
             state = self._states.get(request.request_id)
             if state is not None:
-                outputs.append(self._advance(state, runner_out.logprobs.get(request.request_id)))
+                outputs.append(self._advance(state, runner_out.logprobs_of(request.request_id)))
         return outputs
 
     def _constrained_rows(self, sched_out: SchedulerOutput) -> list[tuple[str, Any]]:
@@ -266,9 +265,10 @@ class LLMEngine:
                 rows.append((scheduled.request_id, state.matcher))
         return rows
 
-    def _advance(self, state: RequestState, position_logprobs) -> StepOutput:
-        """The delta of one request that got a token this step; finishes it on a stop string,
-        with `stop` when its grammar is complete, or with `error` when its grammar failed."""
+    def _advance(self, state: RequestState, positions) -> StepOutput:
+        """The delta of one request that got tokens this step (`positions`: their logprobs);
+        finishes it on a stop string, with `stop` when its grammar is complete, or with
+        `error` when its grammar failed."""
         request = state.request
         output_token_ids = request.output_token_ids
         new_token_ids = output_token_ids[state.num_sent_tokens:]
@@ -281,7 +281,6 @@ class LLMEngine:
             except GrammarError as exc:
                 grammar_error = str(exc)
                 self._finish_over_token_stop(request, RequestStatus.FINISHED_ERROR)
-        self._stats.num_generated_tokens += len(new_token_ids)
         if state.num_sent_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
         new_text = ""
@@ -290,12 +289,13 @@ class LLMEngine:
             delta = state.detokenizer.update(text_ids, finished=request.is_finished)
             new_text = delta.text
             if delta.stop_string is not None:
+                new_token_ids = state.cut_output(new_token_ids, delta.num_tokens)
                 self._finish_over_token_stop(request, RequestStatus.FINISHED_STOPPED,
                                             delta.stop_string)
-        new_logprobs = None
-        if position_logprobs is not None and request.sampling_params.logprobs is not None:
-            new_logprobs = [self._token_texts.fill(position_logprobs) if self.detokenize
-                            else position_logprobs]
+        self._stats.num_generated_tokens += len(new_token_ids)
+        new_logprobs = None if positions is None or request.sampling_params.logprobs is None \
+            else [self._token_texts.fill(p) if self.detokenize else p
+                  for p in positions[:len(new_token_ids)]]
         output = StepOutput(
             request_id=request.request_id, new_token_ids=new_token_ids,
             new_text=new_text, num_prompt_tokens=request.num_prompt_tokens,
@@ -358,7 +358,8 @@ class LLMEngine:
             prefix_cache_queries=prefix_cache.num_queries, prefix_cache_hits=prefix_cache.num_hits,
             num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=blocks.usage, num_paused=self.scheduler.num_paused)
+            kv_cache_usage=blocks.usage, num_paused=self.scheduler.num_paused,
+            **spec_decode_stats(self.scheduler))
 
     # ---- what the async layer reads once loaded (see engine.protocol.EngineCore) --------
 

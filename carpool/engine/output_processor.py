@@ -76,6 +76,12 @@ class OutputProcessor:
                     del self._detokenizers[out.request_id]
                 continue
             del self._detokenizers[out.request_id]
+            if delta.num_tokens is not None:  # the stop came before the last new token
+                out = dataclasses.replace(
+                    out, new_token_ids=out.new_token_ids[:delta.num_tokens],
+                    num_output_tokens=out.num_output_tokens - len(out.new_token_ids)
+                    + delta.num_tokens)
+                logprobs = None if logprobs is None else logprobs[:delta.num_tokens]
             relabelled = _relabel(out, delta.stop_string)
             for_metrics.append(relabelled if out.finished else out)
             if not out.finished:

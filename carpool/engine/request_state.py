@@ -26,6 +26,16 @@ class RequestState:
     # Decode the whole output once, in the output that finishes the request (no stop strings).
     text_at_finish: bool = False
 
+    def cut_output(self, new_token_ids: list[int], num_kept: int | None) -> list[int]:
+        """Keep only the first `num_kept` of this step's new tokens (None: all): a stop string
+        ended the output at that one (speculative decoding emitted several in one step)."""
+        if num_kept is None:
+            return new_token_ids
+        outputs = self.request.output_token_ids
+        del outputs[len(outputs) - len(new_token_ids) + num_kept:]
+        self.num_sent_tokens = len(outputs)
+        return new_token_ids[:num_kept]
+
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Join one prefill chunk's share. After a preemption the prompt is computed again,
         in chunks that may straddle what is held: only positions not held yet are kept."""

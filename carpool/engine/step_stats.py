@@ -44,3 +44,15 @@ class StepStats:
         """The counters by name: a copy of the fields, read every step (`dataclasses.asdict`'s
         recursive deep copy took 5.7 us of it, this 0.2 us)."""
         return dict(vars(self))
+
+
+def spec_decode_stats(scheduler) -> dict:
+    """The speculative-decoding counters of `EngineStats` (zeros without speculation)."""
+    speculator = getattr(scheduler, "speculator", None)
+    if speculator is None:
+        return {}
+    stats = speculator.stats
+    return dict(spec_decode_num_drafts=stats.num_drafts,
+                spec_decode_num_draft_tokens=stats.num_draft_tokens,
+                spec_decode_num_accepted_tokens=stats.num_accepted_tokens,
+                spec_decode_num_accepted_tokens_per_pos=tuple(stats.num_accepted_tokens_per_pos))

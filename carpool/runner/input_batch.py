@@ -27,9 +27,11 @@ class InputBatch:
     input_ids: torch.Tensor  # [T] int64 (real tokens, then padding tokens)
     positions: torch.Tensor  # [T] int64
     layout: StepLayout
-    # [N] int64: packed index of the last token of each sampled request
+    # [N] int64: packed index of the last token of each sampled request (of its last 1 + k
+    # tokens for one with k draft tokens)
     logits_indices: torch.Tensor
-    sampled: list[ScheduledRequest]  # the N requests that sample, in logits row order
+    sampled: list[ScheduledRequest]  # the requests that sample, in logits row order
+    num_drafts: int = 0  # draft tokens in the step (each one more logits row)
 
 
 def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scratch_block: int,
@@ -43,8 +45,8 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     num_padding = scheduler_output.num_padding_tokens
     num_reqs = len(scheduled)
     # One pass over the requests for their counts: [S, 4] = new tokens, computed, blocks, sample
-    counts = np.array([(len(r.token_ids), r.num_computed_tokens, len(r.block_ids), r.sample)
-                       for r in scheduled], dtype=np.int64).reshape(num_reqs, 4)
+    counts = np.array([(len(r.token_ids), r.num_computed_tokens, len(r.block_ids),
+                        r.num_logits_rows) for r in scheduled], dtype=np.int64).reshape(num_reqs, 4)
     query_lens, num_computed = counts[:, 0], counts[:, 1]
     if num_reqs and not query_lens.all():
         empty = scheduled[int(np.argmin(query_lens))]
@@ -66,16 +68,19 @@ def build_input_batch(scheduler_output: SchedulerOutput, *, block_size: int, scr
     positions = np.arange(len(ids)) + (num_computed - query_starts)[rows]
     slots = table[rows, positions // block_size].astype(np.int64) * block_size + (
         positions % block_size)
-    sample = counts[:, 3].astype(bool)
+    num_rows = counts[:, 3]
+    # each sampled request's last num_rows tokens, in order
+    row_ends = np.repeat(query_starts[:num_reqs] + query_lens[:num_reqs], num_rows)
+    row_offsets = np.arange(len(row_ends)) - np.repeat(np.cumsum(num_rows), num_rows)
     layout = StepLayout(query_starts=query_starts, query_lens=query_lens,
                         num_computed=num_computed, block_table=table, slot_mapping=slots,
                         num_cache_blocks=scratch_block + 1, block_size=block_size)
     to = dict(device=device, dtype=torch.int64)
     return InputBatch(input_ids=torch.as_tensor(ids, **to),
                       positions=torch.as_tensor(positions, **to), layout=layout,
-                      logits_indices=torch.as_tensor(
-                          (query_starts[:num_reqs] + query_lens[:num_reqs] - 1)[sample], **to),
-                      sampled=[r for r in scheduled if r.sample])
+                      logits_indices=torch.as_tensor(row_ends + row_offsets, **to),
+                      sampled=[r for r in scheduled if r.sample],
+                      num_drafts=int(num_rows.sum()) - int((num_rows > 0).sum()))
 
 
 def _block_table(scheduled: list[ScheduledRequest], num_tokens: np.ndarray, num_held: np.ndarray,

@@ -28,7 +28,7 @@ from carpool.models.loader import load_model, resolve_model_path
 from carpool.models.sharding import ShardLayout
 from carpool.outputs import PositionLogprobs, PromptLogprobs
 from carpool.platform import Platform, platform_for
-from carpool.runner import kv_cache
+from carpool.runner import kv_cache, spec_verify
 from carpool.runner.input_batch import build_input_batch
 from carpool.runner.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
 from carpool.runner.sampler import Sampler
@@ -45,6 +45,17 @@ class ModelRunnerOutput:
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
     # This step's chunk of prompt logprobs, for requests with sampling_params.prompt_logprobs.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding, for requests scheduled with drafts: the drafts verified, emitted
+    # before the sampled token, and their logprobs where asked (see runner/spec_verify.py).
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_draft_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+
+    def logprobs_of(self, request_id: str) -> list[PositionLogprobs] | None:
+        """The logprobs of each token the request got this step, in order (None: not asked)."""
+        last = self.logprobs.get(request_id)
+        if last is None:
+            return None
+        return [*self.accepted_draft_logprobs.get(request_id, ()), last]
 
 
 class ModelRunner:
@@ -154,11 +165,29 @@ class ModelRunner:
         if self.tp.rank != 0:  # every rank gathers the logits (a collective); rank 0 samples
             return ModelRunnerOutput()
         bitmask = grammar_bitmask.result() if grammar_bitmask is not None else None
+        if batch.num_drafts:
+            return self._verify_drafts(logits, batch.sampled, bitmask, output)
         sampled = self.sampler.sample(logits, batch.sampled, bitmask)
         ids = [req.request_id for req in batch.sampled]
         output.sampled_token_ids = dict(zip(ids, sampled.token_ids))
         output.logprobs = {rid: logprobs for rid, logprobs in zip(ids, sampled.logprobs)
                            if logprobs is not None}
+        return output
+
+    def _verify_drafts(self, logits: torch.Tensor, requests: list[ScheduledRequest], bitmask,
+                       output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Sample every logits row of a step with draft tokens and keep what verifies."""
+        states = self.sampler.seeded_states([r for r in requests if r.draft_token_ids])
+        sampled = self.sampler.sample(logits, spec_verify.logits_rows(requests), bitmask)
+        verified = spec_verify.verify(requests, sampled.token_ids, sampled.logprobs)
+        for rid, state in states.items():  # draws only for the rows kept, as without drafts
+            seed = next(r.sampling_params.seed for r in requests if r.request_id == rid)
+            self.sampler.rewind(rid, seed, state, verified.num_rows_used[rid])
+        output.sampled_token_ids = verified.sampled_token_ids
+        output.accepted_draft_ids = verified.accepted_draft_ids
+        output.logprobs = {rid: positions[-1] for rid, positions in verified.logprobs.items()}
+        output.accepted_draft_logprobs = {rid: positions[:-1]
+                                          for rid, positions in verified.logprobs.items()}
         return output
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None,

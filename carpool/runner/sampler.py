@@ -127,9 +127,34 @@ class Sampler:
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(seed)
                 self._request_generators[req.request_id] = generator
-            uniforms[row] = torch.rand(1, generator=generator, device=self.device,
-                                       dtype=torch.float64)[0]
+            uniforms[row] = self._draw(generator)
         return uniforms
+
+    def _draw(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.rand(1, generator=generator, device=self.device, dtype=torch.float64)[0]
+
+    def seeded_states(self, requests: list[ScheduledRequest]) -> dict[str, torch.Tensor | None]:
+        """Before a step that may draw more numbers than it keeps (speculative rows): each
+        seeded sampled request's generator state (None: not created yet)."""
+        states = {}
+        for req in requests:
+            if req.sampling_params.seed is not None and not req.sampling_params.is_greedy:
+                generator = self._request_generators.get(req.request_id)
+                states[req.request_id] = None if generator is None else generator.get_state()
+        return states
+
+    def rewind(self, request_id: str, seed: int, state: torch.Tensor | None,
+               num_draws: int) -> None:
+        """Set a seeded request's generator to `state` (None: fresh from `seed`) advanced by
+        `num_draws` rows, as if the step had drawn only for the rows it kept."""
+        generator = torch.Generator(device=self.device)
+        if state is None:
+            generator.manual_seed(seed)
+        else:
+            generator.set_state(state)
+        for _ in range(num_draws):
+            self._draw(generator)
+        self._request_generators[request_id] = generator
 
 
 # Entries per block of the two-level search in draw_by_inverse_cdf.

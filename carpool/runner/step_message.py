@@ -8,8 +8,8 @@ slices); plus the static baseline's padding count. No ids, strings or sampling
 settings cross, and nothing is unpickled:
 
     [kind, num_requests, num_padding_tokens,
-     per request: num_tokens, num_computed_tokens, num_blocks, sample (0/1),
-                  prompt_logprob_rows,
+     per request: num_tokens, num_computed_tokens, num_blocks, logits rows (0: no
+                  sample; 1 + k: the last k tokens are drafts), prompt_logprob_rows,
      every request's token ids, then every request's block ids]
 
 `kind` is STEP, or SHUTDOWN (then nothing follows): the worker exits.
@@ -42,7 +42,7 @@ def _prompt_logprob_rows(request: ScheduledRequest) -> int:
 def encode_step(step: SchedulerOutput) -> torch.Tensor:
     """The int64 message for `step` (see the module docstring)."""
     requests = step.scheduled
-    counts = [(len(r.token_ids), r.num_computed_tokens, len(r.block_ids), int(r.sample),
+    counts = [(len(r.token_ids), r.num_computed_tokens, len(r.block_ids), r.num_logits_rows,
                _prompt_logprob_rows(r)) for r in requests]
     parts = [np.array([STEP, len(requests), step.num_padding_tokens], dtype=np.int64),
              np.array(counts, dtype=np.int64).reshape(-1)]
@@ -76,6 +76,8 @@ def decode_step(message: torch.Tensor) -> SchedulerOutput | None:
         if prompt_rows:  # a prompt whose scored positions end where rank 0's does
             extra = dict(sampling_params=_WORKER_PROMPT_PARAMS,
                          prompt_token_ids=[0] * int(num_computed + prompt_rows + 1))
+        if sample > 1:  # its drafts: the worker computes the same logits rows
+            extra["draft_token_ids"] = tokens[len(tokens) - int(sample) + 1:]
         scheduled.append(ScheduledRequest(str(i), tokens, int(num_computed),
                                           values[offset:offset + num_blocks].tolist(),
                                           bool(sample), **{"sampling_params": _WORKER_PARAMS,

@@ -75,3 +75,24 @@ def test_tensor_parallel_prompt_logprobs_equal_one_ranks(separated_checkpoint):
         assert a.keys() == b.keys()
         for token_id in a:
             assert abs(a[token_id].logprob - b[token_id].logprob) < 1e-4
+
+
+def test_tensor_parallel_speculative_decoding_keeps_greedy_outputs(separated_checkpoint):
+    """Verify rows are a collective: rank 1 computes the same 1 + k logits rows as rank 0
+    (the drafts cross in the step message), and the tokens equal one rank's without drafts."""
+    from tests.engine.test_speculative_decoding import NGRAM, repetitive_prompts
+
+    prompts = repetitive_prompts(7)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    path = str(separated_checkpoint("qwen3"))  # the one whose outputs loop: drafts accepted
+    with LLM(path, dtype="float32", num_kv_blocks=256) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    with LLM(path, dtype="float32", num_kv_blocks=256, tensor_parallel_size=2,
+             speculative_config=NGRAM) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        stats = llm.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
+        assert stats.num_free_blocks == stats.num_total_blocks
+    assert got == expected

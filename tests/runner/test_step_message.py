@@ -51,3 +51,17 @@ def test_prompt_logprob_chunks_reach_workers_as_the_same_logit_rows():
 
     assert [rows(r) for r in decoded] == [rows(r) for r in chunks] == [
         (0, 8), (8, 19), None, None]
+
+
+def test_draft_tokens_reach_workers_as_the_same_logit_rows():
+    """A speculating decode's 1 + k logits rows are a collective too: a worker computes
+    exactly as many (its drafts are the last k tokens fed)."""
+    params = SamplingParams(temperature=0.0)
+    step = SchedulerOutput(scheduled=[
+        ScheduledRequest("spec", [9, 4, 5, 6], 12, [0, 1], True, params, draft_token_ids=[4, 5, 6]),
+        ScheduledRequest("plain", [8], 7, [2], True, params),
+        ScheduledRequest("chunk", [1, 2, 3], 0, [3], False, params)])
+    decoded = decode_step(encode_step(step)).scheduled
+    assert [list(r.draft_token_ids) for r in decoded] == [[4, 5, 6], [], []]
+    assert [r.num_logits_rows for r in decoded] == [r.num_logits_rows for r in step.scheduled] \
+        == [4, 1, 0]

@@ -183,7 +183,8 @@ def _samples(metrics: ServerMetrics) -> dict:
 
 def engine_stats(**values) -> EngineStats:
     fields = {name: 0 for name in EngineStats.__dataclass_fields__}
-    return EngineStats(**{**fields, "kv_cache_usage": 0.0, **values})
+    return EngineStats(**{**fields, "kv_cache_usage": 0.0,
+                          "spec_decode_num_accepted_tokens_per_pos": (), **values})
 
 
 def test_metrics_record_steps():
@@ -265,6 +266,29 @@ def test_metrics_count_prefix_cache_tokens_and_log_the_hit_rate(caplog):
     assert s[("carpool:prompt_tokens_cached_total", ())] == 32
     (record,) = caplog.records
     assert "Prefix cache hit rate: 40.0%" in record.getMessage()
+
+
+def test_metrics_count_spec_decode_tokens_and_log_acceptance(caplog):
+    metrics = ServerMetrics("m", log_interval_s=5.0)
+    out = [StepOutput("a", [1, 2, 3], "abc", num_prompt_tokens=4, num_output_tokens=3)]
+    with caplog.at_level("INFO", logger="carpool.metrics"):
+        metrics.record_step(out, engine_stats(), now=100.0)
+        metrics.record_step(out, engine_stats(
+            spec_decode_num_drafts=4, spec_decode_num_draft_tokens=16,
+            spec_decode_num_accepted_tokens=6,
+            spec_decode_num_accepted_tokens_per_pos=(3, 2, 1, 0)), now=106.0)
+        metrics.record_step(out, engine_stats(
+            spec_decode_num_drafts=5, spec_decode_num_draft_tokens=20,
+            spec_decode_num_accepted_tokens=10,
+            spec_decode_num_accepted_tokens_per_pos=(4, 3, 2, 1)), now=107.0)
+    s = _samples(metrics)
+    assert s[("carpool:spec_decode_num_drafts_total", ())] == 5
+    assert s[("carpool:spec_decode_num_draft_tokens_total", ())] == 20
+    assert s[("carpool:spec_decode_num_accepted_tokens_total", ())] == 10
+    assert [s[("carpool:spec_decode_num_accepted_tokens_per_pos_total",
+               (("position", str(p)),))] for p in range(4)] == [4, 3, 2, 1]
+    (record,) = caplog.records  # the window 100-106: 6 of 16 draft tokens in 4 drafts
+    assert "Draft acceptance rate: 37.5%, Mean acceptance length: 2.50" in record.getMessage()
 
 
 def test_finished_request_stats_are_vllms_intervals():

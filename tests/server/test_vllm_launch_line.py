@@ -117,6 +117,10 @@ def test_vllm_launch_line_is_honoured(llama_checkpoint, tmp_path):
                                              "model's max_position_embeddings"),
     (["{tmp}/no-such-model"], "no-such-model"),
     (["{ckpt}", "--chat-template", "no-such.jinja"], "--chat-template 'no-such.jinja'"),
+    (["{ckpt}", "--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 0}}'],
+     "--speculative-config.num_speculative_tokens must be a positive integer"),
+    (["{ckpt}", "--speculative-config", '{{"method": "ngram", "lookahead": 3}}'],
+     "--speculative-config.lookahead is not a known key"),
 ])
 def test_start_up_errors_are_one_line_exit_1(llama_checkpoint, tmp_path, argv, says):
     argv = [a.format(ckpt=llama_checkpoint, tmp=tmp_path) for a in argv]

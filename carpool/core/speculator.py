@@ -1,0 +1,116 @@
+"""Which decodes speculate, with which draft tokens: the one place that decides it.
+
+The scheduler asks `Speculator.propose` for every running request about to decode one token;
+a non-empty answer (k draft tokens) makes that decode a (1 + k)-token row verified in the
+same step. A request drafts nothing when
+
+  - the step runs more requests than the config's batch-size table allows (at larger batches
+    the verify rows cost more than the accepted tokens save),
+  - it has a grammar (structured outputs do not speculate: the matcher cannot take tokens
+    back after a rejection),
+  - it has at most one output token left (`max_tokens`, `max_model_len`): drafts never
+    overshoot, so the tokens a step may emit end where they would without speculation,
+  - its recent drafts were mostly rejected: below MIN_ACCEPTED_PER_DRAFT accepted tokens per
+    draft (a running average) it stops drafting for a while, then tries again, waiting
+    twice as long after each failed try, up to MAX_PAUSE_STEPS decodes,
+  - or its tokens' suffix occurred nowhere before (n-gram lookup found nothing).
+
+`record` takes the verified counts back (from `Scheduler.update`) for the averages and the
+counters `SpecDecodeStats` holds (vLLM's spec_decode_* metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from carpool.core.ngram_proposer import NgramIndex
+from carpool.core.request import Request
+from carpool.core.spec_config import SpeculativeConfig
+
+# A draft pays when its accepted tokens outweigh what its k extra rows add to the step: 0.1
+# of a step on a model whose decode reads its weights (135M, short contexts), 0.3-0.5 on the
+# tiny built-in model (host work per row) or at a 2,000-token context (five queries'
+# attention), lab 55. A request whose drafts earn fewer accepted tokens than this per step
+# stops drafting a while.
+MIN_ACCEPTED_PER_DRAFT = 0.5
+_AVERAGE_WEIGHT = 0.25  # of the newest draft in the running average
+_FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 128
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since start: drafts verified, their tokens, the accepted ones (and by position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafted:
+            per_pos.extend([0] * (num_drafted - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
+
+
+@dataclass
+class _Acceptance:
+    """One request's running average of accepted tokens per draft, and its pause."""
+
+    average: float = 1.0
+    paused_steps: int = 0
+    next_pause: int = _FIRST_PAUSE_STEPS
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecDecodeStats()
+        self._indexes: dict[str, NgramIndex] = {}
+        self._acceptance: dict[str, _Acceptance] = {}
+
+    def propose(self, request: Request, batch_size: int, token_budget: int) -> list[int]:
+        """Draft tokens for the request's next decode in a step of `batch_size` running
+        requests with `token_budget` tokens left (its own decode token included); [] for a
+        plain decode."""
+        k = self.config.num_tokens_for_batch(batch_size)  # first: large batches stop here
+        if k == 0 or request.sampling_params.structured_outputs is not None:
+            return []
+        k = min(k, token_budget - 1,
+                request.max_output_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        acceptance = self._acceptance.get(request.request_id)
+        if acceptance is not None and acceptance.paused_steps:
+            acceptance.paused_steps -= 1
+            return []
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            self._indexes[request.request_id] = index
+        return index.propose(request, k)
+
+    def record(self, request_id: str, num_drafted: int, num_accepted: int,
+               running: bool = True) -> None:
+        """A draft of `num_drafted` tokens was verified and `num_accepted` of them accepted;
+        `running`: the request goes on (else it is only counted: it left, or `forget` ran)."""
+        self.stats.record(num_drafted, num_accepted)
+        if not running:
+            return
+        acceptance = self._acceptance.setdefault(request_id, _Acceptance())
+        acceptance.average += _AVERAGE_WEIGHT * (num_accepted - acceptance.average)
+        if acceptance.average >= MIN_ACCEPTED_PER_DRAFT:
+            acceptance.next_pause = _FIRST_PAUSE_STEPS
+        else:  # pause, then try again from an average that a few misses bring down again
+            acceptance.paused_steps = acceptance.next_pause
+            acceptance.next_pause = min(2 * acceptance.next_pause, MAX_PAUSE_STEPS)
+            acceptance.average = 2 * MIN_ACCEPTED_PER_DRAFT
+
+    def forget(self, request_id: str) -> None:
+        """The request left: drop its index and average."""
+        self._indexes.pop(request_id, None)
+        self._acceptance.pop(request_id, None)

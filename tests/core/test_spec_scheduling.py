@@ -1,0 +1,190 @@
+"""The scheduler with speculative decoding: a decode with k drafts is one (1 + k)-token row
+inside the budget, its lookahead blocks taken at schedule time; only accepted drafts become
+computed tokens; stops among them end the request there; drafts never preempt, never
+overshoot max_tokens, and are never hashed into the prefix cache."""
+
+from __future__ import annotations
+
+import random
+
+from carpool.core.config import SchedulerConfig
+from carpool.core.request import Request, RequestStatus
+from carpool.core.scheduler import Scheduler
+from carpool.core.spec_config import SpeculativeConfig
+from carpool.core.speculator import MIN_ACCEPTED_PER_DRAFT
+from carpool.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.core.stepping import FakeClock
+
+LOOP = [5, 6, 7, 8]
+
+
+def make_scheduler(num_blocks=64, k=4, spec=None, **overrides):
+    fields = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, block_size=4,
+                  enable_prefix_caching=False)
+    fields.update(overrides)
+    spec = spec or SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1,
+                                     prompt_lookup_max=3, disable_by_batch_size=8)
+    return Scheduler(SchedulerConfig(**fields), num_blocks=num_blocks, clock=FakeClock(),
+                     speculative=spec)
+
+
+def loop_request(request_id: str, repeats: int = 3, **params) -> Request:
+    params.setdefault("max_tokens", 32)
+    return Request(request_id, LOOP * repeats, SamplingParams(**params))
+
+
+def step(scheduler: Scheduler, accept=lambda scheduled: len(scheduled.draft_token_ids),
+         next_token=lambda scheduled: 99):
+    """schedule + update: each speculating row accepts accept(row) of its drafts."""
+    output = scheduler.schedule()
+    sampled, accepted = {}, {}
+    for scheduled in output.scheduled:
+        if scheduled.sample:
+            sampled[scheduled.request_id] = next_token(scheduled)
+            if scheduled.draft_token_ids:
+                accepted[scheduled.request_id] = list(
+                    scheduled.draft_token_ids[:accept(scheduled)])
+    scheduler.update(output, sampled, accepted)
+    scheduler.block_manager.check_integrity()
+    return output
+
+
+def test_a_speculating_decode_is_one_row_of_one_plus_k_tokens():
+    s = make_scheduler()
+    s.add_request(loop_request("a"))
+    step(s, next_token=lambda _: 5)  # the prefill: outputs [5], the loop goes on
+    request = s.get_request("a")
+    output = step(s, accept=lambda _: 2, next_token=lambda _: 42)
+    (row,) = output.scheduled
+    assert list(row.draft_token_ids) == [6, 7, 8, 5]
+    assert list(row.token_ids) == [5, 6, 7, 8, 5] and row.num_computed_tokens == 12
+    # lookahead blocks for positions 12..16 were taken before the step ran
+    assert len(row.block_ids) == 5
+    assert output.num_scheduled_tokens == 5
+    # 2 drafts accepted, then the sampled token: computed moves by 3, not 5
+    assert request.output_token_ids == [5, 6, 7, 42]
+    assert request.num_computed_tokens == 12 + 3 and request.num_tokens == 16
+    stats = s.speculator.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 4, 2)
+    assert stats.num_accepted_tokens_per_pos == [1, 1, 0, 0]
+
+
+def test_drafts_fit_the_budget_and_the_tokens_left():
+    s = make_scheduler(max_num_batched_tokens=3)
+    request = loop_request("a", max_tokens=10)
+    s.add_request(request)
+    while not request.output_token_ids:  # the prompt in chunks of 3, then its first token
+        step(s, next_token=lambda _: 5)
+    output = step(s)
+    assert len(output.scheduled[0].draft_token_ids) == 2  # budget 3 = 1 + 2 drafts
+    assert request.num_output_tokens == 1 + 3
+
+    s = make_scheduler()
+    s.add_request(loop_request("b", max_tokens=3))
+    step(s, next_token=lambda _: 5)
+    output = step(s)
+    # 2 outputs left: 1 draft at most, so the step ends exactly at max_tokens
+    assert len(output.scheduled[0].draft_token_ids) == 1
+    assert not s.has_unfinished_requests()
+    assert s.block_manager.num_free_blocks == 64
+
+
+def test_a_stop_among_accepted_drafts_ends_the_request_there():
+    s = make_scheduler()
+    s.add_request(loop_request("eos", stop_token_ids=[7]))
+    step(s, next_token=lambda _: 5)
+    step(s)  # drafts 6 7 8 5, all accepted: the stop token 7 ends it
+    assert not s.has_unfinished_requests()
+    assert s.block_manager.num_free_blocks == 64
+
+
+def test_min_tokens_holds_a_stop_among_accepted_drafts():
+    s = make_scheduler()
+    request = loop_request("m", stop_token_ids=[7], min_tokens=4)
+    s.add_request(request)
+    step(s, next_token=lambda _: 5)
+    step(s, next_token=lambda _: 1)  # outputs 5 | 6 7 8 5 | 1: 7 came before min_tokens
+    assert request.output_token_ids == [5, 6, 7, 8, 5, 1]
+    assert request.status == RequestStatus.RUNNING
+
+
+def test_drafts_that_do_not_fit_are_dropped_without_preempting():
+    s = make_scheduler(num_blocks=4, max_model_len=16)
+    s.add_request(Request("a", LOOP * 2 + [5, 6], SamplingParams(max_tokens=4)))
+    step(s, next_token=lambda _: 7)  # 11 tokens: the decode's slot is in the third block
+    s.block_manager.allocate("hog", 4)  # the last free block: the drafts would need it
+    output = step(s)
+    assert list(output.scheduled[0].token_ids) == [7]
+    assert not output.preempted_ids
+    assert s.num_preemptions_total == 0
+    s.block_manager.free("hog")
+
+
+def test_large_batches_and_grammar_requests_do_not_speculate():
+    s = make_scheduler(spec=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1,
+                                              disable_by_batch_size=2))
+    for i in range(3):
+        s.add_request(loop_request(f"r{i}"))
+    step(s, next_token=lambda _: 5)
+    five = dict(accept=lambda _: 0, next_token=lambda _: 5)  # the suffix "5" always matches
+    assert not any(r.draft_token_ids for r in step(s, **five).scheduled)  # 3 running > 2
+    s.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    assert all(r.draft_token_ids for r in step(s, **five).scheduled)  # 2 running
+
+    s = make_scheduler()
+    grammar = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        regex="[5-8]+"))
+    s.add_request(Request("g", LOOP * 3, grammar))
+    step(s, next_token=lambda _: 5)
+    assert not step(s).scheduled[0].draft_token_ids
+
+
+def test_rejected_drafts_pause_the_request_then_it_tries_again():
+    s = make_scheduler(max_num_batched_tokens=128)
+    s.add_request(loop_request("a", repeats=2, max_tokens=100))
+    step(s, next_token=lambda _: 5)
+    drafted = []
+    for _ in range(40):  # the model never follows the loop: every draft rejected
+        output = step(s, accept=lambda _: 0, next_token=lambda row: row.token_ids[0])
+        drafted.append(bool(output.scheduled[0].draft_token_ids))
+    # drafts until the running average falls below MIN_ACCEPTED_PER_DRAFT, then a pause
+    first_pause = drafted.index(False)
+    assert 1 <= first_pause and (1 - 0.25) ** first_pause < MIN_ACCEPTED_PER_DRAFT + 0.1
+    assert any(drafted[first_pause:])  # tried again later
+    assert drafted.count(True) < 20
+
+
+def test_rejected_drafts_are_never_hashed_into_the_prefix_cache():
+    rng = random.Random(3)
+    s = make_scheduler(num_blocks=40, enable_prefix_caching=True, max_num_batched_tokens=16)
+    for i in range(6):
+        s.add_request(loop_request(f"r{i}", repeats=rng.randint(1, 4), max_tokens=20))
+    while s.has_unfinished_requests():
+        # random acceptance; rejected drafts' slots hold tokens the requests never get
+        step(s, accept=lambda row: rng.randint(0, len(row.draft_token_ids)),
+             next_token=lambda _: rng.choice(LOOP + [1, 2]))
+        for request in s._requests.values():  # hashed blocks hold computed tokens only
+            num_hashed = s.block_manager._num_hashed.get(request.request_id, 0)
+            assert num_hashed <= request.num_computed_tokens // 4
+    assert s.block_manager.num_free_blocks == 40
+    assert s.speculator.stats.num_accepted_tokens > 0
+
+
+def test_random_runs_with_preemption_leak_no_block():
+    rng = random.Random(7)
+    for trial in range(5):
+        s = make_scheduler(num_blocks=24, max_num_batched_tokens=12, max_num_seqs=4,
+                           enable_prefix_caching=trial % 2 == 0)
+        for i in range(8):
+            s.add_request(loop_request(f"r{i}", repeats=rng.randint(1, 3),
+                                       max_tokens=rng.randint(1, 24),
+                                       stop_token_ids=[rng.choice([7, 99])]))
+        for _ in range(400):
+            if not s.has_unfinished_requests():
+                break
+            step(s, accept=lambda row: rng.randint(0, len(row.draft_token_ids)),
+                 next_token=lambda _: rng.choice(LOOP + [1]))
+        assert not s.has_unfinished_requests()
+        assert s.block_manager.num_free_blocks == 24
+        # nothing kept for requests that left (finished, or aborted between steps)
+        assert not s.speculator._indexes and not s.speculator._acceptance

@@ -1,0 +1,128 @@
+"""Verifying drafts with the real sampler: greedy rows keep the drafts the argmax agrees with;
+sampled rows keep the target's distribution at every position (chi-square); per-position
+rows see the drafts before them; a seeded request's generator ends where a plain decode's
+would."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from carpool.core.scheduler_output import ScheduledRequest
+from carpool.runner import spec_verify
+from carpool.runner.sampler import Sampler
+from carpool.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+SIGNIFICANCE = 1e-3  # a correct sampler fails a chi-square test this rarely
+
+
+def row(request_id="r", drafts=(), outputs=(5,), **params) -> ScheduledRequest:
+    return ScheduledRequest(request_id, [1, *drafts], 4, [0], True, SamplingParams(**params),
+                            [1, 2, 3, 4], list(outputs), list(drafts))
+
+
+def sample_and_verify(sampler, logits, requests):
+    rows = spec_verify.logits_rows(requests)
+    out = sampler.sample(logits, rows)
+    return spec_verify.verify(requests, out.token_ids, out.logprobs)
+
+
+def test_greedy_rows_accept_while_the_argmax_agrees():
+    logits = torch.full((8, 10), -1.0)
+    for position, best in enumerate([3, 4, 9, 6, 2, 8, 1, 7]):
+        logits[position, best] = 1.0
+    requests = [row("a", drafts=[3, 4, 5], temperature=0.0),  # rows 0-3: 3 4 kept, then 9
+                row("b", temperature=0.0),                    # row 4, no drafts
+                row("c", drafts=[8, 1], temperature=0.0)]     # rows 5-7: all kept + bonus 7
+    verified = sample_and_verify(Sampler(CPU, (0,)), logits, requests)
+    assert verified.sampled_token_ids == {"a": 9, "b": 2, "c": 7}
+    assert verified.accepted_draft_ids == {"a": [3, 4], "c": [8, 1]}
+    assert verified.num_rows_used == {"a": 3, "c": 3}
+
+
+def test_each_position_sees_the_drafts_before_it():
+    """A repetition penalty at position j covers the first j drafts (and not later ones)."""
+    requests = [row("a", drafts=[7, 8], outputs=[5], repetition_penalty=2.0, logprobs=1,
+                    temperature=0.0)]
+    rows = spec_verify.logits_rows(requests)
+    assert [list(r.output_token_ids) for r in rows] == [[5], [5, 7], [5, 7, 8]]
+    assert requests[0].output_token_ids == [5]  # the request's own list untouched
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 1.0  # 7 is everyone's argmax until the penalty halves it
+    logits[:, 8] = 0.9
+    logits[:, 9] = 0.6
+    verified = sample_and_verify(Sampler(CPU, (0,)), logits, requests)
+    # row 0: 7 (accepted), row 1: 7 halved -> 8 (accepted), row 2: 7 and 8 halved -> 9
+    assert verified.accepted_draft_ids == {"a": [7, 8]}
+    assert verified.sampled_token_ids == {"a": 9}
+    assert len(verified.logprobs["a"]) == 3
+
+
+def target_distribution(logits: np.ndarray, temperature: float, top_k: int = 0,
+                        top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+    """What a plain decode samples from, written out: temperature, min_p, top_k, top_p."""
+    z = logits / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    keep = probs >= min_p * probs.max()
+    order = np.argsort(-z, kind="stable")
+    if top_k:
+        keep[order[top_k:]] = False
+    kept = np.where(keep, probs, 0.0)
+    kept /= kept.sum()
+    mass_before = np.cumsum(kept[order]) - kept[order]
+    keep[order[mass_before >= top_p]] = False
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
+                                    dict(temperature=1.3, top_p=0.8, min_p=0.05)])
+def test_sampled_tokens_keep_the_targets_distribution(params):
+    """Each emitted position's frequencies, over many requests, match the distribution a plain
+    decode samples from there (chi-square at SIGNIFICANCE), a likely and an unlikely draft."""
+    vocab, batch, num_batches = 8, 1000, 6
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 1.5
+    drafts = [int(logits[0].argmax()), int(logits[1].argmin())]
+    counts = [Counter(), Counter(), Counter()]  # emitted tokens at positions 0, 1, 2
+    sampler = Sampler(CPU, (0,), seed=2)
+    for b in range(num_batches):
+        requests = [row(f"t{b}-{i}", drafts=drafts, **params) for i in range(batch)]
+        verified = sample_and_verify(sampler, logits.repeat(batch, 1), requests)
+        for request in requests:
+            rid = request.request_id
+            emitted = [*verified.accepted_draft_ids[rid], verified.sampled_token_ids[rid]]
+            for position, token in enumerate(emitted):
+                counts[position][token] += 1
+    for position, counter in enumerate(counts):
+        total = counter.total()
+        if total < 200:
+            continue  # (the unlikely second draft is rarely accepted: few third positions)
+        expected = target_distribution(logits[position].double().numpy(), **params)
+        support = expected > 0
+        observed = np.array([counter.get(t, 0) for t in range(vocab)])
+        assert observed[~support].sum() == 0  # nothing outside top-k / top-p / min-p
+        _, p_value = chisquare(observed[support], expected[support] * total)
+        assert p_value > SIGNIFICANCE, (position, observed, expected * total)
+    # the first draft is accepted sometimes, not always: both branches were exercised
+    assert 0 < counts[1].total() < batch * num_batches
+
+
+def test_a_seeded_generator_ends_where_a_plain_decode_leaves_it():
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    request = row("s", drafts=[1, 2, 3], seed=42, temperature=1.0)
+    sampler = Sampler(CPU, (0,))
+    states = sampler.seeded_states([request])
+    verified = sample_and_verify(sampler, logits, [request])
+    used = verified.num_rows_used["s"]
+    sampler.rewind("s", 42, states["s"], used)
+    after = sampler._uniforms([row("s", seed=42, temperature=1.0)])
+    reference = torch.Generator().manual_seed(42)
+    expected = [torch.rand(1, generator=reference, dtype=torch.float64)[0]
+                for _ in range(used + 1)][-1]
+    assert after[0] == expected
