@@ -107,6 +107,9 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of blocks in use, 0-1
     num_paused: int = 0  # unfinished requests held back because their reader is behind
+    # A mixture of experts with `moe_router_stats`: rows each expert received since start, per
+    # sparse layer (a step's top-k pairs, so each layer's sum is top_k x tokens); else None.
+    router_load: tuple[tuple[int, ...], ...] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

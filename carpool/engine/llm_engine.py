@@ -358,7 +358,8 @@ class LLMEngine:
             prefix_cache_queries=prefix_cache.num_queries, prefix_cache_hits=prefix_cache.num_hits,
             num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=blocks.usage, num_paused=self.scheduler.num_paused)
+            kv_cache_usage=blocks.usage, num_paused=self.scheduler.num_paused,
+            router_load=self.runner.router_load() if self.config.moe_router_stats else None)
 
     # ---- what the async layer reads once loaded (see engine.protocol.EngineCore) --------
 

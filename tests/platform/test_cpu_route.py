@@ -153,3 +153,31 @@ def test_the_platform_decides_once_logs_and_describes_the_route(llama_checkpoint
     assert platform.decide_route(F32, config.head_dim, config.sliding_window) is route
     with pytest.raises(ValueError, match="already runs the route"):
         platform.decide_route(BF16, config.head_dim, config.sliding_window)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("cpu_class", list(KERNELS))
+def test_a_mixture_of_experts_takes_the_fused_experts_and_no_layer_stack(cpu_class, dtype):
+    route = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class],
+                         mixture_of_experts=True)
+    assert route.moe.fused and not route.layer_stack
+    assert "C++ layer stack off (a mixture of experts" in route.describe()
+    assert route.describe().endswith("experts moe_experts (rows sorted by expert, grouped GEMMs)")
+    dense = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class])
+    assert dense.moe is None and "experts" not in dense.describe()
+    # without the kernels, or in float16: the model's PyTorch loop
+    assert not decide_route(CPUS[cpu_class], dtype, 64, None, None,
+                            mixture_of_experts=True).moe.fused
+    half = decide_route(CPUS[cpu_class], torch.float16, 64, None, KERNELS_WITH_MOE[cpu_class],
+                        mixture_of_experts=True)
+    assert not half.moe.fused and "PyTorch loop over the experts" in half.describe()
+    invariant = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class],
+                             batch_invariant=True, mixture_of_experts=True)
+    assert invariant.moe.fused
+    with pytest.raises(ValueError, match="batch_invariant needs the moe_experts kernel"):
+        decide_route(CPUS[cpu_class], torch.float16, 64, None, KERNELS_WITH_MOE[cpu_class],
+                     batch_invariant=True, mixture_of_experts=True)
+
+
+KERNELS_WITH_MOE = {cls: dataclasses.replace(facts, moe_experts=True)
+                    for cls, facts in KERNELS.items()}
