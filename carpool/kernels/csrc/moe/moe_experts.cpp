@@ -1,12 +1,15 @@
 // A mixture-of-experts layer's experts in one call: a step's (row, expert) pairs sorted by
 // expert, one grouped GEMM over every expert's gate/up with silu(gate) * up fused into its
 // tiles, one over the downs, and each row's weighted sum of its experts' outputs.
+// Work items run expert by expert, so each thread streams through contiguous weights.
 //
 // Each output element is one dot product whose order over K is fixed (vector lanes in K
 // order, then one fixed horizontal sum) whatever tile it falls in, and each row sums its
 // experts in ascending expert order: a row's result never depends on the other rows of the
-// step (the batch-invariant mode relies on it). Products and sums run in float32; bfloat16
-// weights are widened in registers.
+// step (the batch-invariant mode relies on it). Sums run in float32. bfloat16 experts on
+// AVX512-BF16 builds multiply bfloat16 pairs with vdpbf16ps (x as it is, silu(gate) * up
+// rounded to bfloat16 as Hugging Face's bfloat16 experts round it); elsewhere the weights
+// are widened to float32 in registers against float32 rows.
 //
 // pack_moe_experts lays the gate/up weights out once at load: per block of kBlock
 // intermediate rows, the block's gate rows then its up rows, so one tile reads both halves
@@ -17,6 +20,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#ifdef CARPOOL_AVX512_BF16
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -55,10 +61,12 @@ inline void load_pair(const W* w, int64_t count, Vec& lo, Vec& hi) {
   }
 }
 
-// out[r * ldo + c] = dot(x[r], w[c * ldw ...]) over K, for R rows and C weight rows.
+// out[r * ldo + c] = dot(x[r], w[c * ldw ...]) over K, for R rows and C weight rows. The
+// weight rows after these (the next tile's, `ahead` of them) are prefetched as it goes: a
+// decode reads each expert's weights once, from memory.
 template <typename W, int R, int C>
 void dot_tile(const float* const* x, const W* w, int64_t ldw, int64_t K, float* out,
-              int64_t ldo) {
+              int64_t ldo, int64_t ahead) {
   Vec acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = Vec(0.f);
@@ -68,7 +76,12 @@ void dot_tile(const float* const* x, const W* w, int64_t ldw, int64_t K, float* 
     for (int r = 0; r < R; ++r) load_pair<float>(x[r] + k, count, xl[r], xh[r]);
     for (int c = 0; c < C; ++c) {
       Vec wl, wh;
-      load_pair<W>(w + c * ldw + k, count, wl, wh);
+      const W* row = w + c * ldw + k;
+      if (c < ahead) {
+        __builtin_prefetch(row + C * ldw);
+        if constexpr (sizeof(W) == 4) __builtin_prefetch(row + C * ldw + Vec::size());
+      }
+      load_pair<W>(row, count, wl, wh);
       for (int r = 0; r < R; ++r) {
         acc[r][c] = at::vec::fmadd(xl[r], wl, acc[r][c]);
         acc[r][c] = at::vec::fmadd(xh[r], wh, acc[r][c]);
@@ -81,26 +94,72 @@ void dot_tile(const float* const* x, const W* w, int64_t ldw, int64_t K, float* 
           [](const Vec& a, const Vec& b) { return a + b; }, acc[r][c]);
 }
 
+#ifdef CARPOOL_AVX512_BF16
+constexpr bool kDpBf16 = true;
+// The bfloat16 tile: 32 of K per step, both sides bfloat16, float32 lanes of pair sums.
+template <int R, int C>
+void dot_tile_bf16(const at::BFloat16* const* x, const at::BFloat16* w, int64_t ldw,
+                   int64_t K, float* out, int64_t ldo, int64_t ahead) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t count = std::min<int64_t>(32, K - k);
+    const __mmask32 mask = count == 32 ? ~__mmask32{0} : (__mmask32{1} << count) - 1;
+    __m512i xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_epi16(mask, x[r] + k);
+    for (int c = 0; c < C; ++c) {
+      const at::BFloat16* row = w + c * ldw + k;
+      if (c < ahead) __builtin_prefetch(row + C * ldw);
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, row);
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)xv[r], (__m512bh)wv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+#else
+constexpr bool kDpBf16 = false;
+#endif
+
+// What the rows a weight type multiplies are held in: bfloat16 against bfloat16 weights on
+// AVX512-BF16 builds, else float32.
+template <typename W>
+using RowT = std::conditional_t<kDpBf16 && std::is_same_v<W, at::BFloat16>, at::BFloat16, float>;
+
 template <typename W, int C>
-void dot_rows(int rows, const float* const* x, const W* w, int64_t ldw, int64_t K, float* out,
-              int64_t ldo) {
-  switch (rows) {
-    case 1: dot_tile<W, 1, C>(x, w, ldw, K, out, ldo); break;
-    case 2: dot_tile<W, 2, C>(x, w, ldw, K, out, ldo); break;
-    case 3: if constexpr (kRows >= 3) dot_tile<W, 3, C>(x, w, ldw, K, out, ldo); break;
-    default: if constexpr (kRows >= 4) dot_tile<W, 4, C>(x, w, ldw, K, out, ldo); break;
+void dot_rows(int rows, const RowT<W>* const* x, const W* w, int64_t ldw, int64_t K, float* out,
+              int64_t ldo, int64_t ahead) {
+#ifdef CARPOOL_AVX512_BF16
+  if constexpr (std::is_same_v<RowT<W>, at::BFloat16>) {
+    switch (rows) {
+      case 1: dot_tile_bf16<1, C>(x, w, ldw, K, out, ldo, ahead); break;
+      case 2: dot_tile_bf16<2, C>(x, w, ldw, K, out, ldo, ahead); break;
+      case 3: dot_tile_bf16<3, C>(x, w, ldw, K, out, ldo, ahead); break;
+      default: dot_tile_bf16<4, C>(x, w, ldw, K, out, ldo, ahead); break;
+    }
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<RowT<W>, float>) switch (rows) {
+    case 1: dot_tile<W, 1, C>(x, w, ldw, K, out, ldo, ahead); break;
+    case 2: dot_tile<W, 2, C>(x, w, ldw, K, out, ldo, ahead); break;
+    case 3: if constexpr (kRows >= 3) dot_tile<W, 3, C>(x, w, ldw, K, out, ldo, ahead); break;
+    default: if constexpr (kRows >= 4) dot_tile<W, 4, C>(x, w, ldw, K, out, ldo, ahead); break;
   }
 }
 
-// rows x cols dot products (rows <= kRows, cols <= kCols).
+// rows x cols dot products (rows <= kRows, cols <= kCols), prefetching `ahead` weight rows
+// past the last (0: none).
 template <typename W>
-void dot(int rows, int cols, const float* const* x, const W* w, int64_t ldw, int64_t K,
-         float* out, int64_t ldo) {
+void dot(int rows, int cols, const RowT<W>* const* x, const W* w, int64_t ldw, int64_t K,
+         float* out, int64_t ldo, int64_t ahead) {
   switch (cols) {
-    case 1: dot_rows<W, 1>(rows, x, w, ldw, K, out, ldo); break;
-    case 2: dot_rows<W, 2>(rows, x, w, ldw, K, out, ldo); break;
-    case 3: dot_rows<W, 3>(rows, x, w, ldw, K, out, ldo); break;
-    default: dot_rows<W, 4>(rows, x, w, ldw, K, out, ldo); break;
+    case 1: dot_rows<W, 1>(rows, x, w, ldw, K, out, ldo, ahead); break;
+    case 2: dot_rows<W, 2>(rows, x, w, ldw, K, out, ldo, ahead); break;
+    case 3: dot_rows<W, 3>(rows, x, w, ldw, K, out, ldo, ahead); break;
+    default: dot_rows<W, 4>(rows, x, w, ldw, K, out, ldo, ahead); break;
   }
 }
 
@@ -137,27 +196,29 @@ Routing sort_by_expert(const at::Tensor& ids, int64_t num_experts) {
 }
 
 template <typename W>
-void run(const float* x, int64_t H, const W* gate_up, const W* down, int64_t I,
-         const Routing& r, float* act, float* y) {
+void run(const RowT<W>* x, int64_t H, const W* gate_up, const W* down, int64_t I,
+         const Routing& r, RowT<W>* act, float* y) {
   const int64_t blocks = I / kBlock, active = static_cast<int64_t>(r.active.size());
-  // gate/up: items interleave the experts, so each thread's contiguous share covers all.
+  // gate/up: items expert by expert, so a thread's share streams through contiguous weights
+  // (its last tile prefetching the next block's rows).
   at::parallel_for(0, blocks * active, 1, [&](int64_t begin, int64_t end) {
     float tile[kRows * 2 * kBlock];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = r.active[item % active], b = item / active;
+      const int64_t e = r.active[item / blocks], b = item % blocks;
       const W* w = gate_up + (e * 2 * I + b * 2 * kBlock) * H;
       for (int64_t p = r.starts[e]; p < r.starts[e + 1]; p += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, r.starts[e + 1] - p));
-        const float* xs[kRows];
+        const RowT<W>* xs[kRows];
         for (int i = 0; i < rows; ++i) xs[i] = x + r.rows[p + i] * H;
+        const bool first = p == r.starts[e];  // later row tiles find the block in cache
         for (int64_t c = 0; c < 2 * kBlock; c += kCols)
-          dot<W>(rows, kCols, xs, w + c * H, H, H, tile + c, 2 * kBlock);
+          dot<W>(rows, kCols, xs, w + c * H, H, H, tile + c, 2 * kBlock, first ? kCols : 0);
         for (int i = 0; i < rows; ++i) {
-          float* a = act + (p + i) * I + b * kBlock;
+          RowT<W>* a = act + (p + i) * I + b * kBlock;
           const float* t = tile + i * 2 * kBlock;
           for (int64_t j = 0; j < kBlock; ++j) {
             const float g = t[j];
-            a[j] = g / (1.f + std::exp(-g)) * t[kBlock + j];
+            a[j] = static_cast<RowT<W>>(g / (1.f + std::exp(-g)) * t[kBlock + j]);
           }
         }
       }
@@ -169,16 +230,19 @@ void run(const float* x, int64_t H, const W* gate_up, const W* down, int64_t I,
   at::parallel_for(0, out_blocks * active, 1, [&](int64_t begin, int64_t end) {
     float tile[kRows * kOut];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = r.active[item % active], h0 = (item / active) * kOut;
+      const int64_t e = r.active[item / out_blocks], h0 = (item % out_blocks) * kOut;
       const int64_t width = std::min(kOut, H - h0);
       const W* w = down + (e * H + h0) * I;
       for (int64_t p = r.starts[e]; p < r.starts[e + 1]; p += kRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kRows, r.starts[e + 1] - p));
-        const float* as[kRows];
+        const RowT<W>* as[kRows];
         for (int i = 0; i < rows; ++i) as[i] = act + (p + i) * I;
-        for (int64_t c = 0; c < width; c += kCols)
-          dot<W>(rows, static_cast<int>(std::min<int64_t>(kCols, width - c)), as, w + c * I, I,
-                 I, tile + c, kOut);
+        const bool first = p == r.starts[e];
+        for (int64_t c = 0; c < width; c += kCols) {
+          const int cols = static_cast<int>(std::min<int64_t>(kCols, width - c));
+          const int64_t ahead = !first ? 0 : h0 + c + 2 * cols <= H ? cols : 0;
+          dot<W>(rows, cols, as, w + c * I, I, I, tile + c, kOut, ahead);
+        }
         for (int i = 0; i < rows; ++i)
           std::copy(tile + i * kOut, tile + i * kOut + width, y + (p + i) * H + h0);
       }
@@ -223,19 +287,23 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at:
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const int64_t k = ids.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor id = ids.contiguous();
   const at::Tensor wt = weights.to(at::kFloat).contiguous();
   const Routing r = sort_by_expert(id, E);
-  at::Tensor act = at::empty({T * k, I}, xf.options());
-  at::Tensor y = at::empty({T * k, H}, xf.options());
+  at::Tensor y = at::empty({T * k, H}, x.options().dtype(at::kFloat));
+  auto go = [&](auto weight) {
+    using W = decltype(weight);
+    using X = RowT<W>;
+    const at::ScalarType rows = std::is_same_v<X, float> ? at::kFloat : at::kBFloat16;
+    const at::Tensor xs = x.to(rows).contiguous();
+    at::Tensor act = at::empty({T * k, I}, xs.options());
+    run<W>(xs.data_ptr<X>(), H, gate_up.data_ptr<W>(), down.data_ptr<W>(), I, r,
+           act.data_ptr<X>(), y.data_ptr<float>());
+  };
   if (gate_up.scalar_type() == at::kBFloat16)
-    run<at::BFloat16>(xf.data_ptr<float>(), H, gate_up.data_ptr<at::BFloat16>(),
-                      down.data_ptr<at::BFloat16>(), I, r, act.data_ptr<float>(),
-                      y.data_ptr<float>());
+    go(at::BFloat16());
   else
-    run<float>(xf.data_ptr<float>(), H, gate_up.data_ptr<float>(), down.data_ptr<float>(), I, r,
-               act.data_ptr<float>(), y.data_ptr<float>());
+    go(float());
   // Each row: its experts' outputs times their weights, summed in ascending expert order.
   const float* ys = y.data_ptr<float>();
   const float* w = wt.data_ptr<float>();
