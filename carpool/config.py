@@ -207,8 +207,9 @@ class EngineConfig:
         """
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
-                             "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
-                             "safetensors, never code or pickles from a checkpoint")
+                             "model code (Llama, Mistral, Qwen2, Qwen3, their mixtures of "
+                             "experts) and loads weights from safetensors, never code or "
+                             "pickles from a checkpoint")
         cpu = CpuOptions.from_args(**cpu_args)
         grammar_limits = GrammarLimits(
             max_bytes=max_grammar_bytes, max_rules=max_grammar_rules, max_depth=max_grammar_depth,
