@@ -6,7 +6,10 @@ Issue 8 names two shapes, issue 60 a third, each written in float32 and bfloat16
 - "135M": the shape of SmolLM2-135M: hidden 576, 30 layers, 9 heads, 3 KV heads,
   intermediate 1536, vocab 49152, tied embeddings;
 - "0.5B": Qwen2.5-0.5B's layers: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate
-  4864, vocab 49152, tied embeddings.
+  4864, vocab 49152, tied embeddings;
+- "135M-moe" (issue 63): the 135M shape as a Mixtral whose MLPs are 16 experts of
+  intermediate 384, top 4: the same active size per token (4 x 384 = 1536), 4x the MLP
+  weights (0.36 B parameters).
 
 No model hub is reachable here, so the weights are seeded random ones written by
 `carpool.testing.checkpoints.build_checkpoint`; their text is noise, their cost per
@@ -14,7 +17,7 @@ token is that of a trained model of the same shape. Each vocabulary gets a byte-
 BPE tokenizer of exactly that size, trained offline on Python's standard library
 (all of it for the 49152-token one, so every id the model can sample decodes).
 
-    python3 -m benchmarks.make_vs_vllm_checkpoints /tmp/vs-vllm              # all four
+    python3 -m benchmarks.make_vs_vllm_checkpoints /tmp/vs-vllm              # all of them
     python3 -m benchmarks.make_vs_vllm_checkpoints /tmp/vs-vllm --models tiny --dtypes float32
 
 writes OUT/<model>-<dtype>/ (e.g. /tmp/vs-vllm/tiny-float32) and skips folders that exist.
@@ -38,6 +41,9 @@ SHAPES: dict[str, dict] = {
     # 135M shape's 49152-token vocabulary: 0.36 B parameters.
     "0.5B": dict(vocab_size=49152, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
+    "135M-moe": dict(arch="mixtral", vocab_size=49152, hidden_size=576, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, intermediate_size=384,
+                     num_local_experts=16, num_experts_per_tok=4, tie_word_embeddings=True),
 }
 DTYPES = ("float32", "bfloat16")
 MAX_POSITION_EMBEDDINGS = 2048  # the longest request of the workload is 512 + 256 tokens
@@ -85,8 +91,9 @@ def build(root: str | Path, model: str, dtype: str, seed: int = 0) -> Path:
         return out
     shape = dict(SHAPES[model])
     vocab_size = shape.pop("vocab_size")
+    arch = shape.pop("arch", "llama")
     tokenizer_dir = build_tokenizer(Path(root), vocab_size)
-    return build_checkpoint(out, "llama", seed=seed, vocab_size=vocab_size, dtype=dtype,
+    return build_checkpoint(out, arch, seed=seed, vocab_size=vocab_size, dtype=dtype,
                             tokenizer_dir=tokenizer_dir,
                             max_position_embeddings=MAX_POSITION_EMBEDDINGS, **shape)
 

@@ -205,6 +205,9 @@ def add_engine_arguments(group) -> None:
                        help="Every token's logits bitwise identical whatever else runs in its "
                             "steps (batch size, chunking, preemption, prefix-cache hits); CPU "
                             "only, costs throughput (see docs/serving.md).")
+    group.add_argument("--moe-router-stats", action="store_true",
+                       help="Debug: a mixture-of-experts model counts the rows each expert "
+                            "receives per layer (LLM.stats().router_load, GET /stats).")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="Ranks to shard every layer over (torch.distributed: NCCL on CUDA, "
                             "gloo on CPU); carpool starts ranks 1..N-1 on this machine.")

@@ -75,6 +75,8 @@ class EngineConfig:
     # Every token's logits bitwise the same whatever else shares its steps (linears over fixed
     # row tiles, every query through the C++ kernel in one key order); CPU only, costs speed.
     batch_invariant: bool = False
+    # Debug: a mixture of experts counts the rows each expert receives (`EngineStats.router_load`).
+    moe_router_stats: bool = False
     tokenizer: str | None = None  # folder or hub id; None: the model's
     chat_template: str | None = None  # the Jinja text itself; None: the tokenizer's
     # GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE, or a folder with generation_config.json
@@ -185,7 +187,8 @@ class EngineConfig:
                   preemption_policy: str = "newest", enable_prefix_caching: bool = True,
                   tensor_parallel_size: int = 1, distributed_init_method: str | None = None,
                   trust_remote_code: bool = False, attention_backend: str = "auto",
-                  batch_invariant: bool = False, tokenizer: str | None = None,
+                  batch_invariant: bool = False, moe_router_stats: bool = False,
+                  tokenizer: str | None = None,
                   chat_template: str | None = None,
                   generation_config: str = GENERATION_CONFIG_AUTO,
                   max_logprobs: int = DEFAULT_MAX_LOGPROBS,
@@ -209,13 +212,14 @@ class EngineConfig:
         grammar_check_timeout: the fields of `GrammarLimits`. cpu_args: the CPU switches by their
         public names (cpu_kernels=False, ...), read by `CpuOptions.from_args`. enforce_eager
         is accepted for vLLM's sake and changes nothing: carpool has no CUDA graphs or
-        compilation to turn off. speculative_config: vLLM's mapping (or its JSON text), read
-        by `SpeculativeConfig.from_dict`.
-        """
+        compilation to turn off. speculative_config: vLLM's mapping or JSON text
+        (`SpeculativeConfig.from_dict`). moe_router_stats: rows per expert per sparse layer
+        (`EngineStats.router_load`)."""
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
-                             "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
-                             "safetensors, never code or pickles from a checkpoint")
+                             "model code (Llama, Mistral, Qwen2, Qwen3, their mixtures of "
+                             "experts) and loads weights from safetensors, never code or "
+                             "pickles from a checkpoint")
         cpu = CpuOptions.from_args(**cpu_args)
         speculative = SpeculativeConfig.from_dict(speculative_config)
         grammar_limits = GrammarLimits(
@@ -250,7 +254,8 @@ class EngineConfig:
                    gpu_memory_utilization=gpu_memory_utilization,
                    scheduler=scheduler_config, max_model_len=max_model_len,
                    attention_backend=attention_backend, cpu=cpu,
-                   batch_invariant=batch_invariant, tokenizer=tokenizer,
+                   batch_invariant=batch_invariant, moe_router_stats=moe_router_stats,
+                   tokenizer=tokenizer,
                    chat_template=read_chat_template(chat_template),
                    generation_config=generation_config, max_logprobs=max_logprobs,
                    grammar_cache_memory=grammar_cache_memory, grammar_limits=grammar_limits,

@@ -113,6 +113,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # A mixture of experts with `moe_router_stats`: rows each expert received since start, per
+    # sparse layer (a step's top-k pairs, so each layer's sum is top_k x tokens); else None.
+    router_load: tuple[tuple[int, ...], ...] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

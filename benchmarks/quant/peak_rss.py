@@ -24,6 +24,7 @@ def weights_bytes(path: str) -> int:
 
 def main() -> int:
     path = sys.argv[1]
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Python + torch
     llm = LLM(path, dtype="bfloat16", max_model_len=1024, num_kv_blocks=256)
     llm.generate([{"prompt_token_ids": list(range(5, 300))}],
                  SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
@@ -31,7 +32,9 @@ def main() -> int:
     size = weights_bytes(path)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"RSS {path}: file {size / 2**20:.0f} MiB, KV {kv / 2**20:.0f} MiB, peak RSS "
-          f"{peak / 2**20:.0f} MiB, ratio to file+KV {peak / (size + kv):.2f}")
+          f"{peak / 2**20:.0f} MiB, ratio to file+KV {peak / (size + kv):.2f}; the process "
+          f"before loading {baseline / 2**20:.0f} MiB, peak above it "
+          f"{(peak - baseline) / (size + kv):.2f} x file+KV")
     return 0
 
 

@@ -359,7 +359,7 @@ class LLMEngine:
             num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=blocks.usage, num_paused=self.scheduler.num_paused,
-            **spec_decode_stats(self.scheduler))
+            router_load=self.runner.router_load(), **spec_decode_stats(self.scheduler))
 
     # ---- what the async layer reads once loaded (see engine.protocol.EngineCore) --------
 

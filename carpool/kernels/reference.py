@@ -10,8 +10,8 @@ Ops without a function here:
 - `LayerStack.forward`: the model's own decoder loop is its reference (`DecoderLayer.forward`
   over `LlamaModel.layers` in `carpool/models/llama.py`); `tests/runner/test_layer_stack.py`
   compares the two step by step.
-- `pack_bf16_weight` / `pack_f32_weight` / `pack_quant_weight`: layouts only; the GEMMs'
-  references take the weight unpacked.
+- `pack_bf16_weight` / `pack_f32_weight` / `pack_quant_weight` / `pack_moe_experts`: layouts
+  only; the GEMMs' references take the weight unpacked.
 - `quant_linear`, `dequantize_rows`: `quant_linear_ref` and `dequantize_ref` (named as
   carpool's quantized-weight format names them; carpool/quant/ calls them too).
 - `bind_threads`, `parallel_width`, `shares_claims`, `max_head_dim`, `has_*`,
@@ -27,6 +27,7 @@ from torch import nn
 
 from carpool.attention.base import write_kv
 from carpool.models.llama import RMSNorm, SiluAndMul
+from carpool.models.moe import experts_forward
 from carpool.models.rope import apply_rope
 
 # --- attention/ -------------------------------------------------------------------------
@@ -172,6 +173,16 @@ def write_kv_reference(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: to
     (slot = block * block_size + offset), in place: the attention backends' `write_kv`
     without kernels (two `index_copy_`)."""
     write_kv(kv_cache, slot_mapping, k, v)
+
+
+# --- moe/ -------------------------------------------------------------------------------
+
+
+def moe_experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                          ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The model's loop over the experts (`models.moe.experts_forward`) on the unpacked
+    weights: gate_up [E, 2I, H], down [E, H, I]."""
+    return experts_forward(x, gate_up, down, ids, weights)
 
 
 # --- sampling/ --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from carpool.models.moe_config import MoeConfig, parse_moe_config
 from carpool.models.registry import get_architecture_spec
 
 DEFAULT_ROPE_THETA = 10000.0
@@ -66,6 +67,7 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm over each head of q and k before RoPE (Qwen3)
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: int | None = None  # attend to at most this many most recent keys
+    moe: MoeConfig | None = None  # the experts of a mixture-of-experts model; None: dense
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -103,12 +105,13 @@ def load_model_config(path: Path) -> ModelConfig:
     num_heads = _require(raw, "num_attention_heads")
     head_dim = raw.get("head_dim") or hidden_size // num_heads
     qkv_bias, o_proj_bias, mlp_bias = spec.biases(raw)
+    num_layers = _require(raw, "num_hidden_layers")
     return ModelConfig(
         architecture=architectures[0],
         vocab_size=_require(raw, "vocab_size"),
         hidden_size=hidden_size,
         intermediate_size=_require(raw, "intermediate_size"),
-        num_layers=_require(raw, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
@@ -124,6 +127,7 @@ def load_model_config(path: Path) -> ModelConfig:
         qk_norm=spec.qk_norm,
         rope=parse_rope_config(raw),
         sliding_window=_sliding_window(raw),
+        moe=None if spec.moe is None else parse_moe_config(raw, spec.moe, num_layers),
     )
 
 

@@ -303,4 +303,8 @@ def checkpoint_targets(model: nn.Module) -> dict[str, Target]:
                 targets[f"{prefix}.{part}.{kind}"] = Target(
                     param, slice(offset, offset + part_shard.size), part_shard)
                 offset += part_shard.size
+    for module_name, module in model.named_modules():  # modules named apart (models/moe.py)
+        rename = getattr(module, "rename_targets", None)
+        if rename is not None:
+            rename(module_name, targets)
     return targets

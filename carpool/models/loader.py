@@ -20,8 +20,10 @@ import torch
 from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
 from carpool.models.llama import LlamaForCausalLM, Target, checkpoint_targets
+from carpool.models.moe import MoeForCausalLM
 from carpool.models.paths import resolve_model_path as resolve_model_path  # re-exported
 from carpool.models.quant.hf_config import check_quantization
+from carpool.models.registry import get_architecture_spec
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     quantization_config: `quant.hf_loader`). `quantization` is --quantization (None or
     "auto": the checkpoint's own), checked against the checkpoint."""
     scheme = check_quantization(path, quantization)
+    if config.moe is not None and (scheme is not None or path.suffix.lower() == ".gguf"):
+        raise ValueError(f"quantized weights of a mixture-of-experts model "
+                         f"({config.architecture}) are not supported yet; serve its "
+                         f"float checkpoint")
     if path.suffix.lower() == ".gguf":
         from carpool.models.quant.gguf_loader import load_gguf_model
         return load_gguf_model(path, config, dtype, device, tp)
@@ -62,7 +68,7 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
         return load_hf_quantized_model(path, weight_files(path), config, scheme, dtype,
                                        device, tp)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp).to(dtype)
+        model = build_model(config, tp).to(dtype)
     model = model.to_empty(device=device)
     with torch.no_grad():  # vocabulary padding rows stay zero (and never hold NaN)
         model.model.embed_tokens.weight.zero_()
@@ -73,6 +79,14 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     _fill_parameters(model, weight_files(path), config, device)
     model.eval()
     return model
+
+
+def build_model(config: ModelConfig, tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
+    """This rank's network for `config` (parameters uninitialised): `MoeForCausalLM` for a
+    mixture of experts, else `LlamaForCausalLM`."""
+    if config.moe is not None:
+        return MoeForCausalLM(config, tp, get_architecture_spec(config.architecture).moe)
+    return LlamaForCausalLM(config, tp)
 
 
 def _fill_parameters(model: LlamaForCausalLM, files: list[Path], config: ModelConfig,

@@ -1,8 +1,9 @@
 """The architectures carpool can run, by the name `config.json` gives them.
 
-All four are the same Llama-family network; they differ only in a few switches
-(biases on q/k/v, an RMSNorm on each head of q and k). Adding an architecture of
-that family is one entry here.
+All are the same Llama-family network; they differ only in a few switches
+(biases on q/k/v, an RMSNorm on each head of q and k) and, for the mixtures of experts
+(`moe`: how their config.json spells the router, `moe_config.py`), in the MLP of their
+sparse layers (`moe.py`). Adding an architecture of that family is one entry here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class ArchitectureSpec:
     o_proj_bias: bool | None
     mlp_bias: bool | None
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE
+    moe: str | None = None  # "qwen" or "mixtral": experts in the sparse layers; None: dense
 
     def biases(self, raw: dict) -> tuple[bool, bool, bool]:
         """(qkv, o_proj, mlp) biases for a checkpoint whose config.json is `raw`."""
@@ -32,6 +34,9 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
     "MistralForCausalLM": ArchitectureSpec(False, False, False, qk_norm=False),
     "Qwen2ForCausalLM": ArchitectureSpec(True, False, False, qk_norm=False),
     "Qwen3ForCausalLM": ArchitectureSpec(None, None, False, qk_norm=True),
+    "MixtralForCausalLM": ArchitectureSpec(False, False, False, qk_norm=False, moe="mixtral"),
+    "Qwen2MoeForCausalLM": ArchitectureSpec(True, False, False, qk_norm=False, moe="qwen"),
+    "Qwen3MoeForCausalLM": ArchitectureSpec(None, None, False, qk_norm=True, moe="qwen"),
 }
 
 

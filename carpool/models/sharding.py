@@ -1,6 +1,9 @@
 """How a Llama-family model splits across the ranks of a tensor-parallel group.
 
     q/k/v, gate/up  column-parallel: rank r holds its slice of the output rows
+    experts         every expert sharded like the dense MLP: rank r holds its slice of each
+                    expert's gate/up rows and down columns (and of the shared expert's),
+                    so every rank runs every routed row and one all-reduce sums the layer
     o, down         row-parallel: rank r holds its slice of the input columns;
                     the partial products are summed by an all-reduce
     embedding, lm_head  vocab-parallel: rank r holds rows [r*V/N, (r+1)*V/N) of the
@@ -48,6 +51,8 @@ class ShardLayout:
     kv_head_start: int  # the first of them, among the model's KV heads
     intermediate_size: int  # MLP rows on this rank
     vocab_per_rank: int  # padded vocabulary / world_size
+    expert_intermediate_size: int = 0  # each expert's gate/up rows on this rank (0: dense)
+    shared_expert_intermediate_size: int = 0  # the shared expert's rows on this rank
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, world_size: int) -> ShardLayout:
@@ -59,10 +64,15 @@ class ShardLayout:
         else:  # replicated: this rank's query heads all read one KV head
             num_kv_heads = 1
             kv_head_start = rank * config.num_kv_heads // world_size
+        moe = config.moe
         return cls(rank=rank, world_size=world_size, num_heads=num_heads,
                    num_kv_heads=num_kv_heads, kv_head_start=kv_head_start,
                    intermediate_size=config.intermediate_size // world_size,
-                   vocab_per_rank=-(-config.vocab_size // world_size))
+                   vocab_per_rank=-(-config.vocab_size // world_size),
+                   expert_intermediate_size=0 if moe is None
+                   else moe.expert_intermediate_size // world_size,
+                   shared_expert_intermediate_size=0 if moe is None
+                   else moe.shared_expert_intermediate_size // world_size)
 
     def column(self, size_per_rank: int, full: int, index: int | None = None) -> Shard:
         """Output rows of the `index`-th block of `size_per_rank` (default: this rank's)."""
@@ -85,6 +95,11 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
     if kv % world_size and world_size % kv:
         raise ValueError(f"tensor_parallel_size ({world_size}) must divide the model's "
                          f"num_key_value_heads ({kv}) or be a multiple of it")
-    if config.intermediate_size % world_size:
-        raise ValueError(f"tensor_parallel_size ({world_size}) must divide the model's "
-                         f"intermediate_size ({config.intermediate_size})")
+    sizes = {"intermediate_size": config.intermediate_size}
+    if config.moe is not None:
+        sizes["moe_intermediate_size"] = config.moe.expert_intermediate_size
+        sizes["shared_expert_intermediate_size"] = config.moe.shared_expert_intermediate_size
+    for name, size in sizes.items():
+        if size % world_size:
+            raise ValueError(f"tensor_parallel_size ({world_size}) must divide the model's "
+                             f"{name} ({size})")

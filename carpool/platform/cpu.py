@@ -42,6 +42,7 @@ from carpool.platform.cpu_invariant_linear import tile_linears
 from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.platform.cpu_linear import pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap, release_free_heap
+from carpool.platform.cpu_moe import fuse_experts
 from carpool.platform.cpu_quant import describe_quantized, prepare_quant_linears
 from carpool.platform.cpu_route import CpuFacts, CpuRoute, KernelFacts, decide_route
 from carpool.utils.cpu_threads import NO_BIND, bind_threads
@@ -81,6 +82,7 @@ class CpuPlatform(Platform):
     # The step token budget: a linear called on exactly that many rows (a full prefill
     # step) runs as one oneDNN call (`cpu_linear.PackedLinear`); 0: none.
     full_step_rows: int = 0
+    mixture_of_experts: bool = False  # the model routes rows to experts (`CpuRoute.moe`)
     _decided: DecidedRoute = field(default_factory=DecidedRoute, init=False, repr=False,
                                    compare=False)
 
@@ -90,7 +92,8 @@ class CpuPlatform(Platform):
         return self._decided.route
 
     def decide_route(self, dtype: torch.dtype, head_dim: int, sliding_window: int | None,
-                     attention_backend: str = "cpu") -> CpuRoute:
+                     attention_backend: str = "cpu",
+                     mixture_of_experts: bool = False) -> CpuRoute:
         """The route of a `dtype` model of `head_dim` (`cpu_route.decide_route`), decided and
         logged once: a second call gets the same route or a ValueError."""
         kernels = self.compiled_kernels()
@@ -98,7 +101,8 @@ class CpuPlatform(Platform):
         return self._decided.keep(decide_route(
             CpuFacts.probe(), dtype, head_dim, sliding_window, facts,
             packed_linears=self.packed_linears, batch_invariant=self.batch_invariant,
-            full_step_rows=self.full_step_rows, attention_backend=attention_backend))
+            full_step_rows=self.full_step_rows, attention_backend=attention_backend,
+            mixture_of_experts=self.mixture_of_experts or mixture_of_experts))
 
     def prepare_process(self) -> None:
         if self.malloc_tuning:
@@ -120,7 +124,8 @@ class CpuPlatform(Platform):
         config = model.config
         backend = "sdpa" if self.route and self.route.attention.backend == "sdpa" else "cpu"
         route = self.decide_route(model_dtype(model), config.head_dim,
-                                  config.sliding_window, backend)
+                                  config.sliding_window, backend,
+                                  getattr(config, "moe", None) is not None)
         kernels = self.compiled_kernels()
         if route.linears.packed:
             pack_linears(model, kernels, route.linears)
@@ -137,11 +142,14 @@ class CpuPlatform(Platform):
                 for name, child in module.named_children():
                     if type(child) in fused:
                         setattr(module, name, fused[type(child)](child))
+        if route.moe is not None and route.moe.fused:
+            fuse_experts(model, kernels)
         if route.layer_stack and hasattr(model, "layer_stack"):
             model.layer_stack = KernelLayerStack.of(model, kernels, route)
             if model.layer_stack is None:
                 logger.info("C++ layer stack off for this model: tensor parallel, a linear "
-                            "its small GEMM does not take, or norms of differing eps")
+                            "its small GEMM does not take, norms of differing eps, or a "
+                            "mixture of experts")
         release_free_heap()  # what loading and packing freed (converted copies) goes back
 
     def compiled_kernels(self) -> ModuleType | None:

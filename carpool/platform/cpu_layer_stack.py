@@ -40,11 +40,14 @@ class KernelLayerStack:
         """The stack of `model`'s layers as the route prepared them (every linear packed with
         a small GEMM, the fused norm, RoPE and SiLU x up), or None where the model itself rules
         it out: tensor parallelism (collectives between the modules), a linear its small GEMM
-        does not take (odd in_features in bfloat16), norms of differing eps."""
+        does not take (odd in_features in bfloat16), norms of differing eps, a mixture of
+        experts (layers whose MLP is a router over experts)."""
         if getattr(model, "tp", None) is None or model.tp.is_parallel:
             return None
         layers = list(model.model.layers)
         weights, norms = [], []
+        if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
+            return None  # a mixture of experts: its sparse layers run in Python (CpuRoute.moe)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             layer_norms = [layer.input_layernorm, layer.post_attention_layernorm]

@@ -4,7 +4,8 @@
 loaded kernels (`KernelFacts`, None without them) and the platform's switches into a frozen
 `CpuRoute`; `CpuPlatform` logs it at start, shows it in its description, and hands each part
 to what it picks: `PackedLinear` (the small-GEMM cut), the fused elementwise modules, the
-attention backend (decode and prompt paths) and the C++ layer stack. Nothing else on the hot
+attention backend (decode and prompt paths), the C++ layer stack and a mixture of experts'
+experts (`MoeRoute`). Nothing else on the hot
 path asks what the CPU is. `describe()` prints a route in one line. The routes per CPU class
 and dtype (tests/platform/test_cpu_route.py holds this table):
 
@@ -99,6 +100,7 @@ class KernelFacts:
     amx: bool  # has_amx: the build and CPU run AMX tiles
     prefill_head_dim_ok: bool  # prefill_attention_bf16 takes the model's head_dim
     quant_gemm: bool = False  # quant_linear: int8 / int4 weights multiplied in registers
+    moe_experts: bool = False  # moe_experts: a mixture of experts' experts in one call
 
     @staticmethod
     def of(kernels: ModuleType, head_dim: int) -> KernelFacts:
@@ -107,7 +109,8 @@ class KernelFacts:
                            small_gemm_f32=kernels.has_f32_gemm(),
                            bf16_gemm=kernels.has_bf16_gemm(), amx=kernels.has_amx(),
                            prefill_head_dim_ok=kernels.prefill_head_dim_ok(head_dim),
-                           quant_gemm=hasattr(kernels, "quant_linear"))
+                           quant_gemm=hasattr(kernels, "quant_linear"),
+                           moe_experts=hasattr(kernels, "moe_experts"))
 
 
 # The small-GEMM cut: a call of at most this many rows takes the compiled small GEMM, a larger
@@ -262,6 +265,25 @@ def decide_quant(cpu_class: CpuClass, dtype: torch.dtype, kernels: KernelFacts |
 
 
 @dataclass(frozen=True)
+class MoeRoute:
+    """How a mixture-of-experts model's experts run (`cpu_moe`): the fused `moe_experts`
+    kernel (float32 and bfloat16 with the kernels; each row's sums independent of the others,
+    so batch invariance keeps it) or the model's PyTorch loop over the experts. Either way its
+    decoder loop stays in Python: the C++ layer stack runs dense MLPs only."""
+
+    fused: bool
+
+    def describe(self) -> str:
+        return "experts " + ("moe_experts (rows sorted by expert, grouped GEMMs)" if self.fused
+                             else "PyTorch loop over the experts")
+
+
+def decide_moe(dtype: torch.dtype, kernels: KernelFacts | None) -> MoeRoute:
+    return MoeRoute(fused=kernels is not None and kernels.moe_experts
+                    and dtype in (torch.float32, torch.bfloat16))
+
+
+@dataclass(frozen=True)
 class CpuRoute:
     """Every decision of the CPU hot path for one model on this CPU (`decide_route`)."""
 
@@ -274,6 +296,7 @@ class CpuRoute:
     fused_elementwise: bool  # RoPE, RMSNorm and SiLU x up by the kernels (`cpu_fused`)
     layer_stack: bool  # the C++ layer stack runs the decoder layers (`cpu_layer_stack`)
     quant: QuantRoute  # quantized linears, where the model has them (`cpu_quant`)
+    moe: MoeRoute | None = None  # a mixture of experts' experts (`cpu_moe`); None: dense
 
     def describe(self) -> str:
         """One line: the CPU, the model, then each decision."""
@@ -282,17 +305,20 @@ class CpuRoute:
                 f"linears {self.linears.describe(self.dtype)}; "
                 f"attention {self.attention.describe()}; "
                 f"fused elementwise {'on' if self.fused_elementwise else 'off'}; "
-                f"C++ layer stack {'on' if self.layer_stack else 'off'}")
+                f"C++ layer stack {'on' if self.layer_stack else 'off'}"
+                + ("" if self.moe is None else
+                   f" (a mixture of experts: decoder loop in Python); {self.moe.describe()}"))
 
 
 def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_window: int | None,
                  kernels: KernelFacts | None, *, packed_linears: bool = True,
                  batch_invariant: bool = False, full_step_rows: int = 0,
-                 attention_backend: str = "cpu") -> CpuRoute:
+                 attention_backend: str = "cpu", mixture_of_experts: bool = False) -> CpuRoute:
     """The route of a `dtype` model of `head_dim` (and `sliding_window`) on `cpu` with `kernels`
     (None: switched off or not built), under the platform's switches. attention_backend: the
-    resolved name the user asked for ("cpu" or "sdpa"). ValueError where batch_invariant cannot
-    be honoured."""
+    resolved name the user asked for ("cpu" or "sdpa"); mixture_of_experts: the model routes its
+    sparse layers' rows to experts (no layer stack; `MoeRoute`). ValueError where
+    batch_invariant cannot be honoured."""
     linears = decide_linears(cpu, dtype, kernels, packed_linears=packed_linears,
                              batch_invariant=batch_invariant, full_step_rows=full_step_rows)
     attention = decide_attention(
@@ -302,14 +328,21 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
         amx=kernels is not None and kernels.amx, batch_invariant=batch_invariant,
         attention_backend=attention_backend)
     # The stack makes the modules' kernel calls itself: every one of them must be a kernel
-    # (and batch invariance changes what the linears do).
+    # (and batch invariance changes what the linears do); it knows dense MLPs only.
     layer_stack = (kernels is not None and not batch_invariant and linears.packed
+                   and not mixture_of_experts
                    and linears.small_gemm is not None
                    and attention.backend == "cpu-kernel")
+    moe = decide_moe(dtype, kernels) if mixture_of_experts else None
+    if batch_invariant and moe is not None and not moe.fused:
+        raise ValueError(f"batch_invariant needs the moe_experts kernel for a mixture of "
+                         f"experts (float32 or bfloat16, the C++ kernels); this model is "
+                         f"{_name(dtype)}")
     return CpuRoute(cpu_class=cpu.cpu_class, dtype=dtype, head_dim=head_dim,
                     sliding_window=sliding_window, linears=linears, attention=attention,
                     fused_elementwise=kernels is not None, layer_stack=layer_stack,
-                    quant=decide_quant(cpu.cpu_class, dtype, kernels, batch_invariant))
+                    quant=decide_quant(cpu.cpu_class, dtype, kernels, batch_invariant),
+                    moe=moe)
 
 
 def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | None, *,

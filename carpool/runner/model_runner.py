@@ -85,7 +85,8 @@ class ModelRunner:
         thread_slot = config.data_parallel_rank * config.tensor_parallel_size + tp.rank
         self.platform = platform if platform is not None else platform_for(
             self.device, config.cpu, batch_invariant=batch_invariant, thread_slot=thread_slot,
-            max_num_batched_tokens=sched_config.max_num_batched_tokens)
+            max_num_batched_tokens=sched_config.max_num_batched_tokens,
+            mixture_of_experts=model_config.moe is not None)
         self.platform.prepare_process()
         self.dtype = resolve_dtype(config.dtype, model_config.dtype, self.device)
         self.block_size = sched_config.block_size
@@ -106,6 +107,8 @@ class ModelRunner:
         self.model = load_model(path, model_config, self.dtype, self.device, tp,
                                 config.quantization)
         self.platform.prepare_model(self.model)
+        if config.moe_router_stats and hasattr(self.model, "count_router_load"):
+            self.model.count_router_load()
         # the weights' format and their types, as the loader found them (None: float weights)
         self.quantization: str | None = getattr(self.model, "quantization", None)
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed,
@@ -127,6 +130,12 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release early: the tensors go with the runner (see `runner.executor`)."""
+
+    def router_load(self) -> tuple[tuple[int, ...], ...] | None:
+        """A mixture of experts' rows per expert per sparse layer since start, when counted
+        (`moe_router_stats`); None otherwise. (Every tensor-parallel rank routes alike.)"""
+        counted = getattr(self.model, "router_load", None)
+        return None if counted is None else counted()
 
     def execute(self, scheduler_output: SchedulerOutput,
                 grammar_bitmask: Future | None = None) -> ModelRunnerOutput:

@@ -99,6 +99,9 @@ class TensorParallelExecutor:
     def attention(self):
         return self.runner.attention
 
+    def router_load(self) -> tuple[tuple[int, ...], ...] | None:
+        return self.runner.router_load()
+
     def execute(self, scheduler_output: SchedulerOutput,
                 grammar_bitmask: Future | None = None) -> ModelRunnerOutput:
         """Broadcast the step, run rank 0's shard, sample (with the grammar masks: rank 0

@@ -35,6 +35,19 @@ TINY_SHAPES: dict[str, dict] = {
                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32),  # head_dim != 64/4
+    # Mixtures of experts: layer 1 dense among sparse ones (mlp_only_layers), top 2 of 8.
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      mlp_only_layers=[1], num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16),
+    "mixtral": dict(hidden_size=64, intermediate_size=32, num_local_experts=8,
+                    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2),
+    # A shared expert behind its gate; every second layer sparse (decoder_sparse_step 2).
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                      decoder_sparse_step=2, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2),
 }
 
 
@@ -119,6 +132,9 @@ _ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
 }
 
 

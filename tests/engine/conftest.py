@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -17,7 +16,9 @@ SEPARATED = dict(initializer_range=0.2)
 VARIANTS = {"llama-head-dim-40": ("llama", dict(hidden_size=80, num_attention_heads=2,
                                                 num_key_value_heads=1)),
             # A vocabulary two ranks cannot split evenly (tensor parallelism pads it).
-            "llama-odd-vocab": ("llama", dict(vocab_size=515))}
+            "llama-odd-vocab": ("llama", dict(vocab_size=515)),
+            # A mixture of experts routing each token to 8 of 16 experts.
+            "qwen3_moe-top8": ("qwen3_moe", dict(num_experts=16, num_experts_per_tok=8))}
 
 
 @pytest.fixture(scope="session")

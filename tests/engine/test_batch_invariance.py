@@ -68,7 +68,8 @@ def assert_same(reference: dict[int, tuple], batch: dict[int, tuple], label: str
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
+                                  "qwen2_moe"])
 def test_alone_equals_batched_chunked_preempted_and_cached(kernels, make_checkpoint, arch,
                                                            dtype):
     checkpoint = make_checkpoint(arch)

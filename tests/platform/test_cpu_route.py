@@ -166,3 +166,31 @@ def test_quantized_rows_take_the_rounded_weight_only_where_allowed(cpu_class):
     assert bool(bf16.rounded_from) == CPUS[cpu_class].avx512_bf16
     assert decide_quant(cpu_class, F32, kernels, batch_invariant=False).rounded_from == 0
     assert decide_quant(cpu_class, BF16, kernels, batch_invariant=True).rounded_from == 0
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("cpu_class", list(KERNELS))
+def test_a_mixture_of_experts_takes_the_fused_experts_and_no_layer_stack(cpu_class, dtype):
+    route = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class],
+                         mixture_of_experts=True)
+    assert route.moe.fused and not route.layer_stack
+    assert "C++ layer stack off (a mixture of experts" in route.describe()
+    assert route.describe().endswith("experts moe_experts (rows sorted by expert, grouped GEMMs)")
+    dense = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class])
+    assert dense.moe is None and "experts" not in dense.describe()
+    # without the kernels, or in float16: the model's PyTorch loop
+    assert not decide_route(CPUS[cpu_class], dtype, 64, None, None,
+                            mixture_of_experts=True).moe.fused
+    half = decide_route(CPUS[cpu_class], torch.float16, 64, None, KERNELS_WITH_MOE[cpu_class],
+                        mixture_of_experts=True)
+    assert not half.moe.fused and "PyTorch loop over the experts" in half.describe()
+    invariant = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class],
+                             batch_invariant=True, mixture_of_experts=True)
+    assert invariant.moe.fused
+    with pytest.raises(ValueError, match="batch_invariant needs the moe_experts kernel"):
+        decide_route(CPUS[cpu_class], torch.float16, 64, None, KERNELS_WITH_MOE[cpu_class],
+                     batch_invariant=True, mixture_of_experts=True)
+
+
+KERNELS_WITH_MOE = {cls: dataclasses.replace(facts, moe_experts=True)
+                    for cls, facts in KERNELS.items()}

@@ -83,6 +83,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "k, v [T, Hkv, D] stored at their slots of kv_cache [2, Hkv, blocks, block_size, D].",
         py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("k"), py::arg("v"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("pack_moe_experts", &carpool_moe::pack_moe_experts,
+        "Every expert's gate_up [E, 2I, H] and down [E, H, I] (float32 or bfloat16) -> the "
+        "(gate_up, down) layout moe_experts reads, I zero-padded to whole blocks.",
+        py::arg("gate_up"), py::arg("down"));
+  m.def("moe_experts", &carpool_moe::moe_experts,
+        "sum over each row's experts of weight * down(silu(gate(x)) * up(x)) for x [T, H], "
+        "packed weights (pack_moe_experts), ids [T, k] int64 and weights [T, k]; float32 "
+        "sums, each row independent of the others.",
+        py::arg("x"), py::arg("gate_up"), py::arg("down"), py::arg("ids"), py::arg("weights"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_gemm", &carpool_gemm::has_bf16_gemm,
         "Whether this CPU runs small_gemm_bf16 (AVX512-BF16).");
   m.def("has_small_gemm_bf16", &carpool_gemm::has_small_gemm_bf16,

@@ -60,6 +60,13 @@ void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::T
                const at::Tensor& v);
 }
 
+namespace carpool_moe {  // moe/moe_experts.cpp
+std::tuple<at::Tensor, at::Tensor> pack_moe_experts(const at::Tensor& gate_up,
+                                                    const at::Tensor& down);
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                       const at::Tensor& ids, const at::Tensor& weights);
+}
+
 namespace carpool_greedy {  // greedy.cpp
 at::Tensor argmax_rows(const at::Tensor& logits);
 }

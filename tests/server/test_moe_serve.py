@@ -1,0 +1,48 @@
+"""A mixture of experts served by `carpool serve` (a live server, the official openai client)
+returns what the offline `LLM` does for the same greedy requests, completions and chat, and
+with --moe-router-stats `GET /stats` carries the router's rows per expert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from carpool import LLM, SamplingParams
+from carpool.bench.local_server import LocalServer
+from tests.server.live import MESSAGES, SERVER_FLAGS, Server
+
+pytestmark = pytest.mark.slow  # a live server (still run in CI)
+
+PROMPTS = ["def fibonacci(n):", "import sys\nimport os\n", "class Point:\n    def __init__(self"]
+
+
+@pytest.fixture(scope="module")
+def moe_server(make_checkpoint, tmp_path_factory):
+    checkpoint = make_checkpoint("qwen3_moe")
+    local = LocalServer(checkpoint, [*SERVER_FLAGS, "--moe-router-stats"],
+                        tmp_path_factory.mktemp("moe-server") / "server.log")
+    with local as base_url:
+        yield Server(local, base_url, SERVER_FLAGS[SERVER_FLAGS.index("--served-model-name") + 1],
+                     Path(checkpoint))
+
+
+def test_moe_server_equals_offline_and_reports_router_load(moe_server):
+    client = moe_server.client()
+    with LLM(str(moe_server.checkpoint), dtype="float32", num_kv_blocks=128,
+             max_model_len=256) as llm:
+        expected = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0),
+                                use_tqdm=False)
+        chat = llm.chat(MESSAGES, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    out = client.completions.create(model=moe_server.model, prompt=PROMPTS, max_tokens=24,
+                                    temperature=0)
+    for want, got in zip(expected, out.choices):
+        assert got.text == want.outputs[0].text
+    reply = client.chat.completions.create(model=moe_server.model, messages=MESSAGES,
+                                           max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == chat[0].outputs[0].text
+    with moe_server.http() as http:
+        stats = http.get("/stats").json()
+    load = stats["router_load"]
+    assert len(load) == 2 and all(len(layer) == 8 for layer in load)
+    assert sum(load[0]) == sum(load[1]) > 0 and sum(load[0]) % 2 == 0  # top 2 per row
