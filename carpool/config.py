@@ -26,6 +26,7 @@ from carpool.core.config import (  # noqa: F401 - the usage defaults, re-exporte
     default_max_num_seqs,
 )
 from carpool.cpu_options import CpuOptions
+from carpool.lora_request import LoraConfig
 from carpool.sampling_params import GrammarLimits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -102,6 +103,7 @@ class EngineConfig:
     # defaults for usage and device.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    lora: LoraConfig | None = None  # LoRA adapters (`--enable-lora`); None: off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -149,6 +151,8 @@ class EngineConfig:
             raise ValueError(f"cpu must be a CpuOptions, got {self.cpu!r}")
         if self.batch_invariant:
             check_batch_invariant_supported(self)
+        if self.lora is not None:
+            check_lora_supported(self)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
@@ -187,7 +191,9 @@ class EngineConfig:
                   max_grammar_alternatives: int = GrammarLimits.max_alternatives,
                   grammar_check_timeout: float = GrammarLimits.check_timeout,
                   enforce_eager: bool = False, usage: str = "offline",
-                  quantization: str | None = None, **cpu_args) -> EngineConfig:
+                  quantization: str | None = None, enable_lora: bool = False,
+                  max_loras: int = 1, max_lora_rank: int = 16,
+                  max_cpu_loras: int | None = None, **cpu_args) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
@@ -199,13 +205,15 @@ class EngineConfig:
         grammar_check_timeout: the fields of `GrammarLimits`. cpu_args: the CPU switches by their
         public names (cpu_kernels=False, ...), read by `CpuOptions.from_args`. enforce_eager
         is accepted for vLLM's sake and changes nothing: carpool has no CUDA graphs or
-        compilation to turn off.
+        compilation to turn off. enable_lora, max_loras, max_lora_rank, max_cpu_loras: LoRA
+        adapters as vLLM's flags (`LoraConfig`).
         """
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
                              "model code (Llama, Mistral, Qwen2, Qwen3) and loads weights from "
                              "safetensors, never code or pickles from a checkpoint")
         cpu = CpuOptions.from_args(**cpu_args)
+        lora = LoraConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         grammar_limits = GrammarLimits(
             max_bytes=max_grammar_bytes, max_rules=max_grammar_rules, max_depth=max_grammar_depth,
             max_alternatives=max_grammar_alternatives, check_timeout=grammar_check_timeout)
@@ -231,7 +239,8 @@ class EngineConfig:
             max_long_partial_prefills=max_long_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
             preemption_policy=preemption_policy, scheduler=scheduler,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching,
+            max_loras=None if lora is None else lora.max_loras)
         return cls(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed,
                    served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
                    kv_cache_memory=kv_cache_memory,
@@ -245,7 +254,7 @@ class EngineConfig:
                    tensor_parallel_size=tensor_parallel_size,
                    distributed_init_method=distributed_init_method, usage=usage,
                    max_num_seqs=requested_max_num_seqs,
-                   max_num_batched_tokens=requested_max_num_batched_tokens)
+                   max_num_batched_tokens=requested_max_num_batched_tokens, lora=lora)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, usage: str = "offline") -> EngineConfig:
@@ -305,6 +314,19 @@ def check_batch_invariant_supported(config: EngineConfig) -> None:
         refuse("the C++ kernels (cpu_kernels on)")
     if config.tensor_parallel_size != 1:
         refuse(f"tensor_parallel_size 1 (got {config.tensor_parallel_size})")
+
+
+def check_lora_supported(config: EngineConfig) -> None:
+    """ValueError naming enable_lora where adapters cannot run: their term is added by the
+    single-rank layers, per group of rows (not batch invariant), under the continuous
+    scheduler (which holds max_loras)."""
+    if not isinstance(config.lora, LoraConfig):
+        raise ValueError(f"lora must be a LoraConfig, got {config.lora!r}")
+    for bad, reason in ((config.tensor_parallel_size != 1, "tensor_parallel_size 1"),
+                        (config.batch_invariant, "batch_invariant off"),
+                        (config.scheduler.scheduler != "continuous", "the continuous scheduler")):
+        if bad:
+            raise ValueError(f"enable_lora needs {reason}")
 
 
 def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:

@@ -107,6 +107,14 @@ class EngineStats:
     num_waiting: int
     kv_cache_usage: float  # fraction of blocks in use, 0-1
     num_paused: int = 0  # unfinished requests held back because their reader is behind
+    # LoRA adapters (with enable_lora): unfinished requests per adapter name, running or
+    # waiting; max_loras; adapters read from disk and dropped since start; bytes loaded now.
+    lora_running: dict = field(default_factory=dict)
+    lora_waiting: dict = field(default_factory=dict)
+    max_lora: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_loaded_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from carpool.lora_request import LoRARequest
 from carpool.sampling_params import SamplingParams
 
 
@@ -27,11 +28,13 @@ class ScheduledRequest:
     # Read-only views of the request's tokens, for penalties (do not mutate).
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     def __init__(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                  block_ids: Sequence[int], sample: bool, sampling_params: SamplingParams,
                  prompt_token_ids: Sequence[int] = (),
-                 output_token_ids: Sequence[int] = ()) -> None:
+                 output_token_ids: Sequence[int] = (),
+                 lora_request: LoRARequest | None = None) -> None:
         # One is built per scheduled request per step. The generated frozen __init__ sets each
         # field through object.__setattr__ (2.1 µs here); filling __dict__ takes 0.7 µs, and
         # assignment still raises FrozenInstanceError.
@@ -44,6 +47,7 @@ class ScheduledRequest:
         fields["sampling_params"] = sampling_params
         fields["prompt_token_ids"] = prompt_token_ids
         fields["output_token_ids"] = output_token_ids
+        fields["lora_request"] = lora_request
 
     @property
     def num_new_tokens(self) -> int:

@@ -67,11 +67,12 @@ class KernelLayerStack:
                                    norms[0].eps, attn.scale)
         return cls(kernels.LayerStack(weights, shape), route)
 
-    def takes(self, meta) -> bool:
+    def takes(self, meta, lora=None) -> bool:
         """Whether this step's layers run here: those the kernels backend attends (the route
         builds the stack only beside it; a backend made apart from the platform, as some tests
-        make one, keeps the modules)."""
-        return isinstance(meta, KernelMetadata)
+        make one, keeps the modules) with no row on a LoRA adapter (the stack has no adapter
+        term: such steps run the modules, `CpuRoute.lora_steps`)."""
+        return lora is None and isinstance(meta, KernelMetadata)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[torch.Tensor], meta: KernelMetadata) -> torch.Tensor:

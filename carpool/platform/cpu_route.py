@@ -270,7 +270,16 @@ class CpuRoute:
                 f"linears {self.linears.describe(self.dtype)}; "
                 f"attention {self.attention.describe()}; "
                 f"fused elementwise {'on' if self.fused_elementwise else 'off'}; "
-                f"C++ layer stack {'on' if self.layer_stack else 'off'}")
+                f"C++ layer stack {'on' if self.layer_stack else 'off'}; "
+                f"LoRA steps {self.lora_steps}")
+
+    @property
+    def lora_steps(self) -> str:
+        """Who runs a step in which some row has a LoRA adapter. The stack has no adapter
+        term, so such a step runs the Python layers, whose `lora.add` follows each base
+        linear (`KernelLayerStack.takes` holds this); base-only steps keep the stack."""
+        return "on the Python layers (stack for base-only steps)" if self.layer_stack else \
+            "on the Python layers"
 
 
 def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_window: int | None,
