@@ -28,7 +28,7 @@ ALLOWED = {
                "runner", "outputs", "sampling_params", "structured", "utils"},
     "llm": {"config", "engine", "lora_request", "outputs", "sampling_params"},
     "metrics": {"outputs"},
-    "arg_utils": {"config", "core", "cpu_options"},
+    "arg_utils": {"config", "core", "cpu_options", "lora_request"},
     "tp_worker_cli": {"arg_utils", "config", "engine"},
     "generate_cli": {"arg_utils", "config", "llm", "sampling_params"},
     "server": {"arg_utils", "config", "engine", "lora", "lora_request", "metrics", "outputs",
