@@ -152,8 +152,9 @@ class ModelRunner:
         if self.adapters is not None:
             lora = self._step_lora(scheduler_output, batch)
         meta = self.attention.build_metadata(batch.layout)
-        hidden = self.model(batch.input_ids, batch.positions, kv_caches, self.attention, meta,
-                            lora)
+        args = (batch.input_ids, batch.positions, kv_caches, self.attention, meta)
+        # (a base-only step calls the model as it would without adapters)
+        hidden = self.model(*args) if lora is None else self.model(*args, lora=lora)
         output = ModelRunnerOutput()
         for i, req in enumerate(scheduler_output.scheduled):
             if req.sampling_params.prompt_logprobs is not None and wants_prompt_logprobs(req):
