@@ -10,6 +10,7 @@ outputs are per request.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,13 +36,15 @@ def order_by_adapter(scheduler_output: SchedulerOutput) -> SchedulerOutput:
 
 @dataclass(frozen=True)
 class StepLora:
-    """The `lora` forward argument: (first row, last row + 1, weights) per adapter."""
+    """The `lora` forward argument: (first row, last row + 1, weights) per adapter, and the
+    kernels' `lora_add_` where the CPU route takes it (None: torch's matmuls per slice)."""
 
     groups: tuple[tuple[int, int, LoraWeights], ...]
+    kernel: Callable | None = None
 
     @staticmethod
     def of(scheduled, query_starts: np.ndarray, query_lens: np.ndarray,
-           weights: dict[int, LoraWeights]) -> StepLora | None:
+           weights: dict[int, LoraWeights], kernel: Callable | None = None) -> StepLora | None:
         """Groups of an `order_by_adapter` step; None when no row has an adapter."""
         groups: list[tuple[int, int, LoraWeights]] = []
         current, start = 0, 0
@@ -55,10 +58,13 @@ class StepLora:
         if current:
             last = len(scheduled) - 1
             groups.append((start, int(query_starts[last] + query_lens[last]), weights[current]))
-        return StepLora(tuple(groups)) if groups else None
+        return StepLora(tuple(groups), kernel) if groups else None
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """out[rows] += x[rows]·A·B·scale for each adapter's rows, in place."""
+        if self.kernel is not None and out.is_contiguous() and x.is_contiguous():
+            self._add_by_kernel(out, x, layer, module)
+            return
         for start, end, weights in self.groups:
             term = weights.layers[layer].get(module)
             if term is None:
@@ -71,3 +77,21 @@ class StepLora:
                                 else shrunk[:, r0:r1], b)
                 else:
                     rows[:, col0:col1].addmm_(shrunk[:, r0:r1], b)
+
+    def _add_by_kernel(self, out: torch.Tensor, x: torch.Tensor, layer: int,
+                       module: str) -> None:
+        """Every adapter's rows of this linear in one `lora_add_` call."""
+        starts, ends, a, b, parts = [], [], [], [], []
+        for start, end, weights in self.groups:
+            term = weights.layers[layer].get(module)
+            if term is None:
+                continue
+            group = len(a)
+            starts.append(start)
+            ends.append(end)
+            a.append(term.a)
+            for col0, _, r0, r1, part_b in term.parts:
+                b.append(part_b)
+                parts.extend((group, col0, r0, r1))
+        if a:
+            self.kernel(out, x, starts, ends, a, b, parts)

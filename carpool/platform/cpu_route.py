@@ -262,6 +262,9 @@ class CpuRoute:
     fused_elementwise: bool  # RoPE, RMSNorm and SiLU x up by the kernels (`cpu_fused`)
     layer_stack: bool  # the C++ layer stack runs the decoder layers (`cpu_layer_stack`)
     quant: QuantRoute  # quantized linears, where the model has them (`cpu_quant`)
+    # LoRA adapters' term by the kernels' `lora_add_` (one call a linear for every adapter's
+    # rows; float32 and bfloat16), else torch's matmuls per adapter (`lora/step_lora.py`)
+    lora_kernel: bool = False
 
     def describe(self) -> str:
         """One line: the CPU, the model, then each decision."""
@@ -271,7 +274,8 @@ class CpuRoute:
                 f"attention {self.attention.describe()}; "
                 f"fused elementwise {'on' if self.fused_elementwise else 'off'}; "
                 f"C++ layer stack {'on' if self.layer_stack else 'off'}; "
-                f"LoRA steps {self.lora_steps}")
+                f"LoRA steps {self.lora_steps}, term by "
+                f"{'lora_add_' if self.lora_kernel else 'torch matmuls'}")
 
     @property
     def lora_steps(self) -> str:
@@ -306,7 +310,8 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
     return CpuRoute(cpu_class=cpu.cpu_class, dtype=dtype, head_dim=head_dim,
                     sliding_window=sliding_window, linears=linears, attention=attention,
                     fused_elementwise=kernels is not None, layer_stack=layer_stack,
-                    quant=decide_quant(cpu.cpu_class, dtype, kernels, batch_invariant))
+                    quant=decide_quant(cpu.cpu_class, dtype, kernels, batch_invariant),
+                    lora_kernel=kernels is not None and dtype in (torch.float32, torch.bfloat16))
 
 
 def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | None, *,

@@ -103,6 +103,10 @@ class ModelRunner:
         self.adapters = None if config.lora is None else AdapterCache(
             config.lora.capacity, self._load_adapter)
         self._max_lora_rank = 0 if config.lora is None else config.lora.max_lora_rank
+        # the adapters' term by the kernels' lora_add_ where the CPU route says so
+        route = getattr(self.platform, "route", None)
+        self.lora_kernel = kernels.lora_add_ if route is not None and route.lora_kernel \
+            else None
         # the weights' format and their types, as the loader found them (None: float weights)
         self.quantization: str | None = getattr(self.model, "quantization", None)
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed,
@@ -184,7 +188,7 @@ class ModelRunner:
             return None
         weights = self.adapters.activate(requests)
         return StepLora.of(scheduler_output.scheduled, batch.layout.query_starts,
-                           batch.layout.query_lens, weights)
+                           batch.layout.query_lens, weights, self.lora_kernel)
 
     def _load_adapter(self, request: LoRARequest):
         weights = load_adapter(request.lora_name, request.lora_path, self.model_config,

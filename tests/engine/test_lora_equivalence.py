@@ -65,9 +65,10 @@ def lora_requests(folders):
     return [LoRARequest(f"adapter{i}", i + 1, str(folder)) for i, folder in enumerate(folders)]
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("setting, kernels", [(setting, True) for setting in SETTINGS]
+                         + [("default", False)])  # the adapters' term by torch's matmuls
 @pytest.mark.parametrize("arch", ARCHS)
-def test_adapter_tokens_match_peft(arch, setting, adapters):
+def test_adapter_tokens_match_peft(arch, setting, kernels, adapters):
     base, folders, peft_greedy = adapters(arch)
     loras = lora_requests(folders)
     work = workload(setting)
@@ -75,7 +76,8 @@ def test_adapter_tokens_match_peft(arch, setting, adapters):
                 for ids, n, which in work]
     assert len({tuple(e) for e in expected}) > len(work) // 2  # the adapters change tokens
     llm = LLM(str(base), dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2,
-              **SETTINGS[setting])
+              cpu_kernels=kernels, **SETTINGS[setting])
+    assert (llm.engine.runner.lora_kernel is not None) == kernels
     outputs = llm.generate(
         [{"prompt_token_ids": ids} for ids, _, _ in work],
         [SamplingParams(temperature=0.0, max_tokens=n) for _, n, _ in work],

@@ -62,6 +62,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(unit, share) of each claim by owners[i] of the stealable shares that start at "
         "bounds (the AMX GEMM's split of its work), made in that order; unit -1: none left.",
         py::arg("bounds"), py::arg("owners"));
+  m.def("lora_add_", &carpool_gemm::lora_add_,
+        "LoRA terms in place: out[starts[g]:ends[g]] gets (x·a[g])[:, r0:r1]·b[p] in columns "
+        "[col0, col0 + b[p].size(1)) for each part p = (g, col0, r0, r1) of parts; float32 or "
+        "bfloat16, float32 accumulation.",
+        py::arg("out"), py::arg("x"), py::arg("starts"), py::arg("ends"), py::arg("a"),
+        py::arg("b"), py::arg("parts"), py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &carpool_greedy::argmax_rows,
         "Each row's largest value's index, as max(-1).indices (first of equals, first NaN); "
         "float32 or bfloat16 [N, V] with contiguous rows.",
