@@ -78,9 +78,20 @@ class StepLora:
                 else:
                     rows[:, col0:col1].addmm_(shrunk[:, r0:r1], b)
 
+    def stack_terms(self, num_layers: int) -> list[tuple]:
+        """The C++ layer stack's `lora` argument: `lora_add_`'s arguments for every layer's
+        qkv, o, gate_up and down, in that order."""
+        return [self._kernel_args(layer, module) for layer in range(num_layers)
+                for module in ("qkv", "o", "gate_up", "down")]
+
     def _add_by_kernel(self, out: torch.Tensor, x: torch.Tensor, layer: int,
                        module: str) -> None:
         """Every adapter's rows of this linear in one `lora_add_` call."""
+        starts, ends, a, b, parts = self._kernel_args(layer, module)
+        if a:
+            self.kernel(out, x, starts, ends, a, b, parts)
+
+    def _kernel_args(self, layer: int, module: str) -> tuple:
         starts, ends, a, b, parts = [], [], [], [], []
         for start, end, weights in self.groups:
             term = weights.layers[layer].get(module)
@@ -93,5 +104,4 @@ class StepLora:
             for col0, _, r0, r1, part_b in term.parts:
                 b.append(part_b)
                 parts.extend((group, col0, r0, r1))
-        if a:
-            self.kernel(out, x, starts, ends, a, b, parts)
+        return starts, ends, a, b, parts

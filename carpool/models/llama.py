@@ -266,7 +266,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # (T, head_dim) each
         stack = self.layer_stack
         if stack is not None and stack.takes(meta, lora):
-            return stack(x, cos, sin, kv_caches, meta)
+            return stack(x, cos, sin, kv_caches, meta) if lora is None else \
+                stack(x, cos, sin, kv_caches, meta, lora)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, attention, meta, lora)

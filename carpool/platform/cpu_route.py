@@ -279,10 +279,10 @@ class CpuRoute:
 
     @property
     def lora_steps(self) -> str:
-        """Who runs a step in which some row has a LoRA adapter. The stack has no adapter
-        term, so such a step runs the Python layers, whose `lora.add` follows each base
-        linear (`KernelLayerStack.takes` holds this); base-only steps keep the stack."""
-        return "on the Python layers (stack for base-only steps)" if self.layer_stack else \
+        """Who runs a step in which some row has a LoRA adapter: the layer stack where the
+        term is the kernels' `lora_add_` (the stack calls it after each linear, as the Python
+        layers' `lora.add` does), else the Python layers (`KernelLayerStack.takes`)."""
+        return "in the C++ layer stack" if self.layer_stack and self.lora_kernel else \
             "on the Python layers"
 
 

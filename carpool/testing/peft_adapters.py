@@ -23,7 +23,8 @@ def build_adapter(base_dir: str | os.PathLike, out_dir: str | os.PathLike, *, se
                         use_rslora=use_rslora, init_lora_weights=False, lora_dropout=0.0,
                         task_type="CAUSAL_LM", **lora_args)
     torch.manual_seed(seed)
-    model = get_peft_model(base, config)
+    # (PEFT widens adapter weights to float32 unless asked not to: keep the given dtype)
+    model = get_peft_model(base, config, autocast_adapter_dtype=False)
     with torch.no_grad():  # B at A's scale, so that the adapter changes the greedy tokens
         for name, param in model.named_parameters():
             if "lora_B" in name:
