@@ -13,6 +13,7 @@ q/k/v/o/gate/up/down module, in the checkpoint's dtype) into `--adapters-dir`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
             print(f"round {round_index} {name}: {results[name][-1]:.1f} out tok/s", flush=True)
             llm.close()
             del llm
+            gc.collect()  # one variant's KV cache at a time (the OOM killer ended a run without)
     medians = {name: statistics.median(values) for name, values in results.items()}
     print(json.dumps({"out_tok_s": results, "median": medians}, indent=1))
     if "base" in medians:

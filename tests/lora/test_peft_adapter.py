@@ -136,3 +136,21 @@ def test_loaded_bytes_are_the_files_and_the_cache_evicts_least_recently_used(lla
     assert loads == [1, 2, 3, 2] and cache.num_evictions == 2
     with pytest.raises(ValueError, match="max_cpu_loras"):
         cache.activate(r)
+
+
+def test_data_parallel_stats_merge_per_adapter_counts():
+    from carpool.engine.dp_client import merge_stats
+    from carpool.outputs import EngineStats
+
+    def stats(running, waiting, loads):
+        return EngineStats(num_steps=1, num_generated_tokens=1, num_prompt_tokens=1,
+                           last_step_num_tokens=1, last_step_num_prefill_tokens=0,
+                           last_step_num_decode_tokens=1, num_preemptions=0,
+                           prefix_cache_queries=0, prefix_cache_hits=0, num_free_blocks=1,
+                           num_total_blocks=2, num_running=1, num_waiting=0,
+                           kv_cache_usage=0.5, lora_running=running, lora_waiting=waiting,
+                           max_lora=2, lora_loads=loads)
+
+    merged = merge_stats([stats({"a": 1}, {}, 2), stats({"a": 2, "b": 1}, {"c": 4}, 3)])
+    assert merged.lora_running == {"a": 3, "b": 1} and merged.lora_waiting == {"c": 4}
+    assert merged.max_lora == 2 and merged.lora_loads == 5 and merged.num_running == 2
