@@ -152,7 +152,8 @@ class EngineConfig:
         if self.batch_invariant:
             check_batch_invariant_supported(self)
         if self.lora is not None:
-            check_lora_supported(self)
+            LoraConfig.check_engine(self.lora, self.tensor_parallel_size, self.batch_invariant,
+                                    self.scheduler.scheduler)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
@@ -314,19 +315,6 @@ def check_batch_invariant_supported(config: EngineConfig) -> None:
         refuse("the C++ kernels (cpu_kernels on)")
     if config.tensor_parallel_size != 1:
         refuse(f"tensor_parallel_size 1 (got {config.tensor_parallel_size})")
-
-
-def check_lora_supported(config: EngineConfig) -> None:
-    """ValueError naming enable_lora where adapters cannot run: their term is added by the
-    single-rank layers, per group of rows (not batch invariant), under the continuous
-    scheduler (which holds max_loras)."""
-    if not isinstance(config.lora, LoraConfig):
-        raise ValueError(f"lora must be a LoraConfig, got {config.lora!r}")
-    for bad, reason in ((config.tensor_parallel_size != 1, "tensor_parallel_size 1"),
-                        (config.batch_invariant, "batch_invariant off"),
-                        (config.scheduler.scheduler != "continuous", "the continuous scheduler")):
-        if bad:
-            raise ValueError(f"enable_lora needs {reason}")
 
 
 def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:

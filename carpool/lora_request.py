@@ -48,6 +48,20 @@ class LoraConfig:
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
                              f"({self.max_loras}), got {self.max_cpu_loras!r}")
 
+    @staticmethod
+    def check_engine(lora, tensor_parallel_size: int, batch_invariant: bool,
+                     scheduler: str) -> None:
+        """ValueError naming enable_lora where adapters cannot run: their term is added by
+        the single-rank layers, per group of rows (not batch invariant), under the continuous
+        scheduler (which holds max_loras)."""
+        if not isinstance(lora, LoraConfig):
+            raise ValueError(f"lora must be a LoraConfig, got {lora!r}")
+        for bad, reason in ((tensor_parallel_size != 1, "tensor_parallel_size 1"),
+                            (batch_invariant, "batch_invariant off"),
+                            (scheduler != "continuous", "the continuous scheduler")):
+            if bad:
+                raise ValueError(f"enable_lora needs {reason}")
+
     @property
     def capacity(self) -> int:
         """Adapters held in memory at most."""
