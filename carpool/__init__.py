@@ -2,9 +2,10 @@
 
 __version__ = "0.1.0"
 
+from carpool.lora_request import LoRARequest
 from carpool.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):

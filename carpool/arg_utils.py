@@ -25,6 +25,7 @@ from carpool.config import (
 )
 from carpool.core.config import PREEMPTION_POLICIES, SCHEDULER_KINDS, SchedulerConfig
 from carpool.cpu_options import CpuOptions
+from carpool.lora_request import LoraConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -130,6 +131,7 @@ def add_engine_arguments(group) -> None:
                        help="Most memory the compiled structured-output grammars kept for reuse "
                             "may hold, estimated from their size, e.g. 64MiB (default "
                             f"{DEFAULT_GRAMMAR_CACHE_MEMORY // 2**20}MiB; 0: keep none).")
+    _add_lora_arguments(group)
     limits = GrammarLimits()
     for flag, default, what in (
             ("--max-grammar-bytes", limits.max_bytes, "UTF-8 bytes of a request's JSON schema, "
@@ -262,3 +264,20 @@ def add_scheduler_arguments(group) -> None:
                        help="Reuse the KV cache of prompt prefixes earlier requests computed "
                             "(default on).")
 
+
+
+def _add_lora_arguments(group) -> None:
+    """vLLM's LoRA flags (the adapters a server serves by name: `carpool serve --lora-modules`)."""
+    lora = LoraConfig()
+    group.add_argument("--enable-lora", action="store_true",
+                       help="Serve LoRA adapters of the model (requests name one as their "
+                            "model; offline: LLM(enable_lora=True) and a lora_request).")
+    group.add_argument("--max-loras", type=int, default=lora.max_loras,
+                       help="Distinct LoRA adapters in one step at most; requests on others "
+                            f"wait (default {lora.max_loras}).")
+    group.add_argument("--max-lora-rank", type=int, default=lora.max_lora_rank,
+                       help="The largest rank an adapter may have (default "
+                            f"{lora.max_lora_rank}).")
+    group.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="LoRA adapters kept loaded, the least recently used dropped "
+                            "beyond it (default: --max-loras).")

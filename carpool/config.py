@@ -27,6 +27,7 @@ from carpool.core.config import (  # noqa: F401 - the usage defaults, re-exporte
 )
 from carpool.core.spec_config import SpeculativeConfig
 from carpool.cpu_options import CpuOptions
+from carpool.lora_request import LoraConfig
 from carpool.sampling_params import GrammarLimits
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -107,6 +108,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # Speculative decoding (vLLM's speculative_config); None: off. Continuous scheduler only.
     speculative_config: SpeculativeConfig | None = None
+    lora: LoraConfig | None = None  # LoRA adapters (`--enable-lora`); None: off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -154,6 +156,9 @@ class EngineConfig:
             raise ValueError(f"cpu must be a CpuOptions, got {self.cpu!r}")
         if self.batch_invariant:
             check_batch_invariant_supported(self)
+        if self.lora is not None:
+            LoraConfig.check_engine(self.lora, self.tensor_parallel_size, self.batch_invariant,
+                                    self.scheduler.scheduler)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1, got {self.max_logprobs!r}")
@@ -200,7 +205,9 @@ class EngineConfig:
                   grammar_check_timeout: float = GrammarLimits.check_timeout,
                   enforce_eager: bool = False, usage: str = "offline",
                   quantization: str | None = None,
-                  speculative_config: dict | str | None = None, **cpu_args) -> EngineConfig:
+                  speculative_config: dict | str | None = None, enable_lora: bool = False,
+                  max_loras: int = 1, max_lora_rank: int = 16,
+                  max_cpu_loras: int | None = None, **cpu_args) -> EngineConfig:
         """The config these arguments describe, for the model they name (read first).
 
         max_model_len: None takes the model's max_position_embeddings, capped at
@@ -214,7 +221,8 @@ class EngineConfig:
         is accepted for vLLM's sake and changes nothing: carpool has no CUDA graphs or
         compilation to turn off. speculative_config: vLLM's mapping or JSON text
         (`SpeculativeConfig.from_dict`). moe_router_stats: rows per expert per sparse layer
-        (`EngineStats.router_load`)."""
+        (`EngineStats.router_load`). enable_lora, max_loras, max_lora_rank, max_cpu_loras:
+        LoRA adapters as vLLM's flags (`LoraConfig`)."""
         if trust_remote_code:
             raise ValueError("trust_remote_code is not supported: carpool runs only its own "
                              "model code (Llama, Mistral, Qwen2, Qwen3, their mixtures of "
@@ -222,6 +230,7 @@ class EngineConfig:
                              "pickles from a checkpoint")
         cpu = CpuOptions.from_args(**cpu_args)
         speculative = SpeculativeConfig.from_dict(speculative_config)
+        lora = LoraConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         grammar_limits = GrammarLimits(
             max_bytes=max_grammar_bytes, max_rules=max_grammar_rules, max_depth=max_grammar_depth,
             max_alternatives=max_grammar_alternatives, check_timeout=grammar_check_timeout)
@@ -247,7 +256,8 @@ class EngineConfig:
             max_long_partial_prefills=max_long_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold, block_size=block_size,
             preemption_policy=preemption_policy, scheduler=scheduler,
-            enable_prefix_caching=enable_prefix_caching)
+            enable_prefix_caching=enable_prefix_caching,
+            max_loras=None if lora is None else lora.max_loras)
         return cls(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed,
                    served_model_name=served_model_name, num_kv_blocks=num_kv_blocks,
                    kv_cache_memory=kv_cache_memory,
@@ -263,7 +273,7 @@ class EngineConfig:
                    distributed_init_method=distributed_init_method, usage=usage,
                    max_num_seqs=requested_max_num_seqs,
                    max_num_batched_tokens=requested_max_num_batched_tokens,
-                   speculative_config=speculative)
+                   speculative_config=speculative, lora=lora)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, usage: str = "offline") -> EngineConfig:

@@ -19,6 +19,7 @@ from carpool.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.output_builder import CompletionBuilder, RequestOutputBuilder
 from carpool.engine.tokenizer import Message, encode_chat, render_chat
+from carpool.lora_request import LoRARequest
 from carpool.outputs import EngineStats, RequestOutput
 from carpool.sampling_params import SamplingParams, child_params
 
@@ -72,14 +73,18 @@ class LLM:
         return True
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
         """Complete every prompt; returns one RequestOutput per prompt, in input order.
 
         `prompts`: a string, a `{"prompt_token_ids": [...]}` dict (optionally with
         "prompt"), or a list of those. `sampling_params`: one for all, or one per prompt.
+        `lora_request`: the LoRA adapter (with `enable_lora`) for all, or one per prompt
+        (None: the base model).
         """
         inputs = [self._parse_prompt(p) for p in _as_prompt_list(prompts)]
-        return self._run(inputs, sampling_params, use_tqdm)
+        return self._run(inputs, sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -113,16 +118,18 @@ class LLM:
                          f"(or 'prompt'), got {prompt!r:.80}")
 
     def _run(self, inputs: list[tuple[str | None, list[int]]], sampling_params,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _params_per_prompt(sampling_params, len(inputs))
-        builders, children = self._plan(inputs, params_list)
+        loras = _loras_per_prompt(lora_request, len(inputs))
+        builders, children = self._plan(inputs, params_list, loras)
         added: list[str] = []
         try:
             for child in children:
                 self.engine.add_request(child.request_id, child.prompt_token_ids, child.params,
-                                        text_at_finish=True)  # only the final text is read
+                                        text_at_finish=True,  # only the final text is read
+                                        lora_request=child.lora_request)
                 added.append(child.request_id)
             self._drive(children, len(builders), use_tqdm)
         except BaseException:
@@ -137,11 +144,13 @@ class LLM:
                                f"first: {failed[0][0]}: {failed[0][1]}")
         return [b.build() for b in builders]
 
-    def _plan(self, inputs, params_list) -> tuple[list[RequestOutputBuilder], list[_Child]]:
+    def _plan(self, inputs, params_list,
+              loras) -> tuple[list[RequestOutputBuilder], list[_Child]]:
         """One builder per prompt and one engine request per completion, all validated."""
         builders: list[RequestOutputBuilder] = []
         children: list[_Child] = []
-        for (prompt, prompt_ids), params in zip(inputs, params_list):
+        for (prompt, prompt_ids), params, lora in zip(inputs, params_list, loras):
+            self.engine.check_lora(lora)
             request_id = str(next(self._request_counter))
             builder = RequestOutputBuilder(request_id, prompt, prompt_ids, [])
             for index in range(params.n):
@@ -150,7 +159,8 @@ class LLM:
                 completion = CompletionBuilder(index, params.logprobs is not None)
                 builder.completions.append(completion)
                 child_id = request_id if params.n == 1 else f"{request_id}-{index}"
-                children.append(_Child(child_id, prompt_ids, params_i, builder, completion))
+                children.append(_Child(child_id, prompt_ids, params_i, builder, completion,
+                                       lora))
             builders.append(builder)
         return builders, children
 
@@ -184,6 +194,7 @@ class _Child:
     params: SamplingParams
     builder: RequestOutputBuilder
     completion: CompletionBuilder
+    lora_request: LoRARequest | None = None
 
 
 class _Progress:
@@ -224,6 +235,16 @@ def _as_prompt_list(prompts: Any) -> list:
         return list(prompts)
     raise ValueError(f"prompts must be a string, a dict or a list of them, "
                      f"got {type(prompts).__name__}")
+
+
+def _loras_per_prompt(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"got {len(loras)} lora_request for {num_prompts} prompts; pass one, "
+                         "or one per prompt")
+    return loras
 
 
 def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:

@@ -14,6 +14,7 @@ registry), and each records its series under its own `engine` label ("0",
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -189,6 +190,7 @@ class ServerMetrics:
             Gauge, "carpool:model_config_info",
             "The weights' format and types: quantization 'none' for float weights (labels; "
             "value 1).", [*self._labels, "quantization"])
+        self._lora = LoraMetrics(self._families, self._labels)
         self._last_token_time: dict[str, float] = {}
         self._num_preemptions_seen = 0
         self._num_steps_seen = 0
@@ -240,6 +242,8 @@ class ServerMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.max_lora:
+            self._lora.update(stats)
 
     def record_step(self, outputs: list[StepOutput], stats: EngineStats, now: float) -> None:
         """Counters and histograms for one engine step (loop thread), then maybe the log line."""
@@ -367,6 +371,48 @@ class SpecDecodeMetrics:
         # vLLM's mean acceptance length: tokens a verify step emits, its own token included
         return (f", Draft acceptance rate: {100.0 * accepted / draft_tokens:.1f}%, "
                 f"Mean acceptance length: {1 + accepted / drafts:.2f}")
+class LoraMetrics:
+    """LoRA adapters (with enable_lora): vLLM's `lora_requests_info` (labels: the running
+    and waiting adapters' names, comma-separated, and max_lora; value: when it was set),
+    requests per adapter, and adapter loads and evictions."""
+
+    def __init__(self, families: MetricFamilies, labels: dict) -> None:
+        self._labels = labels
+        self._info = families.get(
+            Gauge, "carpool:lora_requests_info", "Running and waiting LoRA adapters (labels; "
+            "value: when set).", [*labels, "running_lora_adapters", "waiting_lora_adapters",
+                                  "max_lora"])
+        self._running = families.get(Gauge, "carpool:lora_num_requests_running",
+                                     "Running requests per LoRA adapter.", [*labels, "lora_name"])
+        self._waiting = families.get(Gauge, "carpool:lora_num_requests_waiting",
+                                     "Waiting requests per LoRA adapter.", [*labels, "lora_name"])
+        self._loads = families.get(Counter, "carpool:lora_adapter_loads",
+                                   "LoRA adapters read from disk.", list(labels)).labels(**labels)
+        self._evictions = families.get(Counter, "carpool:lora_adapter_evictions",
+                                       "LoRA adapters dropped from memory (LRU or unloaded).",
+                                       list(labels)).labels(**labels)
+        self._info_labels: dict | None = None
+        self._named: set[str] = set()
+        self._seen = (0, 0)
+
+    def update(self, stats: EngineStats) -> None:
+        labels = {**self._labels, "running_lora_adapters": ",".join(sorted(stats.lora_running)),
+                  "waiting_lora_adapters": ",".join(sorted(stats.lora_waiting)),
+                  "max_lora": str(stats.max_lora)}
+        if labels != self._info_labels:  # one series at a time, not one per combination
+            if self._info_labels is not None:
+                self._info.remove(*self._info_labels.values())
+            self._info_labels = labels
+        self._info.labels(**labels).set(time.time())
+        names = set(stats.lora_running) | set(stats.lora_waiting) | self._named
+        for name in names:
+            self._running.labels(**self._labels, lora_name=name).set(
+                stats.lora_running.get(name, 0))
+            self._waiting.labels(**self._labels, lora_name=name).set(
+                stats.lora_waiting.get(name, 0))
+        self._named = names
+        self._seen = (_advance(self._loads, self._seen[0], stats.lora_loads),
+                      _advance(self._evictions, self._seen[1], stats.lora_evictions))
 
 
 def _advance(counter, seen: int, total: int) -> int:

@@ -116,6 +116,14 @@ class EngineStats:
     # A mixture of experts with `moe_router_stats`: rows each expert received since start, per
     # sparse layer (a step's top-k pairs, so each layer's sum is top_k x tokens); else None.
     router_load: tuple[tuple[int, ...], ...] | None = None
+    # LoRA adapters (with enable_lora): unfinished requests per adapter name, running or
+    # waiting; max_loras; adapters read from disk and dropped since start; bytes loaded now.
+    lora_running: dict = field(default_factory=dict)
+    lora_waiting: dict = field(default_factory=dict)
+    max_lora: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
+    lora_loaded_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -229,7 +229,8 @@ class BlockManager:
             index = len(hashes)
             tokens = request.token_ids_slice(index * size, (index + 1) * size)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt))
+            hashes.append(hash_block_tokens(parent, tokens, request.cache_salt,
+                                            request.lora_int_id))
         return hashes
 
     def _num_free_besides(self, cached_block_ids: Sequence[int]) -> int:

@@ -34,6 +34,8 @@ class SchedulerConfig:
     # Reuse the KV of computed full blocks whose token prefix a new request repeats
     # (continuous scheduler; the static baseline never shares).
     enable_prefix_caching: bool = True
+    # At most this many distinct LoRA adapters in one step (None: adapters off, no limit).
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -62,6 +64,9 @@ class SchedulerConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("enable_prefix_caching must be a bool, "
                              f"got {self.enable_prefix_caching!r}")
+        if self.max_loras is not None and (isinstance(self.max_loras, bool) or not isinstance(
+                self.max_loras, int) or self.max_loras < 1):
+            raise ValueError(f"max_loras must be a positive integer, got {self.max_loras!r}")
         if not isinstance(self.max_skips, int) or self.max_skips < 0:
             raise ValueError(f"max_skips must be an integer >= 0, got {self.max_skips!r}")
 

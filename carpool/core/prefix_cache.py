@@ -5,14 +5,15 @@ two equal hashes mean two equal whole prefixes, not merely two equal blocks.
 Only full blocks whose K/V is computed get a hash; a request's last, partial
 block never does:
 
-    block_size = 4, cache_salt "s"
+    block_size = 4, cache_salt "s", LoRA adapter id 3
     tokens:  | 5 6 7 8 | 9 1 2 3 | 4 4 (partial)
-    hash:      h0 = H(root "s", 5 6 7 8)
+    hash:      h0 = H(root "s" 3, 5 6 7 8)
                          h1 = H(h0, 9 1 2 3)
 
 The hash is sha256 over an unambiguous byte encoding, so a crafted prompt
-cannot collide with another tenant's prefix; `cache_salt` enters the first
-block's hash and so separates whole chains.
+cannot collide with another tenant's prefix; `cache_salt` and the LoRA adapter's
+id enter the first block's hash and so separate whole chains (an adapter changes
+every layer's K/V: two adapters never share a block).
 
 `PrefixCache` maps hashes to block ids and keeps the *cached free* blocks
 (hash kept, no table holds them) in least-recently-used order: the block
@@ -33,12 +34,14 @@ _CHILD = b"\x01"
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
-                      cache_salt: str | None = None) -> bytes:
-    """sha256 of one block: the parent's hash (or the root and the salt), then the token ids."""
+                      cache_salt: str | None = None, lora_int_id: int = 0) -> bytes:
+    """sha256 of one block: the parent's hash (or the root, the salt and the adapter id; 0
+    for the base model), then the token ids."""
     digest = hashlib.sha256()
     if parent_hash is None:
         salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
-        digest.update(_ROOT + struct.pack("<I", len(salt)) + salt)
+        adapter = b"" if not lora_int_id else struct.pack("<q", lora_int_id)
+        digest.update(_ROOT + struct.pack("<I", len(salt)) + salt + adapter)
     else:
         digest.update(_CHILD + parent_hash)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))

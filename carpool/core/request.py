@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from carpool.lora_request import LoRARequest
 from carpool.sampling_params import SamplingParams
 
 
@@ -62,6 +63,8 @@ class Request:
     stop_reason: int | str | None = None
     # Prefix caching: blocks hash only with blocks of the same salt (tenants apart).
     cache_salt: str | None = None
+    # The LoRA adapter it runs under (None: the base model); its id also keys its blocks.
+    lora_request: LoRARequest | None = None
     # Chained hashes of its full blocks so far, filled by the block manager (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     # Prompt tokens found in the prefix cache when first admitted (None until admitted).
@@ -82,6 +85,11 @@ class Request:
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.queued_time is None:
             self.queued_time = self.arrival_time
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -59,6 +59,19 @@ class RequestTable:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    def requests_by_adapter(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(running, waiting) unfinished requests per LoRA adapter name (base ones left out);
+        preempted and paused requests count as waiting."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for request in self._requests.values():
+            if request.lora_request is not None:
+                into = running if (request.status == RequestStatus.RUNNING
+                                   and request.request_id not in self._paused) else waiting
+                name = request.lora_request.lora_name
+                into[name] = into.get(name, 0) + 1
+        return running, waiting
+
     def add_request(self, request: Request) -> None:
         """Queue a request (status WAITING); raises ValueError if it could never run."""
         self._register(request)

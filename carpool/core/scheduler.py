@@ -9,6 +9,8 @@ under one token budget per step. `schedule()` plans a step in three passes:
   3. waiting requests, first come first served, while the budget,
      `max_num_seqs`, free KV blocks and the partial-prefill limits allow.
      One that does not fit is skipped, at most `max_skips` times (aging).
+     A request on a LoRA adapter beyond `max_loras` distinct ones in the step
+     waits (running or not) without aging or holding back those behind it.
      With prefix caching, a request's tokens already in cached blocks count
      as computed when it is admitted: only the rest is charged against the
      budget and the partial-prefill limits. A block a step is planned to fill
@@ -103,11 +105,14 @@ class Scheduler(RequestTable):
             (prefilling if request.num_computed_tokens < prefills[request.request_id].stop
              else decoding).append(request)
         speculator, num_seated = self.speculator, min(len(seated), self.config.max_num_seqs)
+        max_loras = self.config.max_loras
         for request in decoding + prefilling:
             if plan.token_budget == 0:
                 return
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
+            if plan.adapter_full(request, max_loras):
+                continue  # keeps its blocks; runs when its adapter has a place
             computed = request.num_computed_tokens
             num_remaining = request.num_tokens - computed
             if speculator is not None and num_remaining == 1 and self._schedule_draft(
@@ -217,7 +222,8 @@ class Scheduler(RequestTable):
         for request in list(self._waiting):
             if num_seated >= self.config.max_num_seqs or plan.token_budget == 0:
                 return
-            if request.request_id in self._paused:
+            if request.request_id in self._paused or plan.adapter_full(request,
+                                                                       self.config.max_loras):
                 continue
             self._hash_planned_blocks(plan)  # before the lookup: it may hit them
             cached_block_ids, num_new = self._admission_chunk(request, plan, slots, in_flight)

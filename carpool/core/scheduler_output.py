@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from carpool.lora_request import LoRARequest
 from carpool.sampling_params import SamplingParams
 
 
@@ -31,12 +32,14 @@ class ScheduledRequest:
     # the request's own; each of the last 1 + len(draft_token_ids) rows gets logits, and the
     # runner keeps the drafts its samples confirm (then one token of its own).
     draft_token_ids: Sequence[int] = ()
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
     def __init__(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                  block_ids: Sequence[int], sample: bool, sampling_params: SamplingParams,
                  prompt_token_ids: Sequence[int] = (),
                  output_token_ids: Sequence[int] = (),
-                 draft_token_ids: Sequence[int] = ()) -> None:
+                 draft_token_ids: Sequence[int] = (),
+                 lora_request: LoRARequest | None = None) -> None:
         # One is built per scheduled request per step. The generated frozen __init__ sets each
         # field through object.__setattr__ (2.1 µs here); filling __dict__ takes 0.7 µs, and
         # assignment still raises FrozenInstanceError.
@@ -50,6 +53,7 @@ class ScheduledRequest:
         fields["prompt_token_ids"] = prompt_token_ids
         fields["output_token_ids"] = output_token_ids
         fields["draft_token_ids"] = draft_token_ids
+        fields["lora_request"] = lora_request
 
     @property
     def num_new_tokens(self) -> int:

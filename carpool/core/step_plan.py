@@ -9,6 +9,8 @@ A speculating decode carries draft tokens after its one token: they spend budget
 
 from __future__ import annotations
 
+from collections import Counter
+
 from carpool.core.block_manager import BlockManager
 from carpool.core.request import Request
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -20,6 +22,7 @@ class StepPlan:
         # id -> (request, num new tokens, draft tokens after them)
         self._entries: dict[str, tuple[Request, int, list[int]]] = {}
         self.preempted_ids: list[str] = []
+        self.adapters: Counter[int] = Counter()  # LoRA adapter id -> its requests in the plan
 
     def add(self, request: Request, num_new_tokens: int, draft_token_ids: list[int] = ()) -> None:
         """Schedule `num_new_tokens` of the request (then its drafts), spending that much budget."""
@@ -29,12 +32,26 @@ class StepPlan:
                              f"{self.token_budget} left in the budget")
         self._entries[request.request_id] = (request, num_new_tokens, draft_token_ids)
         self.token_budget -= num_fed
+        if request.lora_request is not None:
+            self.adapters[request.lora_request.lora_int_id] += 1
 
     def remove(self, request_id: str) -> None:
         """Take a request back out (it was preempted), refunding its tokens; no-op if absent."""
         entry = self._entries.pop(request_id, None)
         if entry is not None:
             self.token_budget += entry[1] + len(entry[2])
+            lora_id = entry[0].lora_int_id
+            if lora_id:
+                self.adapters[lora_id] -= 1
+                if not self.adapters[lora_id]:
+                    del self.adapters[lora_id]
+
+    def adapter_full(self, request: Request, max_loras: int | None) -> bool:
+        """Whether the request's LoRA adapter would be one more than `max_loras` distinct
+        adapters in this step (never for a base request, nor with no limit)."""
+        lora_id = request.lora_int_id
+        return (max_loras is not None and lora_id != 0 and lora_id not in self.adapters
+                and len(self.adapters) >= max_loras)
 
     def num_new_tokens(self, request_id: str) -> int:
         entry = self._entries.get(request_id)
@@ -52,6 +69,6 @@ class StepPlan:
                 request.request_id, token_ids, start,
                 block_manager.get_block_table(request.request_id), end == request.num_tokens,
                 request.sampling_params, request.prompt_token_ids, request.output_token_ids,
-                drafts))
+                drafts, request.lora_request))
         return SchedulerOutput(scheduled=scheduled, preempted_ids=list(self.preempted_ids),
                                finished_ids=finished_ids)

@@ -105,9 +105,10 @@ class AsyncEngine(EngineClientBase):
         with self._lock:
             if self._dead is None:
                 self._commands.put(Stop(error))
-    async def call_utility(self, name: str) -> Any:
-        """Run `engine.utility.UTILITIES[name]` on the loop thread between two steps."""
-        return await self.call(UTILITIES[name])
+    async def call_utility(self, name: str, *args) -> Any:
+        """Run `engine.utility.UTILITIES[name](engine, *args)` on the loop thread between two
+        steps."""
+        return await self.call(lambda engine: UTILITIES[name](engine, *args))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread; open streams get EngineDeadError."""
@@ -206,7 +207,7 @@ class AsyncEngine(EngineClientBase):
             for r in command.requests:
                 engine.add_request(r.request_id, r.prompt, r.sampling_params,
                                    arrival_time=command.arrival_time,
-                                   cache_salt=r.cache_salt)
+                                   cache_salt=r.cache_salt, lora_request=r.lora_request)
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             if added:

@@ -128,8 +128,9 @@ class EngineProcessClient(EngineClientBase):
             if self._dead is None:
                 self._outbox.put(PauseRequests(list(request_ids), paused))
 
-    async def call_utility(self, name: str) -> Any:
-        """Run `engine.utility.UTILITIES[name]` in the engine between two steps."""
+    async def call_utility(self, name: str, *args) -> Any:
+        """Run `engine.utility.UTILITIES[name](engine, *args)` in the engine between two
+        steps."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
@@ -137,7 +138,7 @@ class EngineProcessClient(EngineClientBase):
                 raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
             call_id = next(self._ids)
             self._calls[call_id] = (loop, future)
-            self._outbox.put(UtilityCall(call_id, name))
+            self._outbox.put(UtilityCall(call_id, name, args))
         return await future
 
     def shutdown(self, timeout: float = 10.0) -> None:

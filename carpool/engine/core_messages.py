@@ -37,6 +37,7 @@ class UtilityCall:
 
     call_id: int
     name: str
+    args: tuple = ()  # after the engine, e.g. remove_lora's adapter id
 
 
 @dataclass(frozen=True)

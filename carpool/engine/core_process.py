@@ -163,7 +163,7 @@ class EngineCoreLoop:
             self.engine.set_paused(command.request_ids, command.paused)
         elif isinstance(command, UtilityCall):
             try:
-                result, error = UTILITIES[command.name](self.engine), None
+                result, error = UTILITIES[command.name](self.engine, *command.args), None
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 result, error = None, exc
             self.conn.send(UtilityResult(command.call_id, result, error))
@@ -178,7 +178,7 @@ class EngineCoreLoop:
             for r in command.requests:
                 self.engine.add_request(r.request_id, r.prompt, r.sampling_params,
                                         arrival_time=command.arrival_time,
-                                        cache_salt=r.cache_salt)
+                                        cache_salt=r.cache_salt, lora_request=r.lora_request)
                 added.append(r.request_id)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             if added:

@@ -160,9 +160,9 @@ class DataParallelClient:
                               max(s.time for s in snapshots),
                               sum(s.num_requests_taken for s in snapshots))
 
-    async def call_utility(self, name: str) -> Any:
+    async def call_utility(self, name: str, *args) -> Any:
         """Run the utility on every replica; their results merged (`merge_results`)."""
-        results = await asyncio.gather(*(r.call_utility(name) for r in self.replicas))
+        results = await asyncio.gather(*(r.call_utility(name, *args) for r in self.replicas))
         return merge_results(list(results))
 
 
@@ -171,19 +171,29 @@ def _labelled(factory: Callable[..., Any], engine: str) -> Callable[[EngineInfo]
 
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:
-    """Every count summed (per position for a tuple of counts); the KV cache usage of the
-    pooled blocks."""
-    total = {f.name: _sum([getattr(s, f.name) for s in stats])
-             for f in dataclasses.fields(EngineStats) if f.name != "kv_cache_usage"}
+    """Every count summed (per position for a tuple of counts, per adapter for a dict of
+    them; max_lora is each replica's); the KV cache usage of the pooled blocks."""
+    total = {f.name: _merged([getattr(s, f.name) for s in stats])
+             for f in dataclasses.fields(EngineStats) if f.name not in ("kv_cache_usage",
+                                                                           "max_lora")}
+    total["max_lora"] = max((s.max_lora for s in stats), default=0)
     num_total = total["num_total_blocks"]
     usage = 1.0 - total["num_free_blocks"] / num_total if num_total else 0.0
     return EngineStats(**total, kv_cache_usage=usage)
 
 
-def _sum(values: list) -> Any:
-    if values and isinstance(values[0], (tuple, list)):
+def _merged(values: list) -> Any:
+    if not values or values[0] is None:  # e.g. router_load when not counted
+        return values[0] if values else 0
+    if isinstance(values[0], dict):
+        merged: dict = {}
+        for value in values:
+            for key, count in value.items():
+                merged[key] = merged.get(key, 0) + count
+        return merged
+    if isinstance(values[0], (tuple, list)):  # per position (router_load: per layer, too)
         width = max(len(v) for v in values)
-        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+        return tuple(_merged([v[i] for v in values if i < len(v)]) for i in range(width))
     return sum(values)
 
 

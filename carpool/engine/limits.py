@@ -11,7 +11,23 @@ import operator
 from collections.abc import Sequence
 
 from carpool.core.kv_fit import check_fits_pool
+from carpool.engine.tokenizer import encode_prompt
 from carpool.sampling_params import SamplingParams
+
+
+def prompt_token_ids_of(prompt, tokenizer, max_model_len: int, vocab_size: int) -> list[int]:
+    """Token ids of a text prompt (tokenized) or a token-id prompt (checked, copied)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        prompt_token_ids = encode_prompt(tokenizer, prompt, max_tokens=max_model_len)
+    elif isinstance(prompt, (list, tuple)):
+        check_prompt_list_length(len(prompt), max_model_len)  # before walking it in Python
+        prompt_token_ids = prompt
+    else:
+        raise ValueError(f"prompt must be a string or a list of token ids, "
+                         f"got {type(prompt).__name__}")
+    return check_prompt_token_ids(prompt_token_ids, vocab_size)
 
 
 def check_single_params(sampling_params: SamplingParams) -> None:

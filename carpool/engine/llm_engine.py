@@ -27,10 +27,11 @@ from carpool.core.scheduler_output import SchedulerOutput
 from carpool.default_model_path import DEFAULT_MODEL_NAME
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from carpool.engine.lora_requests import LoraRequests
 from carpool.engine.request_state import RequestState, request_metrics
 from carpool.engine.runner_setup import resolve_for_model
 from carpool.engine.step_stats import StepStats, spec_decode_stats
-from carpool.engine.tokenizer import encode_prompt, load_engine_tokenizer
+from carpool.engine.tokenizer import load_engine_tokenizer
 from carpool.outputs import EngineStats, StepOutput
 from carpool.runner.executor import RankFailedError
 from carpool.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class LLMEngine:
         self._structured = StructuredOutputs(tokenizer, self.model_config.vocab_size,
                                              self._eos_token_ids, config.grammar_cache_memory,
                                              config.grammar_limits)
+        self._lora = LoraRequests(config.lora, self.model_config, runner)
 
     @classmethod
     def from_config(cls, config: EngineConfig, detokenize: bool = True) -> LLMEngine:
@@ -109,18 +111,8 @@ class LLMEngine:
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (tokenized) or a token-id prompt (checked, copied)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            prompt_token_ids = encode_prompt(self.tokenizer, prompt,
-                                             max_tokens=self.max_model_len)
-        elif isinstance(prompt, (list, tuple)):
-            limits.check_prompt_list_length(len(prompt), self.max_model_len)
-            prompt_token_ids = prompt
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, "
-                             f"got {type(prompt).__name__}")
-        return limits.check_prompt_token_ids(prompt_token_ids, self.model_config.vocab_size)
+        return limits.prompt_token_ids_of(prompt, self.tokenizer, self.max_model_len,
+                                          self.model_config.vocab_size)
 
     def validate_request(self, prompt_token_ids: list[int],
                          sampling_params: SamplingParams) -> None:
@@ -144,10 +136,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
-                    cache_salt: str | None = None, text_at_finish: bool = False) -> int:
+                    cache_salt: str | None = None, text_at_finish: bool = False,
+                    lora_request=None) -> int:
         """Queue one request; returns its number of prompt tokens. ValueError if it is invalid.
 
-        Requests share cached prefix blocks only with requests of the same `cache_salt`.
+        Requests share cached prefix blocks only with requests of the same `cache_salt` and
+        LoRA adapter (`lora_request`, a `LoRARequest`; None: the base model).
         `text_at_finish`: for a caller that reads only the final text (`LLM.generate`), the
         output that finishes the request carries all of its text, decoded once, and the
         ones before it none, so no step spends time detokenizing; ignored when stop strings
@@ -156,6 +150,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self.encode_prompt(prompt)
         self._check_request(prompt_token_ids, sampling_params)
+        self._lora.check(lora_request)
         if self._extra_eos_ids and not sampling_params.ignore_eos:
             stop_ids = sampling_params.stop_token_ids.union(self._extra_eos_ids)
             sampling_params = dataclasses.replace(sampling_params, stop_token_ids=stop_ids)
@@ -164,7 +159,7 @@ class LLMEngine:
             sampling_params=sampling_params,
             arrival_time=self._clock() if arrival_time is None else arrival_time,
             eos_token_id=self._eos_token_id, max_model_len=self.max_model_len,
-            cache_salt=cache_salt)
+            cache_salt=cache_salt, lora_request=lora_request)
         # A new grammar compiles off this thread; the request joins the scheduler when it has.
         matcher = self._structured.start(request_id, sampling_params)
         if not self._structured.is_compiling(request_id):
@@ -359,7 +354,8 @@ class LLMEngine:
             num_free_blocks=blocks.num_free_blocks, num_total_blocks=blocks.num_total_blocks,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=blocks.usage, num_paused=self.scheduler.num_paused,
-            router_load=self.runner.router_load(), **spec_decode_stats(self.scheduler))
+            router_load=self.runner.router_load(), **spec_decode_stats(self.scheduler),
+            **self._lora.stats(self.scheduler))
 
     # ---- what the async layer reads once loaded (see engine.protocol.EngineCore) --------
 
@@ -379,6 +375,14 @@ class LLMEngine:
         """Forget every cached prefix block (running requests keep theirs, unshared).
         Returns how many free blocks were dropped from the cache."""
         return self.scheduler.reset_prefix_cache()
+
+    def check_lora(self, lora_request) -> None:
+        """ValueError unless requests may run on this adapter (`add_request` checks it too)."""
+        self._lora.check(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter and free its weights (requests on it still finish)."""
+        return self._lora.remove(lora_int_id)
 
     def notify_on_failure(self, callback: Callable[[BaseException], None]) -> None:
         """Have `callback(error)` called, from any thread, when the engine can no longer step

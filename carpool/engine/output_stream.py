@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from carpool.lora_request import LoRARequest
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class GenerationRequest:
     prompt: str | list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,13 @@ def checked_stats(engine) -> dict:
     return {**engine.stats().as_dict(), "integrity": verdict}
 
 
-UTILITIES: dict[str, Callable[[Any], Any]] = {
+def remove_lora(engine, lora_int_id: int) -> bool:
+    """Forget a LoRA adapter unloaded by name and free its weights (its requests finish)."""
+    return engine.remove_lora(lora_int_id)
+
+
+UTILITIES: dict[str, Callable[..., Any]] = {
     "reset_prefix_cache": reset_prefix_cache,
     "checked_stats": checked_stats,
+    "remove_lora": remove_lora,
 }

@@ -137,6 +137,20 @@ def quant_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     return out.to(x.dtype)
 
 
+def lora_add_reference(out: torch.Tensor, x: torch.Tensor, starts, ends, a, b,
+                       parts) -> torch.Tensor:
+    """`lora_add_`: out[starts[g]:ends[g], col0:col0 + cols] += (x·a[g])[:, r0:r1]·b[p] for
+    each part p = parts[4p:4p + 4] = (g, col0, r0, r1), in float32, then cast; returns out."""
+    result = out.float()
+    for p, bp in enumerate(b):
+        g, col0, r0, r1 = parts[4 * p:4 * p + 4]
+        rows = slice(starts[g], ends[g])
+        shrunk = x[rows].float() @ a[g].float()
+        result[rows, col0:col0 + bp.shape[1]] += shrunk[:, r0:r1] @ bp.float()
+    out.copy_(result.to(out.dtype))
+    return out
+
+
 # --- elementwise/ -----------------------------------------------------------------------
 
 

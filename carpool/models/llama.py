@@ -150,9 +150,13 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, attention: AttentionBackend, meta) -> torch.Tensor:
+                kv_cache: torch.Tensor, attention: AttentionBackend, meta,
+                lora=None) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add(qkv, x, self.layer_index, "qkv")
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -160,8 +164,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)
         out = attention.forward(q, k, v, kv_cache, meta, self.scale)  # (T, H, D)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens,
-                                                          self.num_heads * self.head_dim)))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        projected = self.o_proj(out)
+        if lora is not None:
+            lora.add(projected, out, self.layer_index, "o")
+        return self.tp.all_reduce(projected)
 
 
 class MLP(nn.Module):
@@ -177,30 +184,41 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        if lora is None:
+            return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        lora.add(gate_up, x, self.layer_index, "gate_up")
+        inner = self.act(gate_up)
+        out = self.down_proj(inner)
+        lora.add(out, inner, self.layer_index, "down")
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallelGroup,
+                 index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config, layout, tp)
         self.mlp = MLP(config, layout, tp)
+        # which layer's adapter weights `lora.add` takes
+        self.self_attn.layer_index = self.mlp.layer_index = index
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, attention: AttentionBackend,
-                meta) -> tuple[torch.Tensor, torch.Tensor]:
+                meta, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it); their
-        sum is the layer's output. The first layer gets residual None (x is the stream)."""
+        sum is the layer's output. The first layer gets residual None (x is the stream).
+        `lora`: the step's adapter rows (`carpool.lora.step_lora.StepLora`), or None."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, attention, meta)
+        h = self.self_attn(h, cos, sin, kv_cache, attention, meta, lora)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -208,8 +226,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout, config.vocab_size, config.hidden_size,
                                                    tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, layout, tp)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, layout, tp, i)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
@@ -235,20 +253,24 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attention: AttentionBackend, meta) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], attention: AttentionBackend, meta,
+                lora=None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden_size] (before the norm).
 
         `meta` is `attention.build_metadata(...)` of this step; each layer writes its new
         keys and values into its own cache in `kv_caches` and attends through `attention`.
+        `lora` (None: no row has an adapter) adds each adapter's term to its rows after
+        every base linear: `lora.add(out, x, layer, "qkv" | "o" | "gate_up" | "down")`.
         """
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # (T, head_dim) each
         stack = self.layer_stack
-        if stack is not None and stack.takes(meta):
-            return stack(x, cos, sin, kv_caches, meta)
+        if stack is not None and stack.takes(meta, lora):
+            return stack(x, cos, sin, kv_caches, meta) if lora is None else \
+                stack(x, cos, sin, kv_caches, meta, lora)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attention, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attention, meta, lora)
         return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

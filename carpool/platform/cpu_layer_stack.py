@@ -70,20 +70,24 @@ class KernelLayerStack:
                                    norms[0].eps, attn.scale)
         return cls(kernels.LayerStack(weights, shape), route)
 
-    def takes(self, meta) -> bool:
+    def takes(self, meta, lora=None) -> bool:
         """Whether this step's layers run here: those the kernels backend attends (the route
         builds the stack only beside it; a backend made apart from the platform, as some tests
-        make one, keeps the modules)."""
-        return isinstance(meta, KernelMetadata)
+        make one, keeps the modules), and with LoRA adapters only where their term is the
+        kernels' `lora_add_`, which the stack calls after each linear as the modules do
+        (`CpuRoute.lora_steps`)."""
+        return isinstance(meta, KernelMetadata) and (lora is None or lora.kernel is not None)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[torch.Tensor], meta: KernelMetadata) -> torch.Tensor:
+                 kv_caches: list[torch.Tensor], meta: KernelMetadata,
+                 lora=None) -> torch.Tensor:
         """The hidden states after the last layer (before the final norm), as the modules'
-        loop returns them."""
+        loop returns them; `lora`: the step's `StepLora`, or None."""
         paged_rows, prefill_rows = meta.attend_args()
+        terms = [] if lora is None else lora.stack_terms(len(kv_caches))
         return self._stack.forward(x, cos.contiguous(), sin.contiguous(), kv_caches,
                                    meta.slot_mapping, paged_rows, prefill_rows,
-                                   self._sliding_window, self._prefill_amx)
+                                   self._sliding_window, self._prefill_amx, terms)
 
 
 def _stack_linear(kernels: ModuleType, linear: PackedLinear | QuantLinear):

@@ -297,6 +297,9 @@ class CpuRoute:
     layer_stack: bool  # the C++ layer stack runs the decoder layers (`cpu_layer_stack`)
     quant: QuantRoute  # quantized linears, where the model has them (`cpu_quant`)
     moe: MoeRoute | None = None  # a mixture of experts' experts (`cpu_moe`); None: dense
+    # LoRA adapters' term by the kernels' `lora_add_` (one call a linear for every adapter's
+    # rows; float32 and bfloat16), else torch's matmuls per adapter (`lora/step_lora.py`)
+    lora_kernel: bool = False
 
     def describe(self) -> str:
         """One line: the CPU, the model, then each decision."""
@@ -306,8 +309,18 @@ class CpuRoute:
                 f"attention {self.attention.describe()}; "
                 f"fused elementwise {'on' if self.fused_elementwise else 'off'}; "
                 f"C++ layer stack {'on' if self.layer_stack else 'off'}"
-                + ("" if self.moe is None else
-                   f" (a mixture of experts: decoder loop in Python); {self.moe.describe()}"))
+                + ("" if self.moe is None else " (a mixture of experts: decoder loop in Python)")
+                + f"; LoRA steps {self.lora_steps}, term by "
+                f"{'lora_add_' if self.lora_kernel else 'torch matmuls'}"
+                + ("" if self.moe is None else f"; {self.moe.describe()}"))
+
+    @property
+    def lora_steps(self) -> str:
+        """Who runs a step in which some row has a LoRA adapter: the layer stack where the
+        term is the kernels' `lora_add_` (the stack calls it after each linear, as the Python
+        layers' `lora.add` does), else the Python layers (`KernelLayerStack.takes`)."""
+        return "in the C++ layer stack" if self.layer_stack and self.lora_kernel else \
+            "on the Python layers"
 
 
 def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_window: int | None,
@@ -342,7 +355,8 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
                     sliding_window=sliding_window, linears=linears, attention=attention,
                     fused_elementwise=kernels is not None, layer_stack=layer_stack,
                     quant=decide_quant(cpu.cpu_class, dtype, kernels, batch_invariant),
-                    moe=moe)
+                    moe=moe,
+                    lora_kernel=kernels is not None and dtype in (torch.float32, torch.bfloat16))
 
 
 def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | None, *,

@@ -23,6 +23,10 @@ from carpool.attention import AttentionShape
 from carpool.config import EngineConfig
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.distributed import SINGLE, TensorParallelGroup
+from carpool.lora.adapter_cache import AdapterCache
+from carpool.lora.peft_adapter import load_adapter
+from carpool.lora.step_lora import StepLora, order_by_adapter
+from carpool.lora_request import LoRARequest
 from carpool.models.config import ModelConfig, load_model_config
 from carpool.models.loader import load_model, resolve_model_path
 from carpool.models.sharding import ShardLayout
@@ -109,6 +113,14 @@ class ModelRunner:
         self.platform.prepare_model(self.model)
         if config.moe_router_stats and hasattr(self.model, "count_router_load"):
             self.model.count_router_load()
+        # LoRA adapters, read from their folders when a step first needs them (None: off)
+        self.adapters = None if config.lora is None else AdapterCache(
+            config.lora.capacity, self._load_adapter)
+        self._max_lora_rank = 0 if config.lora is None else config.lora.max_lora_rank
+        # the adapters' term by the kernels' lora_add_ where the CPU route says so
+        route = getattr(self.platform, "route", None)
+        self.lora_kernel = kernels.lora_add_ if route is not None and route.lora_kernel \
+            else None
         # the weights' format and their types, as the loader found them (None: float weights)
         self.quantization: str | None = getattr(self.model, "quantization", None)
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed,
@@ -156,10 +168,17 @@ class ModelRunner:
         self.sampler.free(scheduler_output.finished_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
+        lora = None
+        if self.adapters is not None:
+            scheduler_output = order_by_adapter(scheduler_output)
         batch = build_input_batch(scheduler_output, block_size=self.block_size,
                                   scratch_block=num_kv_blocks, device=self.device)
+        if self.adapters is not None:
+            lora = self._step_lora(scheduler_output, batch)
         meta = self.attention.build_metadata(batch.layout)
-        hidden = self.model(batch.input_ids, batch.positions, kv_caches, self.attention, meta)
+        args = (batch.input_ids, batch.positions, kv_caches, self.attention, meta)
+        # (a base-only step calls the model as it would without adapters)
+        hidden = self.model(*args) if lora is None else self.model(*args, lora=lora)
         output = ModelRunnerOutput()
         for i, req in enumerate(scheduler_output.scheduled):
             if req.sampling_params.prompt_logprobs is not None and wants_prompt_logprobs(req):
@@ -198,6 +217,26 @@ class ModelRunner:
         output.accepted_draft_logprobs = {rid: positions[:-1]
                                           for rid, positions in verified.logprobs.items()}
         return output
+    def _step_lora(self, scheduler_output: SchedulerOutput, batch) -> StepLora | None:
+        """The step's rows grouped by adapter, their weights loaded (None: all base rows)."""
+        requests = [s.lora_request for s in scheduler_output.scheduled
+                    if s.lora_request is not None]
+        if not requests:
+            return None
+        weights = self.adapters.activate(requests)
+        return StepLora.of(scheduler_output.scheduled, batch.layout.query_starts,
+                           batch.layout.query_lens, weights, self.lora_kernel)
+
+    def _load_adapter(self, request: LoRARequest):
+        weights = load_adapter(request.lora_name, request.lora_path, self.model_config,
+                               self._max_lora_rank, self.dtype, self.device)
+        logger.info("LoRA adapter %r (id %d) loaded from %s: %d bytes", request.lora_name,
+                    request.lora_int_id, request.lora_path, weights.nbytes)
+        return weights
+
+    def evict_adapter(self, lora_int_id: int) -> bool:
+        """Drop a loaded adapter now (unloaded by name); False if it was not loaded."""
+        return self.adapters is not None and self.adapters.evict(lora_int_id)
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None,
                            gpu_memory_utilization: float) -> int:

@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import carpool
 from carpool.engine.protocol import EngineClient
-from carpool.server import chat, completions, meta, responses, tokenize
+from carpool.lora_request import LoRARequest
+from carpool.server import chat, completions, lora_adapters, meta, responses, tokenize
 from carpool.server.admission import Admission
 from carpool.server.body_limit import BodyLimitMiddleware
 from carpool.server.errors import APIError, install_error_handlers
@@ -34,7 +35,7 @@ from carpool.server.prompts import DEFAULT_MAX_TOKENIZER_QUEUE, TokenizerWorker
 from carpool.server.tool_parsers import get_parser
 
 # The modules whose `router` build_app includes.
-ROUTE_MODULES = (completions, chat, responses, tokenize, meta)
+ROUTE_MODULES = (completions, chat, responses, tokenize, meta, lora_adapters)
 # The API key guards the OpenAI routes and those that cost work or change or reveal the
 # server's state; /metrics, the probes (/health, /ping, /load, /version) and SGLang's
 # router routes stay open, as in vLLM (Prometheus and load balancers send no key).
@@ -89,6 +90,11 @@ class ServerSettings:
     # Seconds an engine with work may go without finishing a step before /health is 503
     # (0: never reported stalled).
     engine_stall_timeout: float = DEFAULT_ENGINE_STALL_TIMEOUT_S
+    # LoRA adapters served by name from the start (`--lora-modules`), and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter may change them (vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING, a flag here).
+    lora_modules: tuple[LoRARequest, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -186,6 +192,9 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     app.state.settings = settings
     app.state.admission = Admission(settings.max_num_waiting_requests)
     app.state.tokenizer_worker = TokenizerWorker(settings.max_tokenizer_queue)
+    # (checked against the model by `serve`, which sets the check runtime loads take)
+    app.state.lora_adapters = lora_adapters.ServedAdapters(
+        settings.lora_modules, allow_updates=settings.allow_runtime_lora_updating)
     install_error_handlers(app)
     for module in ROUTE_MODULES:
         app.include_router(module.router)

@@ -115,7 +115,7 @@ def prepare_chat(body: ChatCompletionRequest, info: EngineInfo, params: Sampling
     tool_choice = body.tool_choice_of(settings.enable_auto_tool_choice)
     prompt_ids = render_chat_prompt(info.tokenizer, body.messages, body.add_generation_prompt,
                                     body.tools, max_tokens=info.max_model_len)
-    ctx = ChatContext(new_id("chatcmpl"), int(time.time()), info.served_model_name,
+    ctx = ChatContext(new_id("chatcmpl"), int(time.time()), body.model or info.served_model_name,
                       params.logprobs if body.logprobs else None, info.tokenizer,
                       vllm_prompt_logprobs=params.prompt_logprobs is not None,
                       tool_choice=None if tool_choice.mode == "none" else tool_choice,

@@ -21,6 +21,7 @@ from carpool.arg_utils import (
     parse_bytes,
 )
 from carpool.config import EngineConfig
+from carpool.server.lora_adapters import check_lora_modules, parse_lora_modules
 
 logger = logging.getLogger("carpool.server")
 
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Engine replicas behind this server, each its own process with its "
                              "own KV cache (and its own CUDA card, or 1/N of the CPU threads); "
                              "requests go to the least loaded (default 1).")
+    _add_lora_server_arguments(server)
     add_engine_arguments(parser.add_argument_group("engine"))
     add_scheduler_arguments(parser.add_argument_group("scheduler"))
 
@@ -156,6 +158,16 @@ def _add_tool_arguments(group) -> None:
                             "</tool_call>) or llama3_json.")
 
 
+def _add_lora_server_arguments(group) -> None:
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH|JSON",
+                       help="LoRA adapters (PEFT folders) served by name, as name=path or "
+                            "JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...}; "
+                            "needs --enable-lora.")
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="Allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                            "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+
+
 def server_settings_from_args(args: argparse.Namespace):
     """The ServerSettings the flags describe; ValueError names a bad flag's field."""
     from carpool.server.app import ServerSettings
@@ -174,7 +186,9 @@ def server_settings_from_args(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         engine_process=args.engine_process, data_parallel_size=args.data_parallel_size,
         max_tokenizer_queue=args.max_tokenizer_queue, max_logprob_work=args.max_logprob_work,
-        engine_stall_timeout=args.engine_stall_timeout)
+        engine_stall_timeout=args.engine_stall_timeout,
+        lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_cli_args(args, usage="server")
         settings = server_settings_from_args(args)
+        check_lora_modules(config, settings.lora_modules)
     except (ValueError, OSError) as exc:
         # One line, no traceback, before anything binds the port (exit 1, as vLLM's).
         logger.error("invalid settings: %s", " ".join(str(exc).split()))

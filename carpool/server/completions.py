@@ -78,7 +78,8 @@ class _Context:
 async def create_completion(body: CompletionRequest, request: Request):
     def prepare(info: EngineInfo, params: SamplingParams) -> tuple[_Context, list]:
         prompts = body.prompts()
-        ctx = _Context(new_id("cmpl"), int(time.time()), info.served_model_name, prompts,
+        ctx = _Context(new_id("cmpl"), int(time.time()), body.model or info.served_model_name,
+                       prompts,
                        params.n, body.echo, body.echo_only, params.logprobs,
                        body.prompt_logprobs is not None, info.tokenizer,
                        params.skip_special_tokens)

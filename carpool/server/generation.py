@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +30,7 @@ from carpool.engine.output_stream import (
     StreamBacklogError,
 )
 from carpool.engine.protocol import EngineClient
+from carpool.lora_request import LoRARequest
 from carpool.outputs import StepOutput
 from carpool.sampling_params import SamplingParams, child_params
 from carpool.server.admission import Admission
@@ -39,6 +40,9 @@ from carpool.server.logprobs import check_logprob_work
 from carpool.server.prompts import TokenizerWorker
 from carpool.server.protocol import REQUEST_FIELDS, SamplingRequest
 from carpool.server.sse import DONE, EventStreamResponse, sse_event
+
+if TYPE_CHECKING:
+    from carpool.server.lora_adapters import ServedAdapters
 
 logger = logging.getLogger("carpool.server")
 
@@ -61,21 +65,30 @@ def ready_engine(request: Request) -> EngineClient:
     return engine
 
 
-def check_model(name: str | None, info: EngineInfo) -> None:
-    if name is not None and name != info.served_model_name:
+def check_model(name: str | None, info: EngineInfo,
+                adapters: ServedAdapters | None = None) -> LoRARequest | None:
+    """The LoRA adapter `name` names (None: the model); 404 for a name served as neither."""
+    if name is None or name == info.served_model_name:
+        return None
+    adapter = None if adapters is None else adapters.get(name)
+    if adapter is None:
         raise not_found_model(name, info.served_model_name)
+    return adapter
 
 
-def check_request(body: SamplingRequest, info: EngineInfo) -> None:
-    """404 for another model's name; one warning naming the fields this server ignores."""
-    check_model(body.model, info)
+def check_request(body: SamplingRequest, info: EngineInfo,
+                  adapters: ServedAdapters | None = None) -> LoRARequest | None:
+    """The body's adapter (`check_model`); one warning naming the fields ignored."""
+    adapter = check_model(body.model, info, adapters)
     if body.ignored_fields:
         logger.warning("The following fields were present in the request but ignored: %s",
                        ", ".join(body.ignored_fields))
+    return adapter
 
 
 def fan_out(base_id: str, prompts: list, params: SamplingParams,
-            info: EngineInfo, cache_salt: str | None = None) -> list[GenerationRequest]:
+            info: EngineInfo, cache_salt: str | None = None,
+            lora_request: LoRARequest | None = None) -> list[GenerationRequest]:
     n = params.n
     if n > info.max_num_seqs:
         raise ValueError(f"n must be <= max_num_seqs ({info.max_num_seqs}), got {n}")
@@ -87,7 +100,7 @@ def fan_out(base_id: str, prompts: list, params: SamplingParams,
         for i in range(n):
             child = child_params(params, i)  # the offline LLM's fan-out, seeds and all
             requests.append(GenerationRequest(f"{base_id}-{p * n + i}", prompt, child,
-                                              cache_salt))
+                                              cache_salt, lora_request))
     return requests
 
 
@@ -142,7 +155,7 @@ async def serve_generation(
     """
     engine = ready_engine(request)
     info = engine.info
-    check_request(body, info)
+    adapter = check_request(body, info, request.app.state.lora_adapters)
     worker: TokenizerWorker = request.app.state.tokenizer_worker
 
     def prepare_ids(params: SamplingParams) -> tuple[Any, list, list[list[int]]]:
@@ -157,7 +170,7 @@ async def serve_generation(
             worker.run(prepare_ids, params), request)
         check_logprob_work(params, [len(ids) for ids in prompt_ids], info.max_model_len,
                            request.app.state.settings.max_logprob_work)
-        requests = fan_out(context.id, prompt_ids, params, info, body.cache_salt)
+        requests = fan_out(context.id, prompt_ids, params, info, body.cache_salt, adapter)
     except ValueError as exc:
         raise bad_request(exc, REQUEST_FIELDS) from None
     usage = Usage(params.n)

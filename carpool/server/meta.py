@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import carpool
 from carpool.engine.protocol import EngineClient
+from carpool.lora_request import LoRARequest
 from carpool.server.errors import APIError
 from carpool.server.generation import check_model, ready_engine
 from carpool.server.liveness import stall_message
@@ -98,20 +99,32 @@ async def version() -> dict:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    return {"object": "list", "data": [_model_card(ready_engine(request).info)]}
+    """The served model, then each LoRA adapter (vLLM's cards: `root` its folder, `parent`
+    the model it extends)."""
+    info = ready_engine(request).info
+    adapters = request.app.state.lora_adapters.all()
+    return {"object": "list",
+            "data": [_model_card(info)] + [_adapter_card(info, a) for a in adapters]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> dict:
     """The openai client's `models.retrieve`; another model's name is a 404."""
     info = ready_engine(request).info
-    check_model(model_id, info)
-    return _model_card(info)
+    adapter = check_model(model_id, info, request.app.state.lora_adapters)
+    return _model_card(info) if adapter is None else _adapter_card(info, adapter)
 
 
 def _model_card(info) -> dict:
     return {"id": info.served_model_name, "object": "model", "created": _STARTED,
-            "owned_by": "carpool", "root": info.served_model_name,
+            "owned_by": "carpool", "root": info.served_model_name, "parent": None,
+            "max_model_len": info.max_model_len, "quantization": info.quantization}
+
+
+def _adapter_card(info, adapter: LoRARequest) -> dict:
+    return {"id": adapter.lora_name, "object": "model", "created": _STARTED,
+            "owned_by": "carpool", "root": adapter.lora_path,
+            "parent": adapter.base_model_name or info.served_model_name,
             "max_model_len": info.max_model_len, "quantization": info.quantization}
 
 

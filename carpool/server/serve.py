@@ -50,6 +50,7 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
     """Run the server until it is stopped (0, also on SIGTERM) or the engine dies (1)."""
     from carpool.metrics import MetricFamilies, ServerMetrics
     from carpool.server.app import build_app
+    from carpool.server.lora_adapters import adapter_check
 
     exit_code = 0
     server: uvicorn.Server | None = None
@@ -91,6 +92,7 @@ def serve(config: EngineConfig, settings: ServerSettings, *, host: str, port: in
         engine = AsyncEngine(lambda: LLMEngine.from_config(config), **hooks)
     app = build_app(engine, settings)
     app.state.grammar_limits = config.grammar_limits  # the server's grammar check's
+    app.state.lora_adapters.check = adapter_check(config)  # runtime loads' check
     max_connections = connection_cap(settings.max_connections, raise_open_files_limit(),
                                      DEFAULT_BACKLOG)
     server = DrainingServer(

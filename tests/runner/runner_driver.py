@@ -27,6 +27,7 @@ class DriverRequest:
     logprobs: list = field(default_factory=list)
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
+    lora_request: object = None  # its LoRA adapter (a LoRARequest), None: the base model
 
     @property
     def tokens(self) -> list[int]:
@@ -64,7 +65,7 @@ class Driver:
             req.blocks.append(self.free_blocks.pop())
         return ScheduledRequest(req.request_id, req.tokens[req.num_computed:end], req.num_computed,
                                 list(req.blocks), end == len(req.tokens), req.params,
-                                req.prompt, list(req.outputs))
+                                req.prompt, list(req.outputs), lora_request=req.lora_request)
 
     def _update(self, active, scheduled, out) -> list[str]:
         by_id = {r.request_id: r for r in active}

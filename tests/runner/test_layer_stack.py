@@ -36,13 +36,13 @@ def compare_each_step(runner: ModelRunner, monkeypatch) -> list[bool]:
     model, taken = runner.model, []
     forward = model.forward
 
-    def both(input_ids, positions, kv_caches, attention, meta):
+    def both(input_ids, positions, kv_caches, attention, meta, lora=None):
         stack = model.layer_stack
-        taken.append(stack.takes(meta))
-        got = forward(input_ids, positions, kv_caches, attention, meta)
+        taken.append(stack.takes(meta, lora))
+        got = forward(input_ids, positions, kv_caches, attention, meta, lora)
         model.layer_stack = None
         try:
-            expected = forward(input_ids, positions, kv_caches, attention, meta)
+            expected = forward(input_ids, positions, kv_caches, attention, meta, lora)
         finally:
             model.layer_stack = stack
         assert got.dtype == expected.dtype and torch.equal(got, expected)
@@ -75,6 +75,27 @@ def test_stack_steps_give_the_modules_hidden_states_bitwise(make_checkpoint, mon
     taken = compare_each_step(runner, monkeypatch)
     # Prompts in chunks of 4 beside the other requests' decodes, then decodes alone.
     Driver(runner, chunk=4).run(requests(seed=len(arch)))
+    assert len(taken) > 8 and all(taken)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_steps_with_lora_adapters_give_the_modules_hidden_states_bitwise(
+        make_checkpoint, tmp_path, monkeypatch, dtype):
+    from carpool.lora_request import LoRARequest
+    from carpool.testing.peft_adapters import ALL_MODULES, build_adapter
+
+    path = make_checkpoint("qwen3")
+    loras = [LoRARequest(f"a{i}", i + 1, str(build_adapter(
+        path, tmp_path / f"a{i}", seed=i, rank=4 * (i + 1), dtype=dtype,
+        target_modules=ALL_MODULES if i else ("q_proj", "v_proj")))) for i in range(2)]
+    runner = make_runner(path, dtype, enable_lora=True, max_loras=2)
+    assert runner.platform.route.lora_steps == "in the C++ layer stack"
+    taken = compare_each_step(runner, monkeypatch)
+    reqs = requests(seed=9)
+    for req, lora in zip(reqs, (loras[0], None, loras[1])):
+        req.lora_request = lora
+    Driver(runner, chunk=4).run(reqs)
     assert len(taken) > 8 and all(taken)
 
 
@@ -173,12 +194,12 @@ class Flagged:
     def __init__(self, inner) -> None:
         self.inner, self.active = inner, False
 
-    def takes(self, meta) -> bool:
-        return self.inner.takes(meta)
+    def takes(self, meta, lora=None) -> bool:
+        return self.inner.takes(meta, lora)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.active = True
         try:
-            return self.inner(*args)
+            return self.inner(*args, **kwargs)
         finally:
             self.active = False

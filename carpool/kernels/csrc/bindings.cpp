@@ -62,6 +62,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(unit, share) of each claim by owners[i] of the stealable shares that start at "
         "bounds (the AMX GEMM's split of its work), made in that order; unit -1: none left.",
         py::arg("bounds"), py::arg("owners"));
+  m.def("lora_add_", &carpool_gemm::lora_add_,
+        "LoRA terms in place: out[starts[g]:ends[g]] gets (x·a[g])[:, r0:r1]·b[p] in columns "
+        "[col0, col0 + b[p].size(1)) for each part p = (g, col0, r0, r1) of parts; float32 or "
+        "bfloat16, float32 accumulation.",
+        py::arg("out"), py::arg("x"), py::arg("starts"), py::arg("ends"), py::arg("a"),
+        py::arg("b"), py::arg("parts"), py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &carpool_greedy::argmax_rows,
         "Each row's largest value's index, as max(-1).indices (first of equals, first NaN); "
         "float32 or bfloat16 [N, V] with contiguous rows.",
@@ -159,6 +165,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // CPU's) binds the same C++ types.
   using carpool_layers::DecoderWeights, carpool_layers::LayerStack,
       carpool_layers::StackLinear, carpool_layers::StackShape;
+  using LoraTuple = std::tuple<std::vector<int64_t>, std::vector<int64_t>,
+                               std::vector<at::Tensor>, std::vector<at::Tensor>,
+                               std::vector<int64_t>>;
   py::class_<StackLinear>(m, "StackLinear", py::module_local(),
                           "A linear layer: its small GEMM up to max_rows rows, else forward.")
       .def(py::init([](at::Tensor packed, int64_t out_features, c10::optional<at::Tensor> bias,
@@ -222,14 +231,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
               const at::Tensor& slot_mapping, const std::vector<at::Tensor>& paged_rows,
               const std::vector<at::Tensor>& prefill_rows, int64_t sliding_window,
-              bool prefill_amx) {
+              bool prefill_amx, const std::vector<LoraTuple>& lora) {
+             std::vector<carpool_layers::LoraTerm> terms;
+             terms.reserve(lora.size());
+             for (const LoraTuple& t : lora)
+               terms.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t),
+                                std::get<4>(t)});
              return stack.forward(x, cos, sin, kv_caches, slot_mapping, paged_rows,
-                                  prefill_rows, {sliding_window, prefill_amx});
+                                  prefill_rows, {sliding_window, prefill_amx}, terms);
            },
-           "The layers over x [T, hidden]: the last one's output plus its residual stream.",
+           "The layers over x [T, hidden]: the last one's output plus its residual stream; "
+           "lora: none, or (starts, ends, a, b, parts) as lora_add_ takes them, four a layer.",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
            py::arg("slot_mapping"), py::arg("paged_rows"), py::arg("prefill_rows"),
-           py::arg("sliding_window"), py::arg("prefill_amx"),
+           py::arg("sliding_window"), py::arg("prefill_amx"), py::arg("lora"),
            py::call_guard<py::gil_scoped_release>());
   m.def("attend", &carpool_attention::attend,
         "A step's attention into a new [T, H, D]: prefill_rows by prefill_attention_bf16 "

@@ -42,6 +42,12 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
                         const c10::optional<at::Tensor>& bias, int64_t rounded_from = 0);
 }
 
+namespace carpool_gemm {  // lora_gemm.cpp
+void lora_add_(at::Tensor& out, const at::Tensor& x, const std::vector<int64_t>& starts,
+               const std::vector<int64_t>& ends, const std::vector<at::Tensor>& a,
+               const std::vector<at::Tensor>& b, const std::vector<int64_t>& parts);
+}
+
 namespace carpool_prefill {  // prefill_attention.cpp
 bool prefill_head_dim_ok(int64_t head_dim);
 void prefill_attention_bf16(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,

@@ -45,6 +45,13 @@ at::Tensor multiply(const StackLinear& linear, const at::Tensor& x) {
                                        linear.amx);
 }
 
+// The linear's output with its LoRA term added (Python: `StepLora.add` after the linear).
+at::Tensor with_lora(at::Tensor out, const at::Tensor& x, const LoraTerm* term) {
+  if (term != nullptr && !term->starts.empty())
+    carpool_gemm::lora_add_(out, x, term->starts, term->ends, term->a, term->b, term->parts);
+  return out;
+}
+
 }  // namespace
 
 LayerStack::LayerStack(std::vector<DecoderWeights> layers, StackShape shape)
@@ -64,12 +71,13 @@ at::Tensor LayerStack::attention(const DecoderWeights& layer, const at::Tensor& 
                                  const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                                  const std::vector<at::Tensor>& paged_rows,
                                  const std::vector<at::Tensor>& prefill_rows,
-                                 AttentionSwitches switches) const {
+                                 AttentionSwitches switches, const LoraTerm* lora) const {
   const int64_t tokens = h.size(0), heads = shape_.num_heads, kv_heads = shape_.num_kv_heads;
   const int64_t d = shape_.head_dim;
   // Attention.forward: the q, k, v views of one projection, the q and k norms, RoPE in place.
   const std::vector<at::Tensor> qkv =
-      multiply(layer.qkv, h).split_with_sizes({heads * d, kv_heads * d, kv_heads * d}, -1);
+      with_lora(multiply(layer.qkv, h), h, lora)
+          .split_with_sizes({heads * d, kv_heads * d, kv_heads * d}, -1);
   at::Tensor q = qkv[0].view({tokens, heads, d});
   at::Tensor k = qkv[1].view({tokens, kv_heads, d});
   const at::Tensor v = qkv[2].view({tokens, kv_heads, d});
@@ -85,7 +93,8 @@ at::Tensor LayerStack::attention(const DecoderWeights& layer, const at::Tensor& 
       carpool_attention::attend(q, kv_cache, paged_rows, prefill_rows, shape_.scale,
                                 switches.sliding_window, switches.prefill_amx,
                                 /*batch_invariant=*/false);
-  return multiply(layer.o, out.reshape({tokens, heads * d}));
+  const at::Tensor flat = out.reshape({tokens, heads * d});
+  return with_lora(multiply(layer.o, flat), flat, lora == nullptr ? nullptr : lora + 1);
 }
 
 at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -93,7 +102,10 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const
                                const at::Tensor& slot_mapping,
                                const std::vector<at::Tensor>& paged_rows,
                                const std::vector<at::Tensor>& prefill_rows,
-                               AttentionSwitches switches) const {
+                               AttentionSwitches switches,
+                               const std::vector<LoraTerm>& lora) const {
+  TORCH_CHECK(lora.empty() || lora.size() == 4 * layers_.size(), "LayerStack: ",
+              lora.size(), " LoRA terms, not four a layer");
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LayerStack: ", layers_.size(),
               " layers but ", kv_caches.size(), " caches");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "LayerStack: x must be a contiguous [T, hidden]");
@@ -110,11 +122,15 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const
       std::tie(h, residual) = carpool_fused::rms_norm(hidden, residual, layer.input_norm,
                                                       shape_.eps);
     }
+    const LoraTerm* terms = lora.empty() ? nullptr : lora.data() + 4 * i;
     h = attention(layer, h, cos, sin, kv_caches[i], slot_mapping, paged_rows, prefill_rows,
-                  switches);
+                  switches, terms);
     std::tie(h, residual) = carpool_fused::rms_norm(h, residual, layer.post_attention_norm,
                                                     shape_.eps);
-    hidden = multiply(layer.down, carpool_fused::silu_and_mul(multiply(layer.gate_up, h)));
+    const at::Tensor inner = carpool_fused::silu_and_mul(
+        with_lora(multiply(layer.gate_up, h), h, terms == nullptr ? nullptr : terms + 2));
+    hidden = with_lora(multiply(layer.down, inner), inner,
+                       terms == nullptr ? nullptr : terms + 3);
   }
   return at::add(residual, hidden);
 }

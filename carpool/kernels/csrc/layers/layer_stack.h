@@ -40,6 +40,13 @@ struct DecoderWeights {
 };
 
 // The attention shape and the norms' epsilon, the same in every layer.
+// One linear's LoRA adapters' terms in a step, as lora_add_ takes them (no starts: none).
+struct LoraTerm {
+  std::vector<int64_t> starts, ends;
+  std::vector<at::Tensor> a, b;
+  std::vector<int64_t> parts;
+};
+
 struct StackShape {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double eps = 0, scale = 0;
@@ -59,19 +66,20 @@ class LayerStack {
   // layer; the rows paged_attention attends and those prefill_attention_bf16 attends, as
   // `attend` takes them (each the four int32 tensors of the backend's KernelRows: block
   // tables, query starts, query lens, seq lens; empty where the step has none). Returns the last layer's output plus its
-  // residual stream (the hidden states before the final norm).
+  // residual stream (the hidden states before the final norm). `lora`: none, or four terms a
+  // layer (qkv, o, gate_up, down), each added after its linear as the modules add them.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const std::vector<at::Tensor>& paged_rows,
                      const std::vector<at::Tensor>& prefill_rows,
-                     AttentionSwitches switches) const;
+                     AttentionSwitches switches, const std::vector<LoraTerm>& lora) const;
 
  private:
   at::Tensor attention(const DecoderWeights& layer, const at::Tensor& h, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& kv_cache,
                        const at::Tensor& slot_mapping, const std::vector<at::Tensor>& paged_rows,
                        const std::vector<at::Tensor>& prefill_rows,
-                       AttentionSwitches switches) const;
+                       AttentionSwitches switches, const LoraTerm* lora) const;
 
   std::vector<DecoderWeights> layers_;
   StackShape shape_;
