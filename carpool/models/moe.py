@@ -119,7 +119,10 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.router_load: torch.Tensor | None = None  # [E] rows per expert, when counted
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        if lora is not None:  # the decoder layer passes a step's adapters to every MLP
+            raise ValueError("LoRA adapters are not supported on a mixture of experts' sparse "
+                             "layers; serve this model without --enable-lora")
         weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob,
                              x.dtype if self.weights_in_model_dtype else None)
         if self.router_load is not None:
