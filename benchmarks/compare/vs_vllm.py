@@ -37,6 +37,8 @@ result file).
     python3 -m benchmarks.compare.vs_vllm --models 135M --repeats 2 --result-file vs_vllm_135m.json
     python3 -m benchmarks.compare.vs_vllm --checkpoint /some/hf/folder --workloads 4 \\
         --engines carpool
+    python3 -m benchmarks.compare.vs_vllm --checkpoint /work/vs-vllm/135m-w8a8 \\
+        /work/vs-vllm/135m-awq --dtypes bfloat16 --workloads 200 --repeats 2  # issue 60
     python3 -m benchmarks.compare.vs_vllm --models 135M --dtypes bfloat16 --engines carpool \
         --carpool-device cuda --repeats 2    # carpool alone, on a GPU
     python3 -m benchmarks.compare.vs_vllm --models 135M --dtypes float32 \\
@@ -272,8 +274,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny"], choices=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    parser.add_argument("--checkpoint", default=None,
-                        help="compare on this one HF folder instead of the issue-8 models")
+    parser.add_argument("--checkpoint", nargs="+", default=None,
+                        help="compare on these HF folders (float or quantized, e.g. from "
+                             "benchmarks.quant.make_vs_vllm_quant_checkpoints), one after "
+                             "another, instead of the issue-8 models")
     parser.add_argument("--checkpoint-root", default="/tmp/vs-vllm",
                         help="where the issue-8 checkpoints are (built there when missing)")
     parser.add_argument("--workload-kind", choices=("issue8", "prefix-repetition"),
@@ -354,9 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="vs-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if args.checkpoint:
-        config = json.loads((Path(args.checkpoint) / "config.json").read_text())
-        targets = [(Path(args.checkpoint).name, Path(args.checkpoint), d, config["vocab_size"])
-                   for d in args.dtypes]
+        targets = []
+        for folder in map(Path, args.checkpoint):
+            config = json.loads((folder / "config.json").read_text())
+            targets += [(folder.name, folder, d, config["vocab_size"]) for d in args.dtypes]
     else:
         targets = [(m, checkpoint_dir(args.checkpoint_root, m, d), d, SHAPES[m]["vocab_size"])
                    for m in args.models for d in args.dtypes]
@@ -372,12 +377,12 @@ def main(argv: list[str] | None = None) -> int:
                                   args.repeats, args.threads, workdir, args.timeout,
                                   args.kv_cache_gib, env_of, args.enable_prefix_caching,
                                   args.carpool_device))
-    table = format_table(cases)
-    print(table)
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump({"args": vars(args), "skipped": skipped, "cases": cases, "table": table},
-                      f, indent=1)
+        table = format_table(cases)
+        print(table, flush=True)
+        if args.result_file:  # after every case, so a long run keeps what it has measured
+            with open(args.result_file, "w") as f:
+                json.dump({"args": vars(args), "skipped": skipped, "cases": cases,
+                           "table": table}, f, indent=1)
     return 0
 
 
