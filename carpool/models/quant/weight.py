@@ -164,6 +164,7 @@ def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """x rounded to int8 steps per row (token) and scaled back, as compressed-tensors quantizes
     activations with dynamic per-token scales: scale = max|x| / 127.5 (0 -> the dtype's eps),
     q = clamp(round(x / scale), -128, 127), x' = q * scale, in x's dtype."""
-    scale = x.abs().amax(dim=-1, keepdim=True) / INT8_HALF_RANGE
-    scale = torch.where(scale == 0, torch.finfo(x.dtype).eps, scale)
-    return torch.clamp(torch.round(x / scale), -128, 127) * scale
+    scale = x.abs().amax(dim=-1, keepdim=True).div_(INT8_HALF_RANGE)
+    scale.masked_fill_(scale == 0, torch.finfo(x.dtype).eps)
+    # in place after the division: the same values, without a new [M, K] tensor per step
+    return torch.div(x, scale).round_().clamp_(-128, 127).mul_(scale)
