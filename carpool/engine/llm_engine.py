@@ -92,13 +92,15 @@ class LLMEngine:
 
         config, path = resolve_for_model(config)
         sched_config = config.scheduler
+        # the tokenizer before the weights: what reading it takes (a GGUF file's vocabulary
+        # is parsed whole) is freed before the model's memory is, not added to it
+        tokenizer = load_engine_tokenizer(config, path)
         runner = create_executor(config, path)
         try:
             scheduler = (StaticScheduler(sched_config, runner.num_kv_blocks)
                          if sched_config.scheduler == "static" else
                          Scheduler(sched_config, runner.num_kv_blocks,
                                    speculative=config.speculative_config))
-            tokenizer = load_engine_tokenizer(config, path)
         except BaseException:
             runner.close()
             raise

@@ -23,6 +23,7 @@ from carpool.models.llama import LlamaForCausalLM, Target, checkpoint_targets
 from carpool.models.moe import MoeForCausalLM
 from carpool.models.paths import resolve_model_path as resolve_model_path  # re-exported
 from carpool.models.quant.hf_config import check_quantization
+from carpool.models.quant.linear import PrepareLinear
 from carpool.models.registry import get_architecture_spec
 
 logger = logging.getLogger(__name__)
@@ -50,11 +51,14 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                tp: TensorParallelGroup = SINGLE,
-               quantization: str | None = None) -> LlamaForCausalLM:
+               quantization: str | None = None,
+               prepare_linear: PrepareLinear | None = None) -> LlamaForCausalLM:
     """Build this rank's shard of the network for `config` on `device` in `dtype` and fill it
     from `path`'s weights (a GGUF file: `quant.gguf_loader`; a config.json with a
     quantization_config: `quant.hf_loader`). `quantization` is --quantization (None or
-    "auto": the checkpoint's own), checked against the checkpoint."""
+    "auto": the checkpoint's own), checked against the checkpoint. `prepare_linear` gets
+    each quantized linear as soon as it is read (the platform packs it then: one loaded copy
+    at a time, `Platform.quant_linear_packer`)."""
     scheme = check_quantization(path, quantization)
     if config.moe is not None and (scheme is not None or path.suffix.lower() == ".gguf"):
         raise ValueError(f"quantized weights of a mixture-of-experts model "
@@ -62,11 +66,11 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
                          f"float checkpoint")
     if path.suffix.lower() == ".gguf":
         from carpool.models.quant.gguf_loader import load_gguf_model
-        return load_gguf_model(path, config, dtype, device, tp)
+        return load_gguf_model(path, config, dtype, device, tp, prepare_linear)
     if scheme is not None:
         from carpool.models.quant.hf_loader import load_hf_quantized_model
         return load_hf_quantized_model(path, weight_files(path), config, scheme, dtype,
-                                       device, tp)
+                                       device, tp, prepare_linear)
     with torch.device("meta"):
         model = build_model(config, tp).to(dtype)
     model = model.to_empty(device=device)

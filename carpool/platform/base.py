@@ -21,6 +21,12 @@ class Platform:
     def prepare_model(self, model: nn.Module) -> None:
         """Rewrite the loaded model for this device (e.g. pack its linear layers)."""
 
+    def quant_linear_packer(self, dtype: torch.dtype):
+        """A callable the loader passes each quantized linear to as soon as it is read (so
+        the platform can pack it and free the loaded copy before the next); None: the
+        linears are left to `prepare_model`."""
+        return None
+
     def attention_backend(self, name: str, shape: AttentionShape,
                           device: torch.device) -> AttentionBackend:
         """The attention backend `name` ("auto" resolved for `device`) for layers of `shape`."""

@@ -43,7 +43,11 @@ from carpool.platform.cpu_layer_stack import KernelLayerStack
 from carpool.platform.cpu_linear import pack_linears
 from carpool.platform.cpu_memory import keep_freed_memory_in_heap, release_free_heap
 from carpool.platform.cpu_moe import fuse_experts
-from carpool.platform.cpu_quant import describe_quantized, prepare_quant_linears
+from carpool.platform.cpu_quant import (
+    QuantLinearPacker,
+    describe_quantized,
+    prepare_quant_linears,
+)
 from carpool.platform.cpu_route import CpuFacts, CpuRoute, KernelFacts, decide_route
 from carpool.utils.cpu_threads import NO_BIND, bind_threads
 
@@ -57,6 +61,7 @@ class DecidedRoute:
     """The platform's route, set once (its switches are frozen; the route needs the model)."""
 
     route: CpuRoute | None = None
+    packer: QuantLinearPacker | None = None  # handed to the loader (`quant_linear_packer`)
 
     def keep(self, route: CpuRoute) -> CpuRoute:
         """`route`, kept and logged if it is the first; the kept one if it equals it (a second
@@ -131,7 +136,8 @@ class CpuPlatform(Platform):
             pack_linears(model, kernels, route.linears)
         if route.linears.tiles:
             tile_linears(model)
-        if prepare_quant_linears(model, kernels, route.quant, route.dtype):
+        packer = self._decided.packer or QuantLinearPacker(kernels, route.quant, route.dtype)
+        if prepare_quant_linears(model, packer):
             logger.info("quantized linears (%s): %s", describe_quantized(model),
                         route.quant.describe())
         if route.fused_elementwise:
@@ -151,6 +157,17 @@ class CpuPlatform(Platform):
                             "its small GEMM does not take, norms of differing eps, or a "
                             "mixture of experts")
         release_free_heap()  # what loading and packing freed (converted copies) goes back
+
+    def quant_linear_packer(self, dtype: torch.dtype) -> QuantLinearPacker | None:
+        """Packs each quantized linear as the loader reads it (the route is decided by then:
+        the runner asks for its attention backend first); None before a route."""
+        route = self.route
+        if route is None or route.dtype != dtype:
+            return None
+        if self._decided.packer is None:
+            self._decided.packer = QuantLinearPacker(self.compiled_kernels(), route.quant,
+                                                     route.dtype)
+        return self._decided.packer
 
     def compiled_kernels(self) -> ModuleType | None:
         if not self.kernels:

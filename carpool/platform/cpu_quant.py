@@ -31,25 +31,33 @@ def quant_linears(model: nn.Module) -> list[QuantLinear]:
     return [m for m in model.modules() if isinstance(m, QuantLinear)]
 
 
-def prepare_quant_linears(model: nn.Module, kernels: ModuleType | None, route: QuantRoute,
-                          dtype: torch.dtype) -> int:
-    """Give every part of every `QuantLinear` in `model` the route's multiply; returns how
-    many layers."""
-    linears = quant_linears(model)
-    tiles_of: dict[tuple, tuple[int, ...]] = {}
-    for linear in linears:
-        matmuls, packed_parts = [], []
+class QuantLinearPacker:
+    """Gives a `QuantLinear` the route's multiply for each part and frees its canonical parts.
+    The loaders call it on each linear as soon as it is read (`Platform.quant_linear_packer`),
+    so one layer's canonical copy at a time exists beside the packed ones; `prepare_model`
+    calls it on any linear left. A layer is prepared once however often it is passed."""
+
+    def __init__(self, kernels: ModuleType | None, route: QuantRoute,
+                 dtype: torch.dtype) -> None:
+        self.kernels, self.route, self.dtype = kernels, route, dtype
+        self._tiles_of: dict[tuple, tuple[int, ...]] = {}  # invariant tiles per part shape
+        self._prepared: set[int] = set()  # ids of the linears done
+
+    def __call__(self, linear: QuantLinear) -> None:
+        if id(linear) in self._prepared:
+            return
+        route, matmuls, packed_parts = self.route, [], []
         for part in linear.parts:
-            packed = pack_part(part, kernels, route)
+            packed = pack_part(part, self.kernels, route)
             packed_parts.append(packed)
             matmul = part_matmul(part, packed, route)
             if route.tiles:
                 key = (type(part), *part.shape, getattr(part, "kind", None))
-                if key not in tiles_of:
+                if key not in self._tiles_of:
                     with torch.inference_mode():
-                        tiles_of[key] = agreeing_tiles(matmul, part.shape[1], dtype)
+                        self._tiles_of[key] = agreeing_tiles(matmul, part.shape[1], self.dtype)
 
-                def matmul(x, inner=matmul, tiles=tiles_of[key]):
+                def matmul(x, inner=matmul, tiles=self._tiles_of[key]):
                     return in_row_tiles(x, tiles, inner)
             matmuls.append(matmul)
         linear.part_matmuls = matmuls
@@ -58,6 +66,15 @@ def prepare_quant_linears(model: nn.Module, kernels: ModuleType | None, route: Q
                for part, packed in zip(linear.parts, packed_parts)):
             # every part is packed: the packed copy is the only one its multiply reads
             linear.release_parts()
+        self._prepared.add(id(linear))
+
+
+def prepare_quant_linears(model: nn.Module, packer: QuantLinearPacker) -> int:
+    """Give every `QuantLinear` in `model` the route's multiplies (those the loader did not
+    already pass to `packer`); returns how many layers the model has."""
+    linears = quant_linears(model)
+    for linear in linears:
+        packer(linear)
     return len(linears)
 
 

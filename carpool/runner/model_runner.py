@@ -109,7 +109,8 @@ class ModelRunner:
                            model_config.sliding_window, dtype=self.dtype),
             self.device)
         self.model = load_model(path, model_config, self.dtype, self.device, tp,
-                                config.quantization)
+                                config.quantization,
+                                self.platform.quant_linear_packer(self.dtype))
         self.platform.prepare_model(self.model)
         if config.moe_router_stats and hasattr(self.model, "count_router_load"):
             self.model.count_router_load()

@@ -98,3 +98,61 @@ def test_k_quant_scales_keep_float32_headers():
 
     kinds = {part.kind: f16_header(part) for part in _parts(_load(FIXTURE))}
     assert kinds.get("Q4_K") is False and kinds.get("Q6_K") is False
+
+
+def test_the_loader_hands_each_linear_to_the_platform_as_it_is_read():
+    """The platform packs each quantized linear (and frees its canonical parts) before the
+    loader reads the next, so a load never holds every canonical weight at once; the model's
+    preparation afterwards packs nothing twice, and the model answers as the reference."""
+    if cpu_kernels.load() is None:
+        pytest.skip("packing needs the compiled C++ kernels")
+    config = GgufFile(FIXTURE).model_config()
+    platform = CpuPlatform(kernels=True)
+    platform.decide_route(torch.float32, config.head_dim, config.sliding_window)
+    packer = platform.quant_linear_packer(torch.float32)
+    assert packer is not None
+    handed = []
+
+    def prepare(linear: QuantLinear) -> None:
+        assert all(earlier.parts == [] for earlier in handed)  # one canonical copy at a time
+        packer(linear)
+        handed.append(linear)
+
+    model = load_gguf_model(FIXTURE, config, torch.float32, torch.device("cpu"),
+                            prepare_linear=prepare)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert {id(m) for m in handed} == {id(m) for m in linears}
+    matmuls = [list(m.part_matmuls) for m in linears]
+    platform.prepare_model(model)
+    assert [list(m.part_matmuls) for m in linears] == matmuls
+    references = [m for m in _load(FIXTURE).modules() if isinstance(m, QuantLinear)]
+    torch.manual_seed(0)
+    for linear, reference in zip(linears, references, strict=True):
+        x = torch.randn(3, linear.in_features)
+        torch.testing.assert_close(linear(x), reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_an_open_gguf_file_keeps_no_vocabulary_arrays():
+    """The gguf package parses every metadata array into one object per element (~150 MiB
+    for a 49k vocabulary); the tokenizer reads them itself, so an open `GgufFile` keeps only
+    a small part of what a bare reader holds."""
+    import tracemalloc
+
+    from gguf import GGUFReader
+
+    source = FIXTURE.parent / "carpool-default-Q4_K_M.gguf"
+
+    def held(open_file) -> int:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            opened = open_file(source)
+            gc.collect()
+            size = tracemalloc.get_traced_memory()[0]
+            del opened
+            return size
+        finally:
+            tracemalloc.stop()
+
+    bare, ours = held(GGUFReader), held(GgufFile)
+    assert bare > 1_000_000 and ours < bare // 4, (bare, ours)

@@ -15,7 +15,7 @@ import mmap
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, Keys, get_tensor_name_map
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, Keys, get_tensor_name_map
 from gguf.constants import MODEL_ARCH_NAMES
 
 from carpool.models.config import ModelConfig, RopeConfig
@@ -47,6 +47,12 @@ class GgufFile:
             raise ValueError(f"GGUF architecture {self.arch!r} in {self.path.name} is not "
                              f"supported (supported: {', '.join(ARCHITECTURES)})")
         self.tensors = {t.name: t for t in self.reader.tensors}
+        # The reader parses every metadata array into one object per element: the
+        # vocabulary's tokens, merges and scores take ~150 MiB for a 49k vocabulary. The
+        # tokenizer is read from the file by its own loader, so only scalars are kept here.
+        for key in [key for key, f in self.reader.fields.items()
+                    if f.types and f.types[0] == GGUFValueType.ARRAY]:
+            del self.reader.fields[key]
         arch_enum = next(a for a, name in MODEL_ARCH_NAMES.items() if name == self.arch)
         self._names = get_tensor_name_map(arch_enum, self.field(Keys.LLM.BLOCK_COUNT))
 

@@ -21,14 +21,16 @@ from carpool.models.llama import LlamaForCausalLM, StackedLinear
 from carpool.models.quant.float_params import fill_float_parameters
 from carpool.models.quant.gguf_blocks import to_float, to_quantized
 from carpool.models.quant.gguf_file import GgufFile
-from carpool.models.quant.linear import QuantEmbedding, QuantLinear
+from carpool.models.quant.linear import PrepareLinear, QuantEmbedding, QuantLinear
 
 logger = logging.getLogger(__name__)
 
 
 def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                    tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
-    """The network of GGUF file `path` on `device` (CPU) with activations in `dtype`."""
+                    tp: TensorParallelGroup = SINGLE,
+                    prepare_linear: PrepareLinear | None = None) -> LlamaForCausalLM:
+    """The network of GGUF file `path` on `device` (CPU) with activations in `dtype`; each
+    quantized linear goes to `prepare_linear` as soon as it is read."""
     if tp.is_parallel:
         raise ValueError("tensor_parallel_size > 1 is not supported with a GGUF file yet "
                          "(quantized weights are not sharded); run with "
@@ -38,10 +40,12 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype, device:
     file = GgufFile(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp).to(dtype)
-    model = model.to_empty(device=device)
-    model.model.rotary_emb.reset()
     with torch.no_grad():
-        _quantize_modules(model, file, dtype)
+        # the quantized modules replace their meta linears before anything is allocated, so
+        # no float copy of a quantized matrix is ever made, not even an empty one
+        _quantize_modules(model, file, dtype, prepare_linear)
+        model = model.to_empty(device=device)
+        model.model.rotary_emb.reset()
         fill_float_parameters(model, config, lambda name: _read_float(file, name))
         file.release_pages()
     model.eval()
@@ -56,8 +60,15 @@ def describe_types(file: GgufFile) -> str:
     return ", ".join(f"{name} x{count}" for name, count in counts)
 
 
-def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtype) -> None:
-    """Replace every linear (and the embedding) whose file tensors are quantized."""
+def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtype,
+                      prepare_linear: PrepareLinear | None) -> None:
+    """Replace every linear (and the embedding) whose file tensors are quantized, handing
+    each new linear to `prepare_linear` before the next is read."""
+    def put(module_name: str, linear: QuantLinear) -> None:
+        _set(model, module_name, linear)
+        if prepare_linear is not None:
+            prepare_linear(linear)
+
     embed_name = "model.embed_tokens.weight"
     kept: dict[str, object] = {}  # the embedding, which a tied LM head reads again
 
@@ -92,12 +103,12 @@ def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtyp
         weights = [f"{prefix}.{n}.weight" for n in names]
         if not any(file.is_quantized(w) for w in weights):
             continue
-        _set(model, module_name, QuantLinear([part(w) for w in weights], bias(prefix, names)))
+        put(module_name, QuantLinear([part(w) for w in weights], bias(prefix, names)))
     if file.is_quantized(embed_name):
         model.model.embed_tokens = QuantEmbedding(part(embed_name), dtype)
     head = embed_name if model.config.tie_word_embeddings else "lm_head.weight"
     if file.is_quantized(head):
-        model.lm_head = QuantLinear([part(head)], None)
+        put("lm_head", QuantLinear([part(head)], None))
 
 
 def _read_float(file: GgufFile, name: str):

@@ -22,7 +22,7 @@ from carpool.models.llama import LlamaForCausalLM, StackedLinear
 from carpool.models.quant.float_params import fill_float_parameters
 from carpool.models.quant.hf_config import HfScheme
 from carpool.models.quant.hf_formats import to_quantized
-from carpool.models.quant.linear import QuantLinear
+from carpool.models.quant.linear import PrepareLinear, QuantLinear
 
 logger = logging.getLogger(__name__)
 # Checkpoint tensors that are derived, not learned (older Llama exports carry them).
@@ -52,8 +52,10 @@ class Tensors:
 
 def load_hf_quantized_model(path: Path, files: list[Path], config: ModelConfig,
                             scheme: HfScheme, dtype: torch.dtype, device: torch.device,
-                            tp: TensorParallelGroup = SINGLE) -> LlamaForCausalLM:
-    """The network of the quantized checkpoint `path` on `device` (CPU) in `dtype`."""
+                            tp: TensorParallelGroup = SINGLE,
+                            prepare_linear: PrepareLinear | None = None) -> LlamaForCausalLM:
+    """The network of the quantized checkpoint `path` on `device` (CPU) in `dtype`; each
+    quantized linear goes to `prepare_linear` as soon as it is read."""
     if tp.is_parallel:
         raise ValueError(f"tensor_parallel_size > 1 is not supported with a quantized "
                          f"checkpoint ({scheme.method}) yet (quantized weights are not "
@@ -63,14 +65,15 @@ def load_hf_quantized_model(path: Path, files: list[Path], config: ModelConfig,
                          f"now (device {device})")
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp).to(dtype)
-    model = model.to_empty(device=device)
-    model.model.rotary_emb.reset()
     with ExitStack() as stack, torch.no_grad():
         tensors = Tensors(files, stack)
-        count = _quantize_linears(model, tensors, scheme, dtype)
+        # the quantized linears replace their meta linears before anything is allocated
+        count = _quantize_linears(model, tensors, scheme, dtype, prepare_linear)
         if not count:
             raise ValueError(f"{path} declares {scheme.method} quantization but holds no "
                              f"quantized linear ({scheme.marker} tensors)")
+        model = model.to_empty(device=device)
+        model.model.rotary_emb.reset()
         _fill_floats(model, tensors, config, path)
     model.eval()
     model.quantization = f"{scheme.describe()} ({count} linears)"
@@ -79,7 +82,7 @@ def load_hf_quantized_model(path: Path, files: list[Path], config: ModelConfig,
 
 
 def _quantize_linears(model: LlamaForCausalLM, tensors: Tensors, scheme: HfScheme,
-                      dtype: torch.dtype) -> int:
+                      dtype: torch.dtype, prepare_linear: PrepareLinear | None) -> int:
     """Replace every linear whose checkpoint linears are quantized; returns how many."""
     def part(prefix: str):
         found = {s: tensors.get(f"{prefix}.{s}") for s in scheme.suffixes
@@ -113,6 +116,8 @@ def _quantize_linears(model: LlamaForCausalLM, tensors: Tensors, scheme: HfSchem
                              f"quantized")
         linear = QuantLinear([part(p) for p in prefixes], bias(prefixes))
         model.set_submodule(module_name, linear)
+        if prepare_linear is not None:
+            prepare_linear(linear)
         count += 1
     return count
 

@@ -111,6 +111,11 @@ class QuantLinear(nn.Module):
                 f"parts={self.kinds()}, bias={self.bias is not None}")
 
 
+# What a platform does to each quantized linear as the loader reads it (pack it, free the
+# canonical parts): `Platform.quant_linear_packer`.
+PrepareLinear = Callable[[QuantLinear], None]
+
+
 class QuantEmbedding(nn.Module):
     """Token ids -> rows of a quantized embedding matrix, dequantized per lookup in `dtype`."""
 
