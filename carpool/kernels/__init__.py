@@ -7,7 +7,8 @@ the CPU probe that picks its build, and `reference.py`, the PyTorch oracle of ev
     csrc/gemm/        small_gemm_bf16 / small_gemm_f32 and their weight packing (few-row
                       linears on AVX512-BF16, AMX or AVX2); quant_linear, pack_quant_weight,
                       dequantize_rows (quantized int8 / int4 weights)
-    csrc/elementwise/ rotary_, rms_norm, silu_and_mul, write_kv_
+    csrc/elementwise/ rotary_, rms_norm, silu_and_mul, write_kv_; int8_per_token (W8A8's
+                      activation rounding)
     csrc/layers/      LayerStack: a model's decoder layers in one call, through the ops above
     csrc/sampling/    argmax_rows (the greedy rows of a step)
     csrc/runtime/     bind_threads (torch's threads pinned to CPUs)

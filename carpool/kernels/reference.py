@@ -28,6 +28,7 @@ from torch import nn
 from carpool.attention.base import write_kv
 from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.moe import experts_forward
+from carpool.models.quant.weight import int8_per_token
 from carpool.models.rope import apply_rope
 
 # --- attention/ -------------------------------------------------------------------------
@@ -179,6 +180,11 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] [T, 2I] -> [T, I]: the model's `SiluAndMul`
     (the kernel gives its bits, NaNs aside: which NaN a NaN x NaN keeps is the compiler's)."""
     return SiluAndMul()(gate_up)
+
+
+def int8_per_token_reference(x: torch.Tensor) -> torch.Tensor:
+    """W8A8's dynamic per-token activation rounding, as the model's reference path runs it."""
+    return int8_per_token(x)
 
 
 def write_kv_reference(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,

@@ -107,7 +107,9 @@ def pack_part(part, kernels: ModuleType | None, route: QuantRoute) -> PackedPart
     bits = packed_bits(part)
     packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, bits,
                                        part.group_size, f16_header(part))
-    return PackedPart(kernels, packed, route.max_rows(bits), part.input_preparation(),
+    # W8A8's activation rounding by the kernel: one pass a row, the eager ops' bits
+    return PackedPart(kernels, packed, route.max_rows(bits),
+                      part.input_preparation(kernels.int8_per_token),
                       part.input_perm is None and not part.input_int8)
 
 

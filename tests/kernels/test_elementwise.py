@@ -143,3 +143,33 @@ def test_write_kv_checks_its_arguments(kernels):
         kernels.write_kv_(cache.transpose(3, 4), slots, k, k)
     with pytest.raises(RuntimeError, match="slot -1 of token 1 is outside the cache"):
         kernels.write_kv_(cache, torch.tensor([0, -1]), k, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("rows", "k"), [(1, 576), (3, 37), (70, 896), (5, 1)])
+def test_int8_per_token_matches_reference_bitwise(kernels, dtype, rows, k):
+    """Every row rounded to int8 steps of its own scale, the eager oracle's bits, rows of
+    zeros (scale: the dtype's eps), values that land on .5 steps, and a NaN row included."""
+    from carpool.kernels.reference import int8_per_token_reference
+
+    gen = torch.Generator().manual_seed(rows * 1000 + k)
+    x = (torch.randn(rows, k, generator=gen) * torch.logspace(-3, 3, rows)[:, None]).to(dtype)
+    if rows > 2:
+        x[1] = 0
+        x[2, : k // 2] = torch.arange(k // 2, dtype=torch.float32).to(dtype) * 0.5
+        x[2, -1] = 127.5  # scale exactly 1: every .5 rounds half to even
+    if rows > 4:
+        x[4, k // 3] = float("nan")
+    strided = torch.cat([x, x], dim=1)[:, :k]  # rows not contiguous with each other
+    for given in (x, strided):
+        ours, reference = kernels.int8_per_token(given), int8_per_token_reference(given)
+        assert ours.dtype == dtype and ours.shape == (rows, k)
+        assert torch.equal(bits(ours), bits(reference))
+
+
+def test_int8_per_token_checks_its_arguments(kernels):
+    with pytest.raises(RuntimeError, match="int8_per_token: x must be float32 or bfloat16"):
+        kernels.int8_per_token(torch.ones(2, 4, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="rows, k"):
+        kernels.int8_per_token(torch.ones(2, 4).t())

@@ -89,6 +89,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "k, v [T, Hkv, D] stored at their slots of kv_cache [2, Hkv, blocks, block_size, D].",
         py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("k"), py::arg("v"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("int8_per_token", &carpool_fused::int8_per_token,
+        "x [M, K] (float32 or bfloat16) with each row rounded to int8 steps of max|x| / 127.5 "
+        "and scaled back (W8A8's dynamic per-token activations), in x's dtype: the eager "
+        "int8_per_token's bits.",
+        py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("pack_moe_experts", &carpool_moe::pack_moe_experts,
         "Every expert's gate_up [E, 2I, H] and down [E, H, I] (float32 or bfloat16) -> the "
         "(gate_up, down) layout moe_experts reads, I zero-padded to whole blocks.",

@@ -64,6 +64,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x,
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k,
                const at::Tensor& v);
+at::Tensor int8_per_token(const at::Tensor& x);  // int8_rows.cpp
 }
 
 namespace carpool_moe {  // moe/moe_experts.cpp

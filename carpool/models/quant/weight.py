@@ -96,15 +96,18 @@ class QuantizedWeight:
         then int8-rounded per token where `input_int8` (identity for most weights)."""
         return self.input_preparation()(x)
 
-    def input_preparation(self):
+    def input_preparation(self, round_int8=None):
         """`prepare_input` as a function holding only what it needs, not the weight: a
-        multiply of a packed copy keeps it without keeping the canonical tensors alive."""
-        perm, to_int8 = self.input_perm, self.input_int8
+        multiply of a packed copy keeps it without keeping the canonical tensors alive.
+        `round_int8` replaces the eager `int8_per_token` (a platform's compiled one, the same
+        bits)."""
+        perm = self.input_perm
+        to_int8 = (round_int8 or int8_per_token) if self.input_int8 else None
 
         def prepare(x: torch.Tensor) -> torch.Tensor:
             if perm is not None:
                 x = x[:, perm]
-            return int8_per_token(x) if to_int8 else x
+            return to_int8(x) if to_int8 is not None else x
         return prepare
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
