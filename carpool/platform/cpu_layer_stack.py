@@ -99,7 +99,8 @@ def _stack_linear(kernels: ModuleType, linear: PackedLinear | QuantLinear):
                                        0, linear.forward)
         bias = None if linear.bias is None else linear.bias.detach()
         return kernels.StackLinear.quantized(parts.packed, linear.out_features, bias,
-                                             parts.max_rows, parts.rounded_from, linear.forward)
+                                             parts.max_rows, parts.rounded_from, linear.forward,
+                                             parts.int8_input)
     small = linear.small
     bias = None if small.bias is None else small.bias.detach()
     return kernels.StackLinear(small.packed, small.out_features, bias, small.float32, small.amx,

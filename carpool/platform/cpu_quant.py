@@ -87,16 +87,19 @@ class PackedPart:
     max_rows: int
     prepare: Callable[[torch.Tensor], torch.Tensor]  # `QuantizedWeight.input_preparation`
     plain_input: bool  # prepare is the identity (no permutation, no int8 rounding)
+    int8_input: bool  # prepare is int8_per_token alone (W8A8), which the layer stack runs
 
 
 @dataclass(frozen=True)
 class StackParts:
     """A quantized linear as the C++ layer stack runs it (`StackLinear.quantized`): every
-    part packed with a plain input, up to the smallest of their cuts."""
+    part packed with a plain input, or every one with W8A8's int8-rounded input, up to the
+    smallest of their cuts."""
 
     packed: list
     max_rows: int
     rounded_from: int
+    int8_input: bool = False
 
 
 def pack_part(part, kernels: ModuleType | None, route: QuantRoute) -> PackedPart | None:
@@ -110,7 +113,8 @@ def pack_part(part, kernels: ModuleType | None, route: QuantRoute) -> PackedPart
     # W8A8's activation rounding by the kernel: one pass a row, the eager ops' bits
     return PackedPart(kernels, packed, route.max_rows(bits),
                       part.input_preparation(kernels.int8_per_token),
-                      part.input_perm is None and not part.input_int8)
+                      part.input_perm is None and not part.input_int8,
+                      part.input_perm is None and part.input_int8)
 
 
 def part_matmul(part, packed: PackedPart | None, route: QuantRoute) -> PartMatmul:
@@ -131,11 +135,15 @@ def part_matmul(part, packed: PackedPart | None, route: QuantRoute) -> PartMatmu
 
 def stack_parts(parts: list[PackedPart | None], route: QuantRoute) -> StackParts | None:
     """The layer's parts for the C++ layer stack, where every one is packed and takes x as it
-    is (else the stack calls the module back); None under the invariant tiles."""
-    if route.tiles or not parts or any(p is None or not p.plain_input for p in parts):
+    is, or every one x rounded by int8_per_token (else the stack calls the module back); None
+    under the invariant tiles."""
+    if route.tiles or not parts or any(p is None for p in parts):
         return None
-    return StackParts([p.packed for p in parts], min(p.max_rows for p in parts),
-                      route.rounded_from)
+    kinds = {(p.plain_input, p.int8_input) for p in parts}
+    if kinds == {(True, False)} or kinds == {(False, True)}:
+        return StackParts([p.packed for p in parts], min(p.max_rows for p in parts),
+                          route.rounded_from, int8_input=parts[0].int8_input)
+    return None
 
 
 def packed_bits(part: QuantizedWeight) -> int:

@@ -156,12 +156,13 @@ def test_the_stack_keeps_the_modules_for_a_backend_made_apart(make_checkpoint, m
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("source", ["Q8_0", "Q5_0", "Q4_0", "llama.cpp Q4_K_M"])
+@pytest.mark.parametrize("source", ["Q8_0", "Q5_0", "Q4_0", "llama.cpp Q4_K_M", "W8A8"])
 def test_quantized_linears_run_inside_the_stack(make_checkpoint, monkeypatch, tmp_path, source,
                                                 dtype):
-    """A GGUF model's quantized linears multiply in the stack (quant_linear on each packed
-    part, then the bias: qwen2's q/k/v biases), giving the modules' hidden states to the bit,
-    and call their module back only above their cut."""
+    """A quantized model's linears multiply in the stack (quant_linear on each packed part,
+    then the bias: qwen2's q/k/v biases; W8A8's input rounded per token by int8_per_token
+    first), giving the modules' hidden states to the bit, and call their module back only
+    above their cut."""
     from pathlib import Path
 
     from carpool.models.quant.linear import QuantLinear
@@ -169,11 +170,16 @@ def test_quantized_linears_run_inside_the_stack(make_checkpoint, monkeypatch, tm
 
     if source.startswith("llama.cpp"):
         path = Path(__file__).parents[1] / "fixtures" / "gguf" / "tiny-qwen2-Q4_K_M.gguf"
+    elif source == "W8A8":  # compressed-tensors' own compressor writes it
+        from tests.engine.test_hf_quant_equivalence import compress
+        path = compress(make_checkpoint("qwen2"), tmp_path / "w8a8", "W8A8", "int-quantized",
+                        torch.float32)
     else:
         path = write_gguf(make_checkpoint("qwen2"), tmp_path / f"qwen2-{source}.gguf", source)
     runner = make_runner(path, dtype)
     linears = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(lin.stack_parts is not None for lin in linears)
+    assert all(lin.stack_parts.int8_input == (source == "W8A8") for lin in linears)
     stack = Flagged(runner.model.layer_stack)
     callbacks = []
     for lin in linears:

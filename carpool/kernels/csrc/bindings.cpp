@@ -192,7 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "quantized",
           [](std::vector<carpool_gemm::QuantWeight> parts, int64_t out_features,
              c10::optional<at::Tensor> bias, int64_t max_rows, int64_t rounded_from,
-             py::function forward) {
+             py::function forward, bool int8_input) {
             TORCH_CHECK(!parts.empty(), "StackLinear.quantized: no parts");
             auto call = [forward = std::move(forward)](const at::Tensor& x) {
               py::gil_scoped_acquire gil;
@@ -202,12 +202,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                max_rows, std::move(call)};
             linear.quant = std::move(parts);
             linear.rounded_from = rounded_from;
+            linear.int8_input = int8_input;
             return linear;
           },
           "A quantized linear: quant_linear on each packed part up to max_rows rows (their "
-          "outputs side by side, then the bias), else forward.",
+          "outputs side by side, then the bias), else forward; with int8_input the rows are "
+          "rounded by int8_per_token first (W8A8).",
           py::arg("parts"), py::arg("out_features"), py::arg("bias"), py::arg("max_rows"),
-          py::arg("rounded_from"), py::arg("forward"));
+          py::arg("rounded_from"), py::arg("forward"), py::arg("int8_input") = false);
   py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local(),
                              "One decoder layer's norms and linears.")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,

@@ -31,7 +31,8 @@ namespace {
 at::Tensor multiply(const StackLinear& linear, const at::Tensor& x) {
   if (x.size(0) > linear.max_rows) return linear.forward(x);
   if (!linear.quant.empty()) {
-    const at::Tensor rows = x.contiguous();
+    const at::Tensor rows =
+        linear.int8_input ? carpool_fused::int8_per_token(x.contiguous()) : x.contiguous();
     std::vector<at::Tensor> outs;
     for (const carpool_gemm::QuantWeight& part : linear.quant)
       outs.push_back(carpool_gemm::quant_linear(rows, part, c10::nullopt, linear.rounded_from));

@@ -18,7 +18,8 @@ namespace carpool_layers {
 // output width, the bias), larger ones by `forward`, the layer's own (the Python module's
 // forward, which takes the GIL: oneDNN's calls, whose row counts it buckets). A quantized
 // layer (`quant` not empty) multiplies by quant_linear on each stacked part instead, their
-// outputs side by side, then adds the bias: what its QuantLinear module computes.
+// outputs side by side, then adds the bias: what its QuantLinear module computes (with its
+// input rounded per row by int8_per_token first where the parts take W8A8's int8 input).
 struct StackLinear {
   at::Tensor packed;
   int64_t out_features = 0;
@@ -29,6 +30,7 @@ struct StackLinear {
   std::function<at::Tensor(const at::Tensor&)> forward;
   std::vector<carpool_gemm::QuantWeight> quant;
   int64_t rounded_from = 0;  // quant_linear's
+  bool int8_input = false;   // x rounded to int8 steps per row first (W8A8: int8_per_token)
 };
 
 // One decoder layer: its two norms' weights, the q and k norms' (Qwen3) or none, and its four
