@@ -15,6 +15,10 @@ same step. A request drafts nothing when
     twice as long after each failed try, up to MAX_PAUSE_STEPS decodes,
   - or its tokens' suffix occurred nowhere before (n-gram lookup found nothing).
 
+With a draft model (method `draft_model`) the decision is the same, but the tokens are not
+known here: the answer is k `DRAFT_SLOT` placeholders, which the runner's draft model fills
+in before the step runs (`runner/draft_proposer.py`); the core stays free of tensors.
+
 `record` takes the verified counts back (from `Scheduler.update`) for the averages and the
 counters `SpecDecodeStats` holds (vLLM's spec_decode_* metrics).
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from carpool.core.ngram_proposer import NgramIndex
 from carpool.core.request import Request
+from carpool.core.scheduler_output import DRAFT_SLOT
 from carpool.core.spec_config import SpeculativeConfig
 
 # A draft pays when its accepted tokens outweigh what its k extra rows add to the step: 0.1
@@ -88,6 +93,8 @@ class Speculator:
         if acceptance is not None and acceptance.paused_steps:
             acceptance.paused_steps -= 1
             return []
+        if self.config.method == "draft_model":
+            return [DRAFT_SLOT] * k
         index = self._indexes.get(request.request_id)
         if index is None:
             index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
