@@ -188,3 +188,31 @@ def test_random_runs_with_preemption_leak_no_block():
         assert s.block_manager.num_free_blocks == 24
         # nothing kept for requests that left (finished, or aborted between steps)
         assert not s.speculator._indexes and not s.speculator._acceptance
+
+
+def test_a_draft_model_decode_gets_k_slots_under_the_same_gates():
+    """Method draft_model: the scheduler plans k DRAFT_SLOTs (the runner's draft model fills
+    them), for any request, n-gram match or not, within the batch-size table, the budget and
+    the tokens left; the runner's accepted tokens become the request's."""
+    from carpool.core.scheduler_output import DRAFT_SLOT
+
+    spec = SpeculativeConfig(method="draft_model", model="/a/draft", num_speculative_tokens=3,
+                             disable_by_batch_size=1)
+    s = make_scheduler(spec=spec)
+    s.add_request(Request("a", [9, 10, 11], SamplingParams(max_tokens=6)))  # no repeats
+    step(s, next_token=lambda _: 1)
+    output = s.schedule()
+    (row,) = output.scheduled
+    assert list(row.draft_token_ids) == [DRAFT_SLOT] * 3
+    assert list(row.token_ids) == [1, DRAFT_SLOT, DRAFT_SLOT, DRAFT_SLOT]
+    s.update(output, {"a": 4}, {"a": [2, 3]})  # the draft model's tokens, two accepted
+    request = s.get_request("a")
+    assert request.output_token_ids == [1, 2, 3, 4] and request.num_computed_tokens == 6
+    output = s.schedule()  # 2 tokens left: one draft at most
+    assert list(output.scheduled[0].draft_token_ids) == [DRAFT_SLOT]
+    s.update(output, {"a": 6}, {"a": [5]})
+    assert request.output_token_ids == [1, 2, 3, 4, 5, 6] and request.is_finished
+    s.add_request(Request("b", [9, 10, 11], SamplingParams(max_tokens=6)))
+    s.add_request(Request("c", [9, 10, 11], SamplingParams(max_tokens=6)))
+    step(s, next_token=lambda _: 1)
+    assert not any(r.draft_token_ids for r in step(s).scheduled)  # 2 running > 1
