@@ -40,6 +40,9 @@ from carpool.core.spec_config import SpeculativeConfig
 MIN_ACCEPTED_PER_DRAFT = 0.5
 _AVERAGE_WEIGHT = 0.25  # of the newest draft in the running average
 _FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 128
+# Where a request's average starts, and restarts after a pause; a try whose average stays at
+# or above it ends the growth of the pauses (a try whose drafts miss falls below it at once).
+_RESTART_AVERAGE = 2 * MIN_ACCEPTED_PER_DRAFT
 
 
 @dataclass
@@ -66,7 +69,7 @@ class SpecDecodeStats:
 class _Acceptance:
     """One request's running average of accepted tokens per draft, and its pause."""
 
-    average: float = 1.0
+    average: float = _RESTART_AVERAGE
     paused_steps: int = 0
     next_pause: int = _FIRST_PAUSE_STEPS
 
@@ -110,12 +113,13 @@ class Speculator:
             return
         acceptance = self._acceptance.setdefault(request_id, _Acceptance())
         acceptance.average += _AVERAGE_WEIGHT * (num_accepted - acceptance.average)
-        if acceptance.average >= MIN_ACCEPTED_PER_DRAFT:
-            acceptance.next_pause = _FIRST_PAUSE_STEPS
-        else:  # pause, then try again from an average that a few misses bring down again
+        if acceptance.average >= _RESTART_AVERAGE:  # holding the level a try starts from:
+            acceptance.next_pause = _FIRST_PAUSE_STEPS  # a success (a miss falls below it)
+        elif acceptance.average < MIN_ACCEPTED_PER_DRAFT:
+            # pause, then try again from an average that a few misses bring down again
             acceptance.paused_steps = acceptance.next_pause
             acceptance.next_pause = min(2 * acceptance.next_pause, MAX_PAUSE_STEPS)
-            acceptance.average = 2 * MIN_ACCEPTED_PER_DRAFT
+            acceptance.average = _RESTART_AVERAGE
 
     def forget(self, request_id: str) -> None:
         """The request left: drop its index and average."""

@@ -28,6 +28,7 @@ from carpool.lora.peft_adapter import load_adapter
 from carpool.lora.step_lora import StepLora, order_by_adapter
 from carpool.lora_request import LoRARequest
 from carpool.models.config import ModelConfig, load_model_config
+from carpool.models.draft_check import check_draft_model
 from carpool.models.loader import load_model, resolve_model_path
 from carpool.models.sharding import ShardLayout
 from carpool.outputs import PositionLogprobs, PromptLogprobs
@@ -115,6 +116,7 @@ class ModelRunner:
         if config.moe_router_stats and hasattr(self.model, "count_router_load"):
             self.model.count_router_load()
         # LoRA adapters, read from their folders when a step first needs them (None: off)
+        self.drafter: DraftProposer | None = None  # (set once the pool is sized)
         self.adapters = None if config.lora is None else AdapterCache(
             config.lora.capacity, self._load_adapter)
         self._max_lora_rank = 0 if config.lora is None else config.lora.max_lora_rank
@@ -135,23 +137,25 @@ class ModelRunner:
                                                      self.attention, self.platform.kv_cache_zeros)
         self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks,
                                                     self.max_model_len)
-        self.drafter = self._load_drafter(config, model_config)
+        self.drafter = self._load_drafter(config, model_config, path)
         logger.info("attention backend: %s; platform: %s%s", self.attention.name,
                     self.platform.describe(), f"; {tp.describe()}" if tp.is_parallel else "")
         logger.info("KV cache: %(num_blocks)d blocks of %(block_size)d tokens = %(num_tokens)d "
                     "tokens, %(bytes)d bytes; max concurrency at max_model_len: "
                     "%(max_concurrency).2f", self.kv_cache_info)
 
-    def _load_drafter(self, config: EngineConfig,
-                      model_config: ModelConfig) -> DraftProposer | None:
+    def _load_drafter(self, config: EngineConfig, model_config: ModelConfig,
+                      path: Path) -> DraftProposer | None:
         """The draft model of speculative method `draft_model` (None: another method, or
-        none), on a platform of its own (its CPU route follows its shape)."""
+        none), on a platform of its own (its CPU route follows its shape); checked again
+        here for configs built field by field."""
         speculative = config.speculative_config
         if speculative is None or speculative.method != "draft_model":
             return None
         if self.tp.is_parallel or self.adapters is not None:
             raise ValueError("speculative_config.method 'draft_model' needs "
                              "tensor_parallel_size 1 and no enable_lora")
+        check_draft_model(speculative.model, model_config, path, self.max_model_len)
         platform = platform_for(self.device, config.cpu, batch_invariant=config.batch_invariant,
                                 thread_slot=config.data_parallel_rank,
                                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens)

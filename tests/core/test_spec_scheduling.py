@@ -216,3 +216,46 @@ def test_a_draft_model_decode_gets_k_slots_under_the_same_gates():
     s.add_request(Request("c", [9, 10, 11], SamplingParams(max_tokens=6)))
     step(s, next_token=lambda _: 1)
     assert not any(r.draft_token_ids for r in step(s).scheduled)  # 2 running > 1
+
+
+def test_each_failed_try_doubles_the_pause():
+    """A request whose drafts are never accepted pauses 8, 16, 32, ... decodes between
+    tries (up to MAX_PAUSE_STEPS): the first rejection after a pause must not count as a
+    success (it once did, so the pause stayed at 8 and a quarter of the decodes drafted)."""
+    from carpool.core.speculator import MAX_PAUSE_STEPS
+
+    s = make_scheduler(num_blocks=256, max_num_batched_tokens=128, max_model_len=1024)
+    s.add_request(loop_request("a", repeats=2, max_tokens=600))
+    step(s, next_token=lambda _: 5)
+    drafted = [bool(step(s, accept=lambda _: 0, next_token=lambda row: row.token_ids[0])
+                    .scheduled[0].draft_token_ids) for _ in range(500)]
+    pauses, run = [], 0
+    for flag in drafted:
+        if flag and run:
+            pauses.append(run)
+        run = 0 if flag else run + 1
+    assert pauses[:5] == [8, 16, 32, 64, 128]
+    assert set(pauses[5:]) <= {MAX_PAUSE_STEPS}
+    assert drafted.count(True) < 30
+
+
+def test_a_pause_ends_early_in_growth_once_drafts_are_accepted_again():
+    """After a try whose drafts are accepted, the next pause starts from 8 again."""
+    s = make_scheduler(num_blocks=256, max_num_batched_tokens=128, max_model_len=1024)
+    s.add_request(loop_request("a", repeats=2, max_tokens=600))
+    step(s, next_token=lambda _: 5)
+    accept_all = [False]
+    drafted = []
+    for i in range(200):
+        accept_all[0] = 60 <= i < 90  # accepted for a while, then rejected again
+        output = step(s, accept=lambda row: len(row.draft_token_ids) if accept_all[0] else 0,
+                      next_token=lambda row: row.token_ids[0])
+        drafted.append(bool(output.scheduled[0].draft_token_ids))
+    pauses, run, starts = [], 0, []
+    for i, flag in enumerate(drafted):
+        if flag and run:
+            pauses.append(run)
+            starts.append(i)
+        run = 0 if flag else run + 1
+    after = [p for p, start in zip(pauses, starts) if start > 90]
+    assert after and after[0] == 8

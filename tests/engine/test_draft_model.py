@@ -85,8 +85,9 @@ def test_the_acceptance_gate_pauses_a_draft_that_is_never_right(make_checkpoint,
         assert greedy(llm, prompts, max_tokens, ignore_eos=True) == expected
         stats = llm.stats()
     assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens // 10
-    # (without the pause every decode would draft: about len(prompts) * max_tokens)
-    assert 0 < stats.spec_decode_num_drafts < len(prompts) * max_tokens // 2
+    # (without the pause every decode would draft: about len(prompts) * max_tokens; with
+    # pauses that stayed at 8 decodes, a quarter of them)
+    assert 0 < stats.spec_decode_num_drafts < len(prompts) * max_tokens // 4
 
 
 def test_a_draft_that_cannot_draft_for_the_target_is_refused(make_checkpoint,
