@@ -8,7 +8,9 @@ blocks a speculating decode reserves for its 1 + k tokens hold the draft's K/V o
 positions. The scheduler plans k `DRAFT_SLOT`s per speculating decode (`core/speculator.py`);
 `propose` replaces them before the target's forward:
 
-    pass 1:  the step's prefill chunks (no logits: the draft's KV then holds the prompts),
+    pass 1:  the step's prefill chunks (no logits: the draft's KV then holds the prompts;
+             only in steps small enough for the batch-size table to allow drafts, so a
+             large batch never runs the draft: its requests catch up when it shrinks),
              and per speculating request its tokens from where its draft KV ends through
              its newest token t (t alone after a rejection; the last draft and t after a
              round that kept every draft; more after steps it decoded without drafting)
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,9 +63,12 @@ class Drafted:
 class DraftProposer:
     def __init__(self, path: Path, *, dtype: torch.dtype, device: torch.device,
                  platform: Platform, attention_backend: str, block_size: int,
-                 num_kv_blocks: int, seed: int, eos_token_ids: tuple[int, ...]) -> None:
+                 num_kv_blocks: int, seed: int, eos_token_ids: tuple[int, ...],
+                 tokens_for_batch: Callable[[int], int]) -> None:
         """`platform`: the draft's own (its CPU route follows its shape); the pool has the
-        target's `block_size` and `num_kv_blocks` (+ the scratch block)."""
+        target's `block_size` and `num_kv_blocks` (+ the scratch block);
+        `tokens_for_batch`: the batch-size table (`SpeculativeConfig.num_tokens_for_batch`)."""
+        self._tokens_for_batch = tokens_for_batch
         self.config: ModelConfig = load_model_config(path)
         config = self.config
         self.attention: AttentionBackend = platform.attention_backend(
@@ -89,11 +95,14 @@ class DraftProposer:
         self.sampler.free(scheduler_output.finished_ids)
         for request_id in (*scheduler_output.finished_ids, *scheduler_output.preempted_ids):
             self._computed.pop(request_id, None)
-        speculating = [r for r in scheduler_output.scheduled if r.draft_token_ids]
+        scheduled = scheduler_output.scheduled
+        speculating = [r for r in scheduled if r.draft_token_ids]
         rows = [ScheduledRequest(r.request_id, r.token_ids, r.num_computed_tokens, r.block_ids,
                                  False, r.sampling_params)
-                for r in scheduler_output.scheduled
+                for r in scheduled
                 if not r.draft_token_ids and r.num_computed_tokens < len(r.prompt_token_ids)]
+        if not speculating and not self._tokens_for_batch(len(scheduled)):
+            rows = []  # no draft in a step this large: prompts catch up if it shrinks
         for row in rows:
             self._computed[row.request_id] = row.num_computed_tokens + len(row.token_ids)
         for request in speculating:  # pass 1's rows: catch up through the newest token

@@ -163,7 +163,8 @@ class ModelRunner:
                              device=self.device, platform=platform,
                              attention_backend=config.attention_backend,
                              block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-                             seed=config.seed, eos_token_ids=model_config.eos_token_ids)
+                             seed=config.seed, eos_token_ids=model_config.eos_token_ids,
+                             tokens_for_batch=speculative.num_tokens_for_batch)
 
     def close(self) -> None:
         """Nothing to release early: the tensors go with the runner (see `runner.executor`)."""

@@ -59,16 +59,28 @@ def test_a_smaller_draft_keeps_greedy_outputs_under_chunking_and_preemption(arch
     assert stats.num_preemptions > 0
 
 
-def test_the_batch_size_gate_stops_drafts_in_larger_steps(truncated):
-    """Four requests decoding together, drafts allowed up to one running: none drafts."""
+def test_the_batch_size_gate_stops_drafts_in_larger_steps(truncated, monkeypatch):
+    """Four requests running together, drafts allowed up to one running: none drafts, and
+    the draft model never runs (not even their prefills: a large batch pays nothing for
+    it); alone, a request catches its draft up and drafts, its output unchanged."""
+    from carpool.runner.draft_proposer import DraftProposer
+
     path, draft = truncated("qwen3")
-    prompts = [[5, 6, 7, 8] * 3] * 4
+    forwards = []
+    original = DraftProposer._forward
+    monkeypatch.setattr(DraftProposer, "_forward",
+                        lambda self, rows: forwards.append(len(rows)) or original(self, rows))
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 6, [14] * 12]
+    with LLM(path, dtype="float32", device="cpu", num_kv_blocks=128) as plain:
+        expected = greedy(plain, prompts, 16, ignore_eos=True)
     with LLM(path, dtype="float32", device="cpu", num_kv_blocks=128,
              speculative_config=draft_config(draft, disable_by_batch_size=1)) as llm:
-        greedy(llm, prompts, 16, ignore_eos=True)
-        assert llm.stats().spec_decode_num_drafts == 0
-        greedy(llm, prompts[:1], 16, ignore_eos=True)  # alone: it drafts
-        assert llm.stats().spec_decode_num_drafts > 0
+        assert greedy(llm, prompts, 16, ignore_eos=True) == expected
+        assert llm.stats().spec_decode_num_drafts == 0 and forwards == []
+        # one request alone: drafts after catching its draft KV up from position 0
+        assert greedy(llm, prompts[:1], 16, ignore_eos=True) == expected[:1]
+        assert llm.stats().spec_decode_num_drafts > 0 and forwards
+        assert_clean(llm)
 
 
 def test_the_acceptance_gate_pauses_a_draft_that_is_never_right(make_checkpoint,
