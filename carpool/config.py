@@ -249,10 +249,13 @@ class EngineConfig:
         check_generation_config(generation_config)
         max_model_len = resolve_max_model_len(max_model_len, max_position_embeddings)
         if speculative is not None and speculative.method == "draft_model":
-            from carpool.models.draft_check import check_draft_model
+            from carpool.models.draft_check import check_draft_model, estimated_pass_cost
             from carpool.models.paths import resolve_model_path
-            check_draft_model(speculative.model, model_config,
-                              resolve_model_path(model_or_default(model)), max_model_len)
+            target_path = resolve_model_path(model_or_default(model))
+            check_draft_model(speculative.model, model_config, target_path, max_model_len)
+            if speculative.draft_pass_cost is None:
+                speculative = dataclasses.replace(speculative, draft_pass_cost=round(
+                    estimated_pass_cost(speculative.model, target_path), 4))
         requested_max_num_seqs = max_num_seqs
         requested_max_num_batched_tokens = max_num_batched_tokens
         device_until_known = "cuda" if device == "auto" else device

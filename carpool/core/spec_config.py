@@ -32,6 +32,10 @@ class SpeculativeConfig:
     # draft_model: the drafting model's folder (same tokenizer and vocabulary as the target;
     # checked when the engine loads it)
     model: str | None = None
+    # draft_model (carpool's): what one draft pass costs as a share of a target decode step,
+    # which the acceptance pause charges per drafted token; None: the draft's weight bytes
+    # over the target's (a decode reads its weights), set when the engine config is built.
+    draft_pass_cost: float | None = None
     # n-gram prompt lookup: the longest suffix of the request's tokens, from prompt_lookup_max
     # down to prompt_lookup_min tokens, found earlier in its prompt or output.
     prompt_lookup_min: int = 2
@@ -50,9 +54,15 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative_config.model (the draft model's folder) is required "
                              f"with method 'draft_model', got {self.model!r}")
-        if self.method != "draft_model" and self.model is not None:
-            raise ValueError(f"speculative_config.model is for method 'draft_model' only, "
-                             f"not {self.method!r}")
+        for name in ("model", "draft_pass_cost"):
+            if self.method != "draft_model" and getattr(self, name) is not None:
+                raise ValueError(f"speculative_config.{name} is for method 'draft_model' "
+                                 f"only, not {self.method!r}")
+        cost = self.draft_pass_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                 or not 0 <= cost < float("inf")):
+            raise ValueError("speculative_config.draft_pass_cost must be a number >= 0, "
+                             f"got {cost!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             _check_positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:

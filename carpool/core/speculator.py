@@ -11,8 +11,9 @@ same step. A request drafts nothing when
   - it has at most one output token left (`max_tokens`, `max_model_len`): drafts never
     overshoot, so the tokens a step may emit end where they would without speculation,
   - its recent drafts were mostly rejected: below MIN_ACCEPTED_PER_DRAFT accepted tokens per
-    draft (a running average) it stops drafting for a while, then tries again, waiting
-    twice as long after each failed try, up to MAX_PAUSE_STEPS decodes,
+    draft (a running average; a draft model's drafts are charged `draft_pass_cost` per
+    token drafted) it stops drafting for a while, then tries again, waiting twice as long
+    after each failed try, up to MAX_PAUSE_STEPS decodes,
   - or its tokens' suffix occurred nowhere before (n-gram lookup found nothing).
 
 With a draft model (method `draft_model`) the decision is the same, but the tokens are not
@@ -112,7 +113,9 @@ class Speculator:
         if not running:
             return
         acceptance = self._acceptance.setdefault(request_id, _Acceptance())
-        acceptance.average += _AVERAGE_WEIGHT * (num_accepted - acceptance.average)
+        # a draft model's passes are charged against what they earned (n-gram: free)
+        earned = num_accepted - num_drafted * (self.config.draft_pass_cost or 0.0)
+        acceptance.average += _AVERAGE_WEIGHT * (earned - acceptance.average)
         if acceptance.average >= _RESTART_AVERAGE:  # holding the level a try starts from:
             acceptance.next_pause = _FIRST_PAUSE_STEPS  # a success (a miss falls below it)
         elif acceptance.average < MIN_ACCEPTED_PER_DRAFT:

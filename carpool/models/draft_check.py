@@ -64,3 +64,19 @@ def _vocabulary(folder: Path) -> tuple | None:
     added = [(t.get("id"), t.get("content")) for t in data.get("added_tokens") or ()]
     return (vocab if isinstance(vocab, dict) else json.dumps(vocab, sort_keys=True),
             sorted(added, key=repr))
+
+
+def weight_bytes(path: Path) -> int:
+    """The bytes of a checkpoint's weights: a GGUF file's size, or its safetensors files'."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(file.stat().st_size for file in path.glob("*.safetensors"))
+
+
+def estimated_pass_cost(draft: str, target_path: Path) -> float:
+    """One draft pass as a share of a target decode step: the draft's weight bytes over the
+    target's (a decode on the CPU is bound by reading its weights; host work per pass, which
+    dominates tiny models, is not counted)."""
+    target = weight_bytes(target_path)
+    return weight_bytes(resolve_model_path(draft)) / target if target else 0.0
+

@@ -259,3 +259,19 @@ def test_a_pause_ends_early_in_growth_once_drafts_are_accepted_again():
         run = 0 if flag else run + 1
     after = [p for p, start in zip(pauses, starts) if start > 90]
     assert after and after[0] == 8
+
+
+def test_a_draft_models_passes_are_charged_to_its_average():
+    """With draft_pass_cost c, a draft of k tokens earns accepted - k * c: drafts that are
+    all accepted but cost as much as they save (c = 1) pause; free ones never do."""
+    def drafted(cost):
+        spec = SpeculativeConfig(method="draft_model", model="/a/draft",
+                                 num_speculative_tokens=3, draft_pass_cost=cost)
+        s = make_scheduler(num_blocks=256, spec=spec, max_model_len=1024)
+        s.add_request(Request("a", [9, 10, 11], SamplingParams(max_tokens=300)))
+        step(s, next_token=lambda _: 1)
+        return [bool(step(s).scheduled[0].draft_token_ids) for _ in range(40)]
+    assert all(drafted(0.0))
+    assert all(drafted(0.2))  # 3 - 0.6 earned per draft
+    charged = drafted(1.0)  # 3 - 3 earned: pauses
+    assert not all(charged) and charged.count(True) < 20

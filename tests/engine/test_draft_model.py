@@ -39,8 +39,10 @@ def truncated(separated_checkpoint, tmp_path_factory):
 
 
 def draft_config(draft: str, **extra) -> dict:
+    """Drafts in every step these small batches run, the draft's passes free to the pause
+    (unless `extra` says otherwise)."""
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
-            "disable_by_batch_size": 64, **extra}
+            "disable_by_batch_size": 64, "draft_pass_cost": 0, **extra}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -131,3 +133,29 @@ def test_a_draft_that_cannot_draft_for_the_target_is_refused(make_checkpoint,
             enable_lora=True)
     with pytest.raises(ValueError, match=r"speculative_config\.prompt_lookup_min"):
         EngineConfig.from_args(path, speculative_config=draft_config(path, prompt_lookup_min=2))
+
+
+def test_the_pause_charges_a_draft_for_its_passes(truncated):
+    """Unset, draft_pass_cost is the draft's weight bytes over the target's; a draft as
+    costly as the target (itself) earns nothing net even when every draft is accepted, so
+    its requests pause, and their outputs stay those without speculation."""
+    path, draft = truncated("qwen3")
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+    cost = EngineConfig.from_args(path, speculative_config=spec).speculative_config
+    assert 0.3 < cost.draft_pass_cost < 0.9  # 1 of 2 layers, plus the embeddings and head
+    itself = EngineConfig.from_args(path, speculative_config={**spec, "model": path})
+    assert itself.speculative_config.draft_pass_cost == 1.0
+    prompts, max_tokens = repetitive_prompts(7), 64
+    with LLM(path, dtype="float32", device="cpu", num_kv_blocks=256) as plain:
+        expected = greedy(plain, prompts, max_tokens, ignore_eos=True)
+    drafts = {}
+    for charged in (0, None):
+        config = {**spec, "model": path, "draft_pass_cost": charged}
+        with LLM(path, dtype="float32", device="cpu", num_kv_blocks=256,
+                 speculative_config=config) as llm:
+            assert greedy(llm, prompts, max_tokens, ignore_eos=True) == expected
+            stats = llm.stats()
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+            drafts[charged] = stats.spec_decode_num_drafts
+    assert 0 < drafts[None] < drafts[0] * 3 // 4  # (paused between tries of 3 drafts)
