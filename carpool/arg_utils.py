@@ -220,8 +220,10 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="Speculative decoding as vLLM's JSON object, e.g. "
                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                            "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' (default "
-                            "off; see docs/serving.md).")
+                            "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
+                            "'{\"method\": \"draft_model\", \"model\": PATH, "
+                            "\"num_speculative_tokens\": 3}' (default off; see "
+                            "docs/serving.md).")
     group.add_argument("--trust-remote-code", action="store_true",
                        help="Not supported: carpool never runs code shipped with a checkpoint.")
 

@@ -174,6 +174,13 @@ class EngineConfig:
             raise ValueError("speculative_config needs a SpeculativeConfig and the continuous "
                              f"scheduler, got {self.speculative_config!r} with "
                              f"{self.scheduler.scheduler!r}")
+        if self.speculative_config is not None and self.speculative_config.method == \
+                "draft_model":
+            for bad, name in ((self.tensor_parallel_size != 1, "tensor_parallel_size > 1"),
+                              (self.lora is not None, "enable_lora")):
+                if bad:  # the draft runs on one rank, without adapters
+                    raise ValueError(f"speculative_config.method 'draft_model' does not "
+                                     f"support {name}")
 
     @property
     def is_resolved(self) -> bool:
@@ -241,6 +248,14 @@ class EngineConfig:
         check_divisible(model_config, tensor_parallel_size)
         check_generation_config(generation_config)
         max_model_len = resolve_max_model_len(max_model_len, max_position_embeddings)
+        if speculative is not None and speculative.method == "draft_model":
+            from carpool.models.draft_check import check_draft_model, estimated_pass_cost
+            from carpool.models.paths import resolve_model_path
+            target_path = resolve_model_path(model_or_default(model))
+            check_draft_model(speculative.model, model_config, target_path, max_model_len)
+            if speculative.draft_pass_cost is None:
+                speculative = dataclasses.replace(speculative, draft_pass_cost=round(
+                    estimated_pass_cost(speculative.model, target_path), 4))
         requested_max_num_seqs = max_num_seqs
         requested_max_num_batched_tokens = max_num_batched_tokens
         device_until_known = "cuda" if device == "auto" else device

@@ -1,5 +1,6 @@
-"""Speculative decoding (n-gram) on and off at one stream: inter-token latency per workload,
-acceptance, and what a (1 + k)-token verify step costs against a 1-token decode step.
+"""Speculative decoding (n-gram, or a draft model) on and off at one stream: inter-token
+latency per workload, acceptance, and what a (1 + k)-token verify step costs against a
+1-token decode step.
 
 One process holds both engines (same model, same threads, prefix caching off); every round
 runs each workload on each side, the side order alternating between rounds. A workload is
@@ -11,6 +12,12 @@ the CPU clock is steadier than the wall clock.
 
     python3 -m benchmarks.features.spec_decode --model /work/vs-vllm/135m-bfloat16 \
         --threads 2 --rounds 3
+    python3 -m benchmarks.features.spec_decode --model /work/vs-vllm/135m-bfloat16 \
+        --method draft_model --draft-layers 3 --k 3 --threads 2 --rounds 3
+
+`--method draft_model` drafts with `--draft` (a folder sharing the target's tokenizer) or,
+with `--draft-layers N`, a copy of the target truncated to its first N layers (written to a
+temporary folder: the built-in model's vocabulary is not the 135M's).
 
 Feeds BENCHMARKS.md "Speculative decoding" and docs/lab/55-speculative-decoding.md.
 """
@@ -19,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
 
 from carpool import LLM, SamplingParams
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from carpool.testing.checkpoints import truncated_checkpoint
 
 CODE = '''def parse_header(line: str) -> tuple[str, str]:
     """Split an HTTP header line into its name and value."""
@@ -112,16 +121,29 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated; empty: only the verify-step cost")
+    parser.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
+    parser.add_argument("--draft", default=None, help="draft_model: the draft's folder")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="draft_model: the target's first N layers as the draft")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
             "prompt_lookup_max": 5}
+    if args.method == "draft_model":
+        draft = args.draft
+        if draft is None:
+            if args.model is None or args.draft_layers is None:
+                parser.error("--method draft_model needs --draft, or --model and "
+                             "--draft-layers")
+            draft = str(truncated_checkpoint(args.model, tempfile.mkdtemp(prefix="draft-"),
+                                             args.draft_layers))
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
     common = dict(model=args.model, max_model_len=512, num_kv_blocks=128,
                   enable_prefix_caching=False)
     sides = {"off": LLM(**common)}
     names = [name for name in args.workloads.split(",") if name]
     if names:
-        sides["ngram"] = LLM(**common, speculative_config=spec)
+        sides["ngram"] = LLM(**common, speculative_config=spec)  # (the speculating side)
     for llm in sides.values():  # warm up both
         itl_and_counts(llm, WORKLOADS["novel-greedy"][0], 16, {})
     itls = {(w, s): [] for w in names for s in sides}
@@ -137,10 +159,12 @@ def main() -> None:
                 cpus[(workload, side)].append(cpu)
                 if side == "ngram":
                     counts[workload] = tuple(a + b for a, b in zip(counts[workload], c))
-    print(f"model {args.model or 'built-in'}, {args.threads} threads, {args.rounds} rounds, "
-          f"{args.max_tokens} tokens, k={args.k}")
-    print("workload | ITL off / ngram ms | wall speed-up, median (rounds) | CPU ms/token off / "
-          "ngram | CPU speed-up, median (rounds) | acceptance | mean acceptance length")
+    method = args.method if args.method == "ngram" else f"draft_model ({spec['model']})"
+    print(f"model {args.model or 'built-in'}, {method}, {args.threads} threads, "
+          f"{args.rounds} rounds, {args.max_tokens} tokens, k={args.k}")
+    print(f"workload | ITL off / {args.method} ms | wall speed-up, median (rounds) | "
+          "CPU ms/token off / "
+          f"{args.method} | CPU speed-up, median (rounds) | acceptance | mean acceptance length")
     for workload in names:
         cells = []
         for table in (itls, cpus):

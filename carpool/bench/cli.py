@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--no-progress", action="store_true")
     offline.add_argument("--dtype", choices=DTYPES + tuple(DTYPE_ALIASES), default=None,
                          help="The engine's dtype (default: the engine's, auto).")
+    offline.add_argument("--draft-model", default=None,
+                         help="The draft model's folder for the chunked-draft variant.")
     for flag in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--num-kv-blocks",
                  "--max-num-partial-prefills", "--max-long-partial-prefills",
                  "--long-prefill-token-threshold"):
@@ -232,7 +234,7 @@ def _variants(args: argparse.Namespace) -> list[str]:
 def _engine_settings(args: argparse.Namespace) -> dict:
     names = ("dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
              "max_num_partial_prefills", "max_long_partial_prefills",
-             "long_prefill_token_threshold")
+             "long_prefill_token_threshold", "draft_model")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

@@ -14,6 +14,7 @@ Variants, compared one after another on identical requests:
   chunked-no-prefix-cache  `chunked` with prefix caching off (every variant but static has it on)
   chunked-ngram    `chunked` with n-gram speculative decoding (k = 4, lookup 2..5, the
                    default batch-size gate)
+  chunked-draft    `chunked` with a draft model (`--draft-model`, k = 3, the default gate)
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ VARIANTS: dict[str, dict] = {
                           max_num_partial_prefills=1, max_long_partial_prefills=1,
                           speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                               "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
+    "chunked-draft": dict(scheduler="continuous", enable_chunked_prefill=True,
+                          max_num_partial_prefills=1, max_long_partial_prefills=1,
+                          speculative_config={"method": "draft_model",
+                                              "num_speculative_tokens": 3}),
 }
 DEFAULT_COMPARE = ("static", "continuous", "chunked")
 CLOCKS = ("wall", "cpu")
@@ -104,10 +109,17 @@ def engine_kwargs(variant: str, common: dict, max_model_len: int) -> dict:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
     kwargs = {**common, "max_model_len": max_model_len}
+    draft = kwargs.pop("draft_model", None)
     for key, value in VARIANTS[variant].items():
         if key in ("max_num_partial_prefills", "max_long_partial_prefills") and key in common:
             continue  # an explicit setting wins over the variant's default
         kwargs[key] = value
+    spec = kwargs.get("speculative_config")
+    if spec is not None and spec["method"] == "draft_model":
+        if draft is None:
+            raise ValueError(f"variant {variant!r} needs --draft-model (a folder sharing the "
+                             "model's tokenizer)")
+        kwargs["speculative_config"] = {**spec, "model": draft}
     if not kwargs["enable_chunked_prefill"]:
         for key in ("max_num_batched_tokens", "max_num_partial_prefills",
                     "max_long_partial_prefills", "long_prefill_token_threshold"):

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from carpool.lora_request import LoRARequest
 from carpool.sampling_params import SamplingParams
 
+# A draft token a draft model proposes in the runner, in the step itself (method
+# `draft_model`): the scheduler plans k of these, the runner replaces them before the forward.
+DRAFT_SLOT = -1
+
 
 @dataclass(frozen=True, init=False)
 class ScheduledRequest:

@@ -3,6 +3,8 @@
     LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                             "prompt_lookup_min": 2, "prompt_lookup_max": 5})
     carpool serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    LLM(speculative_config={"method": "draft_model", "model": PATH,
+                            "num_speculative_tokens": 3})
 
 `from_dict` takes the user's mapping (or its JSON text); an unknown key or a bad value is a
 `ValueError` naming `speculative_config.<key>`.
@@ -14,7 +16,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NGRAM_ONLY_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 # Speculation pays while a step is bound by reading the weights: a (k+1)-row verify then
 # costs about what a 1-row decode costs. With more requests in the step the linears' rows
 # grow k+1 times and it no longer does, so by default it runs only while at most this many
@@ -26,6 +29,13 @@ DEFAULT_MAX_SPECULATIVE_BATCH = 4
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: the most tokens proposed per request per step
+    # draft_model: the drafting model's folder (same tokenizer and vocabulary as the target;
+    # checked when the engine loads it)
+    model: str | None = None
+    # draft_model (carpool's): what one draft pass costs as a share of a target decode step,
+    # which the acceptance pause charges per drafted token; None: the draft's weight bytes
+    # over the target's (a decode reads its weights), set when the engine config is built.
+    draft_pass_cost: float | None = None
     # n-gram prompt lookup: the longest suffix of the request's tokens, from prompt_lookup_max
     # down to prompt_lookup_min tokens, found earlier in its prompt or output.
     prompt_lookup_min: int = 2
@@ -39,10 +49,20 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            hint = (" (a draft model is not supported yet: only prompt lookup)"
-                    if self.method == "draft_model" else "")
             raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
-                             f"got {self.method!r}{hint}")
+                             f"got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model (the draft model's folder) is required "
+                             f"with method 'draft_model', got {self.model!r}")
+        for name in ("model", "draft_pass_cost"):
+            if self.method != "draft_model" and getattr(self, name) is not None:
+                raise ValueError(f"speculative_config.{name} is for method 'draft_model' "
+                                 f"only, not {self.method!r}")
+        cost = self.draft_pass_cost
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                 or not 0 <= cost < float("inf")):
+            raise ValueError("speculative_config.draft_pass_cost must be a number >= 0, "
+                             f"got {cost!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             _check_positive(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -83,6 +103,11 @@ class SpeculativeConfig:
         if "method" not in arguments:
             raise ValueError("speculative_config.method is required, one of "
                              f"{SPECULATIVE_METHODS}")
+        if arguments["method"] == "draft_model":
+            for key in NGRAM_ONLY_KEYS:
+                if key in value:
+                    raise ValueError(f"speculative_config.{key} is for method 'ngram' only "
+                                     "(a draft model proposes without a lookup)")
         return cls(**arguments)
 
     def num_tokens_for_batch(self, batch_size: int) -> int:

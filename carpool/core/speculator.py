@@ -11,9 +11,14 @@ same step. A request drafts nothing when
   - it has at most one output token left (`max_tokens`, `max_model_len`): drafts never
     overshoot, so the tokens a step may emit end where they would without speculation,
   - its recent drafts were mostly rejected: below MIN_ACCEPTED_PER_DRAFT accepted tokens per
-    draft (a running average) it stops drafting for a while, then tries again, waiting
-    twice as long after each failed try, up to MAX_PAUSE_STEPS decodes,
+    draft (a running average; a draft model's drafts are charged `draft_pass_cost` per
+    token drafted) it stops drafting for a while, then tries again, waiting twice as long
+    after each failed try, up to MAX_PAUSE_STEPS decodes,
   - or its tokens' suffix occurred nowhere before (n-gram lookup found nothing).
+
+With a draft model (method `draft_model`) the decision is the same, but the tokens are not
+known here: the answer is k `DRAFT_SLOT` placeholders, which the runner's draft model fills
+in before the step runs (`runner/draft_proposer.py`); the core stays free of tensors.
 
 `record` takes the verified counts back (from `Scheduler.update`) for the averages and the
 counters `SpecDecodeStats` holds (vLLM's spec_decode_* metrics).
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 
 from carpool.core.ngram_proposer import NgramIndex
 from carpool.core.request import Request
+from carpool.core.scheduler_output import DRAFT_SLOT
 from carpool.core.spec_config import SpeculativeConfig
 
 # A draft pays when its accepted tokens outweigh what its k extra rows add to the step: 0.1
@@ -35,6 +41,9 @@ from carpool.core.spec_config import SpeculativeConfig
 MIN_ACCEPTED_PER_DRAFT = 0.5
 _AVERAGE_WEIGHT = 0.25  # of the newest draft in the running average
 _FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS = 8, 128
+# Where a request's average starts, and restarts after a pause; a try whose average stays at
+# or above it ends the growth of the pauses (a try whose drafts miss falls below it at once).
+_RESTART_AVERAGE = 2 * MIN_ACCEPTED_PER_DRAFT
 
 
 @dataclass
@@ -61,7 +70,7 @@ class SpecDecodeStats:
 class _Acceptance:
     """One request's running average of accepted tokens per draft, and its pause."""
 
-    average: float = 1.0
+    average: float = _RESTART_AVERAGE
     paused_steps: int = 0
     next_pause: int = _FIRST_PAUSE_STEPS
 
@@ -88,6 +97,8 @@ class Speculator:
         if acceptance is not None and acceptance.paused_steps:
             acceptance.paused_steps -= 1
             return []
+        if self.config.method == "draft_model":
+            return [DRAFT_SLOT] * k
         index = self._indexes.get(request.request_id)
         if index is None:
             index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
@@ -102,13 +113,16 @@ class Speculator:
         if not running:
             return
         acceptance = self._acceptance.setdefault(request_id, _Acceptance())
-        acceptance.average += _AVERAGE_WEIGHT * (num_accepted - acceptance.average)
-        if acceptance.average >= MIN_ACCEPTED_PER_DRAFT:
-            acceptance.next_pause = _FIRST_PAUSE_STEPS
-        else:  # pause, then try again from an average that a few misses bring down again
+        # a draft model's passes are charged against what they earned (n-gram: free)
+        earned = num_accepted - num_drafted * (self.config.draft_pass_cost or 0.0)
+        acceptance.average += _AVERAGE_WEIGHT * (earned - acceptance.average)
+        if acceptance.average >= _RESTART_AVERAGE:  # holding the level a try starts from:
+            acceptance.next_pause = _FIRST_PAUSE_STEPS  # a success (a miss falls below it)
+        elif acceptance.average < MIN_ACCEPTED_PER_DRAFT:
+            # pause, then try again from an average that a few misses bring down again
             acceptance.paused_steps = acceptance.next_pause
             acceptance.next_pause = min(2 * acceptance.next_pause, MAX_PAUSE_STEPS)
-            acceptance.average = 2 * MIN_ACCEPTED_PER_DRAFT
+            acceptance.average = _RESTART_AVERAGE
 
     def forget(self, request_id: str) -> None:
         """The request left: drop its index and average."""

@@ -28,11 +28,13 @@ from carpool.lora.peft_adapter import load_adapter
 from carpool.lora.step_lora import StepLora, order_by_adapter
 from carpool.lora_request import LoRARequest
 from carpool.models.config import ModelConfig, load_model_config
+from carpool.models.draft_check import check_draft_model
 from carpool.models.loader import load_model, resolve_model_path
 from carpool.models.sharding import ShardLayout
 from carpool.outputs import PositionLogprobs, PromptLogprobs
 from carpool.platform import Platform, platform_for
 from carpool.runner import kv_cache, spec_verify
+from carpool.runner.draft_proposer import DraftProposer
 from carpool.runner.input_batch import build_input_batch
 from carpool.runner.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
 from carpool.runner.sampler import Sampler
@@ -115,6 +117,7 @@ class ModelRunner:
         if config.moe_router_stats and hasattr(self.model, "count_router_load"):
             self.model.count_router_load()
         # LoRA adapters, read from their folders when a step first needs them (None: off)
+        self.drafter: DraftProposer | None = None  # (set once the pool is sized)
         self.adapters = None if config.lora is None else AdapterCache(
             config.lora.capacity, self._load_adapter)
         self._max_lora_rank = 0 if config.lora is None else config.lora.max_lora_rank
@@ -135,11 +138,34 @@ class ModelRunner:
                                                      self.attention, self.platform.kv_cache_zeros)
         self.kv_cache_info = kv_cache.kv_cache_info(self._spec, self.num_kv_blocks,
                                                     self.max_model_len)
+        self.drafter = self._load_drafter(config, model_config, path)
         logger.info("attention backend: %s; platform: %s%s", self.attention.name,
                     self.platform.describe(), f"; {tp.describe()}" if tp.is_parallel else "")
         logger.info("KV cache: %(num_blocks)d blocks of %(block_size)d tokens = %(num_tokens)d "
                     "tokens, %(bytes)d bytes; max concurrency at max_model_len: "
                     "%(max_concurrency).2f", self.kv_cache_info)
+
+    def _load_drafter(self, config: EngineConfig, model_config: ModelConfig,
+                      path: Path) -> DraftProposer | None:
+        """The draft model of speculative method `draft_model` (None: another method, or
+        none), on a platform of its own (its CPU route follows its shape); checked again
+        here for configs built field by field."""
+        speculative = config.speculative_config
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        if self.tp.is_parallel or self.adapters is not None:
+            raise ValueError("speculative_config.method 'draft_model' needs "
+                             "tensor_parallel_size 1 and no enable_lora")
+        check_draft_model(speculative.model, model_config, path, self.max_model_len)
+        platform = platform_for(self.device, config.cpu, batch_invariant=config.batch_invariant,
+                                thread_slot=config.data_parallel_rank,
+                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens)
+        return DraftProposer(resolve_model_path(speculative.model), dtype=self.dtype,
+                             device=self.device, platform=platform,
+                             attention_backend=config.attention_backend,
+                             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                             seed=config.seed, eos_token_ids=model_config.eos_token_ids,
+                             tokens_for_batch=speculative.num_tokens_for_batch)
 
     def close(self) -> None:
         """Nothing to release early: the tensors go with the runner (see `runner.executor`)."""
@@ -169,7 +195,10 @@ class ModelRunner:
         self.sampler.free(scheduler_output.finished_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        lora = None
+        lora, draft_probs = None, {}
+        if self.drafter is not None and kv_caches is self.kv_caches:  # (not when profiling)
+            drafted = self.drafter.propose(scheduler_output)
+            scheduler_output, draft_probs = drafted.scheduler_output, drafted.probs
         if self.adapters is not None:
             scheduler_output = order_by_adapter(scheduler_output)
         batch = build_input_batch(scheduler_output, block_size=self.block_size,
@@ -195,7 +224,11 @@ class ModelRunner:
             return ModelRunnerOutput()
         bitmask = grammar_bitmask.result() if grammar_bitmask is not None else None
         if batch.num_drafts:
-            return self._verify_drafts(logits, batch.sampled, bitmask, output)
+            output = self._verify_drafts(logits, batch.sampled, bitmask, output, draft_probs)
+            if self.drafter is not None:
+                self.drafter.verified([r for r in batch.sampled if r.draft_token_ids],
+                                      output.accepted_draft_ids)
+            return output
         sampled = self.sampler.sample(logits, batch.sampled, bitmask)
         ids = [req.request_id for req in batch.sampled]
         output.sampled_token_ids = dict(zip(ids, sampled.token_ids))
@@ -204,12 +237,18 @@ class ModelRunner:
         return output
 
     def _verify_drafts(self, logits: torch.Tensor, requests: list[ScheduledRequest], bitmask,
-                       output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Sample every logits row of a step with draft tokens and keep what verifies."""
-        states = self.sampler.seeded_states([r for r in requests if r.draft_token_ids])
-        sampled = self.sampler.sample(logits, spec_verify.logits_rows(requests), bitmask)
+                       output: ModelRunnerOutput,
+                       draft_probs: dict[str, torch.Tensor]) -> ModelRunnerOutput:
+        """Sample every logits row of a step with draft tokens and keep what verifies;
+        `draft_probs`: a draft model's q per sampled request (rejection sampling)."""
+        states = self.sampler.seeded_states([r for r in requests if r.draft_token_ids
+                                             and r.request_id not in draft_probs])
+        sampled = self.sampler.sample(logits, spec_verify.logits_rows(requests), bitmask,
+                                      spec_verify.proposals(requests, draft_probs))
         verified = spec_verify.verify(requests, sampled.token_ids, sampled.logprobs)
-        for rid, state in states.items():  # draws only for the rows kept, as without drafts
+        # A request drafted by n-gram draws only for the rows kept, as without drafts; one
+        # with a draft model's q keeps its 1 + k draws (`rejection_tokens` uses them all).
+        for rid, state in states.items():
             seed = next(r.sampling_params.seed for r in requests if r.request_id == rid)
             self.sampler.rewind(rid, seed, state, verified.num_rows_used[rid])
         output.sampled_token_ids = verified.sampled_token_ids

@@ -34,6 +34,16 @@ from carpool.runner.penalties import apply_min_tokens, apply_penalties, needs_pr
 from carpool.structured.bitmask import GrammarBitmask
 
 
+@dataclass(frozen=True)
+class Proposals:
+    """A draft model's proposals, per logits row: the draft token that follows the row
+    (-1: none, the row is a bonus row or a plain decode) and q, the probabilities the draft
+    drew it from ([N, V] float32; a greedy row's is not read)."""
+
+    draft_ids: torch.Tensor  # [N] int64
+    probs: torch.Tensor  # [N, V] float32
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
@@ -44,11 +54,15 @@ class Sampler:
     """Holds the global generator and each seeded request's generator."""
 
     def __init__(self, device: torch.device, eos_token_ids: tuple[int, ...], seed: int = 0,
-                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 request_seed_offset: int = 0) -> None:
         """argmax_rows: the compiled kernels' `argmax_rows` (float32 and bfloat16 CPU rows,
         `greedy_ids`' answers in one vector pass;
-        docs/lab/27-dtype-auto-as-vllm-s-the-servers.md), or None: `greedy_ids`."""
+        docs/lab/27-dtype-auto-as-vllm-s-the-servers.md), or None: `greedy_ids`.
+        request_seed_offset: added to a request's seed for its generator (a draft model's
+        sampler: its numbers must not repeat the target's)."""
         self.device = device
+        self._seed_offset = request_seed_offset
         self._argmax_rows = argmax_rows
         self.eos_token_ids = tuple(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -64,10 +78,13 @@ class Sampler:
         return len(self._request_generators)
 
     def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
-               grammar_bitmask: GrammarBitmask | None = None) -> SamplerOutput:
+               grammar_bitmask: GrammarBitmask | None = None,
+               proposals: Proposals | None = None) -> SamplerOutput:
         """logits [N, V] (float32 or the model's dtype), row i for requests[i] -> one token
         (and logprobs) per row. `grammar_bitmask` masks the rows of the constrained requests it
-        names (in place, once they are float32).
+        names (in place, once they are float32). `proposals`: a draft model's tokens and
+        probabilities for the rows they follow; a sampled row with one takes it or a token of
+        the residual (`rejection_tokens`).
 
         Greedy rows with nothing to process take the argmax of the logits as they come: widening
         bfloat16 to float32 is exact and keeps their order, and skipping it saves writing and
@@ -83,7 +100,7 @@ class Sampler:
         if grammar_bitmask is not None:
             apply_grammar_bitmask(logits, requests, grammar_bitmask)
         token_ids = (self._greedy_ids(logits) if plain_greedy
-                     else self._sample_processed(logits.clone(), requests))
+                     else self._sample_processed(logits.clone(), requests, proposals))
         token_list = token_ids.tolist()
         return SamplerOutput(token_ids=token_list,
                              logprobs=_gather_logprobs(raw_logprobs, token_ids, requests))
@@ -95,24 +112,47 @@ class Sampler:
             return self._argmax_rows(logits)
         return greedy_ids(logits)
 
-    def _sample_processed(self, logits: torch.Tensor,
-                          requests: list[ScheduledRequest]) -> torch.Tensor:
+    def _sample_processed(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                          proposals: Proposals | None = None) -> torch.Tensor:
+        greedy, greedy_tokens, probs = self._processed(logits, requests)
+        if probs is None:
+            return greedy_tokens
+        uniforms = self._uniforms(requests)
+        drawn = draw_by_inverse_cdf(probs, uniforms)
+        if proposals is not None:
+            drawn = rejection_tokens(probs, uniforms, drawn, proposals)
+        return torch.where(greedy, greedy_tokens, drawn)
+
+    def _processed(self, logits: torch.Tensor, requests: list[ScheduledRequest]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(greedy rows, every row's argmax after min_tokens and penalties, the probabilities
+        a sampled row draws from: None when every row is greedy), `logits` changed in place."""
         apply_min_tokens(logits, requests, self.eos_token_ids)
         apply_penalties(logits, requests)
         logits = _finite(logits)
         greedy = torch.tensor([r.sampling_params.is_greedy for r in requests], device=self.device)
         greedy_tokens = self._greedy_ids(logits)
         if bool(greedy.all()):
-            return greedy_tokens
+            return greedy, greedy_tokens, None
         params = [r.sampling_params for r in requests]
         temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
                                    device=self.device, dtype=logits.dtype)
         logits = _finite(logits / temperature[:, None])
         logits = _apply_min_p(logits, params)
         logits = _apply_top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
+        return greedy, greedy_tokens, torch.softmax(logits, dim=-1)
+
+    def draw_draft(self, logits: torch.Tensor, requests: list[ScheduledRequest]
+                   ) -> tuple[list[int], torch.Tensor | None]:
+        """A draft model's tokens, one per row, and the float32 [N, V] probabilities the
+        sampled rows drew them from (q; None when every row is greedy): processed as the
+        target's rows are (min_tokens, penalties, temperature, min_p, top_k, top_p), so q is
+        close to p where the draft is good."""
+        greedy, greedy_tokens, probs = self._processed(logits.float(), requests)
+        if probs is None:
+            return greedy_tokens.tolist(), None
         drawn = draw_by_inverse_cdf(probs, self._uniforms(requests))
-        return torch.where(greedy, greedy_tokens, drawn)
+        return torch.where(greedy, greedy_tokens, drawn).tolist(), probs
 
     def _uniforms(self, requests: list[ScheduledRequest]) -> torch.Tensor:
         """One U[0, 1) float64 number per row: seeded rows from their own generator, others
@@ -125,7 +165,8 @@ class Sampler:
                 continue
             generator = self._request_generators.get(req.request_id)
             if generator is None:
-                generator = torch.Generator(device=self.device).manual_seed(seed)
+                generator = torch.Generator(device=self.device).manual_seed(
+                    (seed + self._seed_offset) & 0xFFFF_FFFF_FFFF_FFFF)
                 self._request_generators[req.request_id] = generator
             uniforms[row] = self._draw(generator)
         return uniforms
@@ -155,6 +196,31 @@ class Sampler:
         for _ in range(num_draws):
             self._draw(generator)
         self._request_generators[request_id] = generator
+
+
+def rejection_tokens(probs: torch.Tensor, uniforms: torch.Tensor, drawn: torch.Tensor,
+                     proposals: Proposals) -> torch.Tensor:
+    """Rejection sampling of a draft model's tokens (Leviathan et al., Chen et al.): a row
+    followed by draft d, drawn from q, keeps d with probability min(1, p(d) / q(d)) (its
+    uniform u: u * q(d) < p(d)); otherwise its token is drawn from the residual
+    max(0, p - q), renormalised, with the next row's uniform (the row after a rejection is
+    discarded, so its number is free, and independent of u). Every kept token then has the
+    target's distribution p. Rows without a draft keep `drawn`. A rejected d has
+    p(d) < q(d), so the residual never draws it: the token differs from the draft, which is
+    how `spec_verify.verify` finds the rejection."""
+    rows = (proposals.draft_ids >= 0).nonzero().flatten()
+    if not rows.numel():
+        return drawn
+    drafts = proposals.draft_ids[rows][:, None]
+    p, q = probs[rows], proposals.probs[rows].to(probs.dtype)
+    accept = uniforms[rows] * q.gather(1, drafts)[:, 0].double() < p.gather(1, drafts)[:, 0]
+    residual = (p - q).clamp(min=0)
+    empty = residual.sum(-1) <= 0  # p == q up to rounding: then d is (almost) never rejected
+    residual = torch.where(empty[:, None], p.scatter(1, drafts, 0.0), residual)
+    resampled = draw_by_inverse_cdf(residual, uniforms[rows + 1])
+    drawn = drawn.clone()
+    drawn[rows] = torch.where(accept, drafts[:, 0], resampled)
+    return drawn
 
 
 # Entries per block of the two-level search in draw_by_inverse_cdf.

@@ -9,21 +9,32 @@ logprobs apply per position), then
     accepted = d1..dm, the longest prefix with d_{j+1} == token sampled at row j
     emitted  = accepted + [token sampled at row m]       (row k's: the bonus token)
 
-Greedy rows accept while the draft is the argmax. For sampled rows this is rejection
-sampling with a deterministic proposal (n-gram drafts: q one-hot): d is accepted with
-probability p(d), and on rejection the row's token is drawn from p given "not d", i.e. p
-with d zeroed and renormalised; so every emitted token has the target's distribution.
-Each row draws one uniform number as a plain decode does, and a seeded request's generator
-is rewound to the rows it used (`rewind_seeded`), so the same seed gives the same tokens
-with speculation on or off (bitwise so in batch-invariant mode).
+Greedy rows accept while the draft is the argmax (a greedy draft model's q is one-hot too).
+Sampled rows are rejection sampling: accept d with probability min(1, p(d) / q(d)), on
+rejection draw from the residual max(0, p - q) renormalised, so every emitted token has the
+target's distribution p. Two proposals:
+
+  - n-gram drafts are deterministic, q one-hot at d: accept with probability p(d), on
+    rejection draw from p with d zeroed. Sampling the row from p as a plain decode does and
+    keeping d when the sample equals it is exactly that, and draws the same numbers as a
+    plain decode: a seeded request's generator is rewound to the rows it used
+    (`Sampler.rewind`), so the same seed gives the same tokens with speculation on or off
+    (bitwise so in batch-invariant mode).
+  - a draft model's drafts are drawn from its own q (`proposals` hands it to the sampler
+    per row, `sampler.rejection_tokens` applies the rule). The row's token is then d or a
+    token of the residual (never d), so the comparison below still finds the rejection. The
+    same seed gives the same tokens again, not those of a run without speculation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from carpool.core.scheduler_output import ScheduledRequest
 from carpool.outputs import PositionLogprobs
+from carpool.runner.sampler import Proposals
 
 
 @dataclass
@@ -53,6 +64,27 @@ def logits_rows(sampled: list[ScheduledRequest]) -> list[ScheduledRequest]:
                 request.block_ids, True, params, request.prompt_token_ids,
                 outputs + list(drafts[:j]) if reads_outputs and j else outputs))
     return rows
+
+
+def proposals(sampled: list[ScheduledRequest],
+              draft_probs: dict[str, torch.Tensor]) -> Proposals | None:
+    """Per `logits_rows` row, the draft that follows it and the draft model's q for it, for
+    the requests in `draft_probs` (None when there are none: n-gram drafts, greedy rows)."""
+    if not draft_probs:
+        return None
+    first = next(iter(draft_probs.values()))
+    num_rows = sum(1 + len(r.draft_token_ids) for r in sampled)
+    draft_ids = torch.full((num_rows,), -1, dtype=torch.int64)
+    probs = first.new_zeros(num_rows, first.shape[-1])
+    row = 0
+    for request in sampled:
+        q = draft_probs.get(request.request_id)
+        if q is not None:
+            k = len(request.draft_token_ids)
+            draft_ids[row:row + k] = torch.tensor(request.draft_token_ids, dtype=torch.int64)
+            probs[row:row + k] = q
+        row += 1 + len(request.draft_token_ids)
+    return Proposals(draft_ids.to(probs.device), probs)
 
 
 def verify(sampled: list[ScheduledRequest], row_tokens: list[int],

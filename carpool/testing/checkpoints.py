@@ -158,3 +158,32 @@ def _perturb_norms(model, seed: int) -> None:
 def read_config(path: str | os.PathLike) -> dict:
     with open(Path(path) / "config.json") as f:
         return json.load(f)
+
+
+def truncated_checkpoint(source: str | os.PathLike, out_dir: str | os.PathLike,
+                         num_layers: int) -> Path:
+    """A copy of the checkpoint folder `source` keeping only its first `num_layers` decoder
+    layers (same embeddings, final norm, head and tokenizer): a draft model that shares the
+    target's vocabulary and agrees with it more than an unrelated model does."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, out = Path(source), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name != "config.json":
+            shutil.copy(file, out / file.name)
+    config = read_config(source)
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    layer = re.compile(r"\blayers\.(\d+)\.")
+    weights = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            match = layer.search(name)
+            if match is None or int(match.group(1)) < num_layers:
+                weights[name] = tensor
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

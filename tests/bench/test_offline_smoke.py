@@ -133,3 +133,14 @@ def test_dtype_flag_reaches_the_engine(checkpoint, tmp_path, monkeypatch):
     assert [engine.runner.dtype for engine in engines] == [torch.bfloat16]
     with pytest.raises(SystemExit):
         main(["bench", "offline", "--model", str(checkpoint), "--dtype", "int8"])
+
+
+def test_the_draft_variant_takes_its_draft_from_the_flag():
+    from carpool.bench.offline import engine_kwargs
+
+    with pytest.raises(ValueError, match="--draft-model"):
+        engine_kwargs("chunked-draft", {}, 128)
+    kwargs = engine_kwargs("chunked-draft", {"draft_model": "/a/draft"}, 128)
+    assert kwargs["speculative_config"] == {"method": "draft_model",
+                                            "num_speculative_tokens": 3, "model": "/a/draft"}
+    assert "draft_model" not in engine_kwargs("chunked", {"draft_model": "/a/draft"}, 128)

@@ -188,3 +188,90 @@ def test_random_runs_with_preemption_leak_no_block():
         assert s.block_manager.num_free_blocks == 24
         # nothing kept for requests that left (finished, or aborted between steps)
         assert not s.speculator._indexes and not s.speculator._acceptance
+
+
+def test_a_draft_model_decode_gets_k_slots_under_the_same_gates():
+    """Method draft_model: the scheduler plans k DRAFT_SLOTs (the runner's draft model fills
+    them), for any request, n-gram match or not, within the batch-size table, the budget and
+    the tokens left; the runner's accepted tokens become the request's."""
+    from carpool.core.scheduler_output import DRAFT_SLOT
+
+    spec = SpeculativeConfig(method="draft_model", model="/a/draft", num_speculative_tokens=3,
+                             disable_by_batch_size=1)
+    s = make_scheduler(spec=spec)
+    s.add_request(Request("a", [9, 10, 11], SamplingParams(max_tokens=6)))  # no repeats
+    step(s, next_token=lambda _: 1)
+    output = s.schedule()
+    (row,) = output.scheduled
+    assert list(row.draft_token_ids) == [DRAFT_SLOT] * 3
+    assert list(row.token_ids) == [1, DRAFT_SLOT, DRAFT_SLOT, DRAFT_SLOT]
+    s.update(output, {"a": 4}, {"a": [2, 3]})  # the draft model's tokens, two accepted
+    request = s.get_request("a")
+    assert request.output_token_ids == [1, 2, 3, 4] and request.num_computed_tokens == 6
+    output = s.schedule()  # 2 tokens left: one draft at most
+    assert list(output.scheduled[0].draft_token_ids) == [DRAFT_SLOT]
+    s.update(output, {"a": 6}, {"a": [5]})
+    assert request.output_token_ids == [1, 2, 3, 4, 5, 6] and request.is_finished
+    s.add_request(Request("b", [9, 10, 11], SamplingParams(max_tokens=6)))
+    s.add_request(Request("c", [9, 10, 11], SamplingParams(max_tokens=6)))
+    step(s, next_token=lambda _: 1)
+    assert not any(r.draft_token_ids for r in step(s).scheduled)  # 2 running > 1
+
+
+def test_each_failed_try_doubles_the_pause():
+    """A request whose drafts are never accepted pauses 8, 16, 32, ... decodes between
+    tries (up to MAX_PAUSE_STEPS): the first rejection after a pause must not count as a
+    success (it once did, so the pause stayed at 8 and a quarter of the decodes drafted)."""
+    from carpool.core.speculator import MAX_PAUSE_STEPS
+
+    s = make_scheduler(num_blocks=256, max_num_batched_tokens=128, max_model_len=1024)
+    s.add_request(loop_request("a", repeats=2, max_tokens=600))
+    step(s, next_token=lambda _: 5)
+    drafted = [bool(step(s, accept=lambda _: 0, next_token=lambda row: row.token_ids[0])
+                    .scheduled[0].draft_token_ids) for _ in range(500)]
+    pauses, run = [], 0
+    for flag in drafted:
+        if flag and run:
+            pauses.append(run)
+        run = 0 if flag else run + 1
+    assert pauses[:5] == [8, 16, 32, 64, 128]
+    assert set(pauses[5:]) <= {MAX_PAUSE_STEPS}
+    assert drafted.count(True) < 30
+
+
+def test_a_pause_ends_early_in_growth_once_drafts_are_accepted_again():
+    """After a try whose drafts are accepted, the next pause starts from 8 again."""
+    s = make_scheduler(num_blocks=256, max_num_batched_tokens=128, max_model_len=1024)
+    s.add_request(loop_request("a", repeats=2, max_tokens=600))
+    step(s, next_token=lambda _: 5)
+    accept_all = [False]
+    drafted = []
+    for i in range(200):
+        accept_all[0] = 60 <= i < 90  # accepted for a while, then rejected again
+        output = step(s, accept=lambda row: len(row.draft_token_ids) if accept_all[0] else 0,
+                      next_token=lambda row: row.token_ids[0])
+        drafted.append(bool(output.scheduled[0].draft_token_ids))
+    pauses, run, starts = [], 0, []
+    for i, flag in enumerate(drafted):
+        if flag and run:
+            pauses.append(run)
+            starts.append(i)
+        run = 0 if flag else run + 1
+    after = [p for p, start in zip(pauses, starts) if start > 90]
+    assert after and after[0] == 8
+
+
+def test_a_draft_models_passes_are_charged_to_its_average():
+    """With draft_pass_cost c, a draft of k tokens earns accepted - k * c: drafts that are
+    all accepted but cost as much as they save (c = 1) pause; free ones never do."""
+    def drafted(cost):
+        spec = SpeculativeConfig(method="draft_model", model="/a/draft",
+                                 num_speculative_tokens=3, draft_pass_cost=cost)
+        s = make_scheduler(num_blocks=256, spec=spec, max_model_len=1024)
+        s.add_request(Request("a", [9, 10, 11], SamplingParams(max_tokens=300)))
+        step(s, next_token=lambda _: 1)
+        return [bool(step(s).scheduled[0].draft_token_ids) for _ in range(40)]
+    assert all(drafted(0.0))
+    assert all(drafted(0.2))  # 3 - 0.6 earned per draft
+    charged = drafted(1.0)  # 3 - 3 earned: pauses
+    assert not all(charged) and charged.count(True) < 20

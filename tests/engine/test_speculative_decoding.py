@@ -1,12 +1,14 @@
-"""Speculative decoding (n-gram prompt lookup) changes how many steps a request takes, never
-what it gets: greedy outputs equal those without speculation and Hugging Face's `generate`
-(four architectures; default, chunked prefill with preemption, prefix-cached settings);
-in batch-invariant mode every emitted token's logprobs, and seeded samples, are bitwise those
-without it; sampled tokens keep the target's distribution; stops land where they would.
+"""Speculative decoding (n-gram prompt lookup, a draft model) changes how many steps a request
+takes, never what it gets: greedy outputs equal those without speculation and Hugging Face's
+`generate` (four architectures; default, chunked prefill with preemption, prefix-cached
+settings); in batch-invariant mode every emitted token's logprobs are bitwise those without
+it (and n-gram's seeded samples too; a draft model's are reproducible); stops land where
+they would.
 
 Prompts repeat a random segment, and tiny random models fall into loops, so the n-gram
-lookup proposes and the model accepts: every test asserts accepted tokens, so none passes
-with speculation silently off.
+lookup proposes and the model accepts. The draft model here is the target itself, which
+must then have every draft accepted (a smaller draft: test_draft_model.py). Every test
+asserts accepted tokens, so none passes with speculation silently off.
 """
 
 from __future__ import annotations
@@ -37,6 +39,24 @@ SETTINGS = {
     "prefix_cached": dict(num_kv_blocks=256, block_size=8),
 }
 EOS_TOKEN_ID = 0
+METHODS = ("ngram", "draft_model")
+
+
+def speculative(method: str, path: str) -> dict:
+    """The test config of `method` for the target at `path` (it drafts for itself)."""
+    if method == "ngram":
+        return NGRAM
+    # draft_pass_cost 0: a draft as costly as the target never pays, and the pause would
+    # stop it; these tests want every step to draft
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64, "draft_pass_cost": 0}
+
+
+def assert_drafts_accepted(stats, method: str) -> None:
+    """Drafts were verified and accepted; a model drafting for itself: all of them."""
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    if method == "draft_model":
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
 
 
 def repetitive_prompts(seed: int, count: int = 8) -> list[list[int]]:
@@ -62,10 +82,11 @@ def assert_clean(llm: LLM) -> None:
     llm.engine.check_integrity()
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_no_speculation_and_transformers(arch, setting, separated_checkpoint,
-                                                       hf_greedy):
+def test_greedy_equals_no_speculation_and_transformers(arch, setting, method,
+                                                       separated_checkpoint, hf_greedy):
     path = str(separated_checkpoint(arch))
     prompts = repetitive_prompts(7)
     if setting == "prefix_cached":
@@ -73,7 +94,7 @@ def test_greedy_equals_no_speculation_and_transformers(arch, setting, separated_
     max_tokens = 64
     with LLM(path, dtype="float32", device="cpu", **SETTINGS[setting]) as plain:
         expected = greedy(plain, prompts, max_tokens)
-    with LLM(path, dtype="float32", device="cpu", speculative_config=NGRAM,
+    with LLM(path, dtype="float32", device="cpu", speculative_config=speculative(method, path),
              **SETTINGS[setting]) as llm:
         got = greedy(llm, prompts, max_tokens)
         stats = llm.stats()
@@ -82,9 +103,8 @@ def test_greedy_equals_no_speculation_and_transformers(arch, setting, separated_
     for prompt, tokens in zip(prompts[:3], got):
         assert tokens == hf_greedy(arch, prompt, max_tokens)[:len(tokens)]
         assert len(tokens) == max_tokens or tokens[-1] == EOS_TOKEN_ID
-    assert stats.spec_decode_num_accepted_tokens > 0
+    assert_drafts_accepted(stats, method)
     assert 0 < stats.spec_decode_num_drafts
-    assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == \
         stats.spec_decode_num_accepted_tokens
     if setting == "chunked_preemption":
@@ -93,7 +113,8 @@ def test_greedy_equals_no_speculation_and_transformers(arch, setting, separated_
         assert stats.prefix_cache_hits > 0
 
 
-def test_stops_land_where_they_would_without_speculation(separated_checkpoint):
+@pytest.mark.parametrize("method", METHODS)
+def test_stops_land_where_they_would_without_speculation(method, separated_checkpoint):
     """max_tokens, min_tokens with EOS, stop token ids and stop strings cut a step's accepted
     drafts exactly where single-token steps stop."""
     path = str(separated_checkpoint("qwen3"))  # the one that loops most
@@ -119,13 +140,14 @@ def test_stops_land_where_they_would_without_speculation(separated_checkpoint):
             return results
         expected = run(plain)
     with LLM(path, dtype="float32", device="cpu", num_kv_blocks=256,
-             speculative_config=NGRAM) as llm:
+             speculative_config=speculative(method, path)) as llm:
         assert run(llm) == expected
-        assert llm.stats().spec_decode_num_accepted_tokens > 0
+        assert_drafts_accepted(llm.stats(), method)
         assert_clean(llm)
 
 
-def test_penalties_and_logprobs_per_verified_position(separated_checkpoint):
+@pytest.mark.parametrize("method", METHODS)
+def test_penalties_and_logprobs_per_verified_position(method, separated_checkpoint):
     """A repetition penalty sees each draft position's own history; logprobs come one per
     emitted token and equal the plain run's (float32 tiny model: to rounding)."""
     path = str(separated_checkpoint("qwen2"))
@@ -139,9 +161,9 @@ def test_penalties_and_logprobs_per_verified_position(separated_checkpoint):
     with LLM(path, dtype="float32", device="cpu", num_kv_blocks=256) as plain:
         expected = run(plain)
     with LLM(path, dtype="float32", device="cpu", num_kv_blocks=256,
-             speculative_config=NGRAM) as llm:
+             speculative_config=speculative(method, path)) as llm:
         got = run(llm)
-        assert llm.stats().spec_decode_num_accepted_tokens > 0
+        assert_drafts_accepted(llm.stats(), method)
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected):
         assert tokens == want_tokens
         assert len(logprobs) == len(tokens)
@@ -158,7 +180,12 @@ def kernels():
         pytest.skip("batch-invariant mode needs the compiled C++ kernels")
 
 
-def test_batch_invariant_logprobs_and_seeded_samples_bitwise(separated_checkpoint, kernels):
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_invariant_logprobs_and_seeded_samples_bitwise(method, separated_checkpoint,
+                                                             kernels):
+    """Greedy: logprobs bitwise those without speculation. Seeded samples: with n-gram
+    drafts bitwise those without (the rows draw a plain decode's numbers); with a draft
+    model, rejection sampling draws its own, so the same seeds give the same tokens again."""
     path = str(separated_checkpoint("qwen3"))  # the one that loops most: drafts get accepted
     prompts = repetitive_prompts(3, count=6)
     params = [SamplingParams(temperature=0.0, max_tokens=32, logprobs=5, ignore_eos=True),
@@ -173,16 +200,21 @@ def test_batch_invariant_logprobs_and_seeded_samples_bitwise(separated_checkpoin
     settings = dict(dtype="float32", device="cpu", num_kv_blocks=256, batch_invariant=True)
     with LLM(path, **settings) as plain:
         expected = [run(plain, param) for param in params]
-    with LLM(path, speculative_config=NGRAM, **settings) as llm:
+    with LLM(path, speculative_config=speculative(method, path), **settings) as llm:
         for param, want in zip(params, expected):
             accepted = llm.stats().spec_decode_num_accepted_tokens
-            assert run(llm, param) == want
+            got = run(llm, param)
+            if method == "ngram" or param.temperature == 0.0:
+                assert got == want
+            else:  # the target's logprobs of the tokens it emitted, whatever they are
+                assert [len(tokens) for tokens, _ in got] == [32] * len(prompts)
             assert llm.stats().spec_decode_num_accepted_tokens > accepted
-            assert run(llm, param) == want  # the same seeds give the same tokens again
+            assert run(llm, param) == got  # the same seeds give the same tokens again
         assert_clean(llm)
 
 
-def test_grammar_requests_keep_their_grammar_beside_speculating_ones():
+@pytest.mark.parametrize("method", METHODS)
+def test_grammar_requests_keep_their_grammar_beside_speculating_ones(method):
     """Structured outputs do not speculate (the matcher cannot take rejected tokens back):
     their outputs hold the grammar and equal those without speculation, while a plain
     request in the same steps speculates."""
@@ -200,7 +232,8 @@ def test_grammar_requests_keep_their_grammar_beside_speculating_ones():
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(max_model_len=256, num_kv_blocks=64) as plain:
         expected = [(o.text, o.token_ids) for o in run(plain)]
-    with LLM(max_model_len=256, num_kv_blocks=64, speculative_config=NGRAM) as llm:
+    with LLM(max_model_len=256, num_kv_blocks=64,
+             speculative_config=speculative(method, "carpool-default")) as llm:
         outs = run(llm)
         assert llm.stats().spec_decode_num_accepted_tokens > 0
         assert_clean(llm)

@@ -126,3 +126,66 @@ def test_a_seeded_generator_ends_where_a_plain_decode_leaves_it():
     expected = [torch.rand(1, generator=reference, dtype=torch.float64)[0]
                 for _ in range(used + 1)][-1]
     assert after[0] == expected
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
+                                    dict(temperature=1.3, top_p=0.8, min_p=0.05)])
+def test_draft_model_rejection_sampling_keeps_the_targets_distribution(params):
+    """Drafts drawn from a draft model's q (a different distribution from the target's p,
+    overlapping it partly) and verified with q: accept with min(1, p/q), else draw from the
+    residual. Each emitted position's frequencies match p (chi-square at SIGNIFICANCE);
+    with q ignored (drafts verified as if one-hot) the first position would be p too, but
+    acceptance would be lower: both branches are exercised and acceptance beats sum(p*q)."""
+    vocab, batch, num_batches, k = 8, 1000, 6, 2
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(k + 1, vocab, generator=generator) * 1.5
+    draft_logits = logits[:k] + torch.randn(k, vocab, generator=generator)  # a fair draft
+    target = [target_distribution(logits[j].double().numpy(), **params) for j in range(k + 1)]
+    q = torch.tensor(np.stack([target_distribution(draft_logits[j].double().numpy(), **params)
+                               for j in range(k)]), dtype=torch.float32)
+    counts = [Counter() for _ in range(k + 1)]
+    num_accepted_first = 0
+    sampler = Sampler(CPU, (0,), seed=4)
+    for b in range(num_batches):
+        drafts = torch.stack([torch.multinomial(q[j], batch, replacement=True,
+                                                generator=generator) for j in range(k)], 1)
+        requests = [row(f"d{b}-{i}", drafts=drafts[i].tolist(), **params) for i in range(batch)]
+        rows = spec_verify.logits_rows(requests)
+        proposals = spec_verify.proposals(requests, {r.request_id: q for r in requests})
+        out = sampler.sample(logits.repeat(batch, 1), rows, None, proposals)
+        verified = spec_verify.verify(requests, out.token_ids, out.logprobs)
+        for request in requests:
+            rid = request.request_id
+            accepted = verified.accepted_draft_ids[rid]
+            num_accepted_first += bool(accepted)
+            for position, token in enumerate([*accepted, verified.sampled_token_ids[rid]]):
+                counts[position][token] += 1
+    for position, counter in enumerate(counts):
+        total = counter.total()
+        if total < 200:
+            continue
+        expected = target[position]
+        support = expected > 0
+        observed = np.array([counter.get(t, 0) for t in range(vocab)])
+        assert observed[~support].sum() == 0
+        _, p_value = chisquare(observed[support], expected[support] * total)
+        assert p_value > SIGNIFICANCE, (position, observed, expected * total)
+    rate = num_accepted_first / (batch * num_batches)
+    overlap = float(np.minimum(target[0], q[0].double().numpy()).sum())  # the optimum
+    assert 0 < rate < 1
+    assert rate == pytest.approx(overlap, abs=0.03)
+    assert overlap > float((target[0] * q[0].double().numpy()).sum()) + 0.05
+
+
+def test_draft_model_greedy_rows_accept_while_the_argmax_agrees():
+    """A greedy request's q is not read: its drafts are kept while they are the argmax."""
+    logits = torch.full((3, 10), -1.0)
+    for position, best in enumerate([3, 4, 9]):
+        logits[position, best] = 1.0
+    request = row("g", drafts=[3, 5], temperature=0.0)
+    q = torch.full((2, 10), 0.1)
+    out = Sampler(CPU, (0,)).sample(logits, spec_verify.logits_rows([request]), None,
+                                    spec_verify.proposals([request], {"g": q}))
+    verified = spec_verify.verify([request], out.token_ids, out.logprobs)
+    assert verified.accepted_draft_ids == {"g": [3]}
+    assert verified.sampled_token_ids == {"g": 4}

@@ -121,6 +121,9 @@ def test_vllm_launch_line_is_honoured(llama_checkpoint, tmp_path):
      "--speculative-config.num_speculative_tokens must be a positive integer"),
     (["{ckpt}", "--speculative-config", '{{"method": "ngram", "lookahead": 3}}'],
      "--speculative-config.lookahead is not a known key"),
+    (["{ckpt}", "--speculative-config",
+      '{{"method": "draft_model", "model": "{tmp}/no-such-draft"}}'],
+     "--speculative-config.model: model folder"),
 ])
 def test_start_up_errors_are_one_line_exit_1(llama_checkpoint, tmp_path, argv, says):
     argv = [a.format(ckpt=llama_checkpoint, tmp=tmp_path) for a in argv]
