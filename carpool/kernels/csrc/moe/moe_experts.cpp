@@ -7,11 +7,12 @@
 // order, then one fixed horizontal sum) whatever tile it falls in, and each row sums its
 // experts in ascending expert order: a row's result never depends on the other rows of the
 // step (the batch-invariant mode relies on it). Sums run in float32. bfloat16 experts on
-// AVX512-BF16 builds multiply bfloat16 pairs with vdpbf16ps (x as it is, silu(gate) * up
-// rounded to bfloat16 as Hugging Face's bfloat16 experts round it); elsewhere the weights
-// are widened to float32 in registers against float32 rows.
+// AVX512-BF16 builds take moe_dpbf16.h: the small GEMMs' packed layout, 16 outputs a vector,
+// vdpbf16ps on x as it is and silu(gate) * up rounded to bfloat16 as Hugging Face's bfloat16
+// experts round it. Elsewhere (below) the weights are widened to float32 in registers
+// against float32 rows.
 //
-// pack_moe_experts lays the gate/up weights out once at load: per block of kBlock
+// There pack_moe_experts lays the gate/up weights out once at load: per block of kBlock
 // intermediate rows, the block's gate rows then its up rows, so one tile reads both halves
 // of its SiLU from one stretch; the intermediate size is zero-padded to whole blocks (a zero
 // gate row gives silu(0) * 0 = 0, and the padded down columns are zero too).
