@@ -27,7 +27,7 @@ from torch import nn
 
 from carpool.attention.base import write_kv
 from carpool.models.llama import RMSNorm, SiluAndMul
-from carpool.models.moe import experts_forward
+from carpool.models.moe import experts_forward, route
 from carpool.models.quant.weight import int8_per_token
 from carpool.models.rope import apply_rope
 
@@ -203,6 +203,13 @@ def moe_experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     """The model's loop over the experts (`models.moe.experts_forward`) on the unpacked
     weights: gate_up [E, 2I, H], down [E, H, I]."""
     return experts_forward(x, gate_up, down, ids, weights)
+
+
+def moe_route_reference(logits: torch.Tensor, top_k: int,
+                        renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's router after its linear (`models.moe.route`, weights kept float32):
+    softmax in float32, the top k, renormalised if `renormalize`."""
+    return route(logits, top_k, renormalize, None)
 
 
 # --- sampling/ --------------------------------------------------------------------------

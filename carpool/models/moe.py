@@ -7,8 +7,9 @@ experts and their weights; `Experts` holds every expert's gate/up and down stack
 (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], the layout transformers 5 keeps them in),
 filled from the checkpoint's per-expert tensors; Qwen2-MoE's shared expert runs on every row
 behind a sigmoid gate. `Experts.forward` is the PyTorch path, Hugging Face's loop over the
-experts hit; on the CPU with the kernels the platform swaps it for the fused pass
-(`platform/cpu_moe.py`, `kernels/csrc/moe/`), and this loop is its reference.
+experts hit; on the CPU with the kernels the platform swaps it for the fused pass and `route`
+for the kernels' router (`platform/cpu_moe.py`, `kernels/csrc/moe/`); these are their
+references. There the C++ layer stack runs the sparse layers too (`cpu_layer_stack.py`).
 
 Under tensor parallelism every rank holds a slice of each expert's intermediate rows (as the
 dense MLP is split, `sharding.py`): the router runs whole on each rank (its input is the same
@@ -117,14 +118,17 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.style = style
         self.tp = tp
+        # logits -> (weights, ids) as `route` computes them; the CPU platform swaps in the
+        # kernels' one-call router (`platform/cpu_moe.py`)
+        self.router = route
         self.router_load: torch.Tensor | None = None  # [E] rows per expert, when counted
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         if lora is not None:  # the decoder layer passes a step's adapters to every MLP
             raise ValueError("LoRA adapters are not supported on a mixture of experts' sparse "
                              "layers; serve this model without --enable-lora")
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob,
-                             x.dtype if self.weights_in_model_dtype else None)
+        weights, ids = self.router(self.gate(x), self.top_k, self.norm_topk_prob,
+                                   x.dtype if self.weights_in_model_dtype else None)
         if self.router_load is not None:
             self.router_load += torch.bincount(ids.flatten(), minlength=self.router_load.numel())
         out = self.experts(x, ids, weights)

@@ -267,15 +267,16 @@ def decide_quant(cpu_class: CpuClass, dtype: torch.dtype, kernels: KernelFacts |
 @dataclass(frozen=True)
 class MoeRoute:
     """How a mixture-of-experts model's experts run (`cpu_moe`): the fused `moe_experts`
-    kernel (float32 and bfloat16 with the kernels; each row's sums independent of the others,
-    so batch invariance keeps it) or the model's PyTorch loop over the experts. Either way its
-    decoder loop stays in Python: the C++ layer stack runs dense MLPs only."""
+    kernel and the kernels' router `moe_route` (float32 and bfloat16 with the kernels; each
+    row's sums independent of the others, so batch invariance keeps it), which the C++ layer
+    stack runs as a step of its own; or the model's PyTorch loop over the experts, with the
+    decoder loop in Python."""
 
     fused: bool
 
     def describe(self) -> str:
-        return "experts " + ("moe_experts (rows sorted by expert, grouped GEMMs)" if self.fused
-                             else "PyTorch loop over the experts")
+        return "experts " + ("moe_route + moe_experts (rows sorted by expert, grouped GEMMs)"
+                             if self.fused else "PyTorch loop over the experts")
 
 
 def decide_moe(dtype: torch.dtype, kernels: KernelFacts | None) -> MoeRoute:
@@ -309,7 +310,6 @@ class CpuRoute:
                 f"attention {self.attention.describe()}; "
                 f"fused elementwise {'on' if self.fused_elementwise else 'off'}; "
                 f"C++ layer stack {'on' if self.layer_stack else 'off'}"
-                + ("" if self.moe is None else " (a mixture of experts: decoder loop in Python)")
                 + f"; LoRA steps {self.lora_steps}, term by "
                 f"{'lora_add_' if self.lora_kernel else 'torch matmuls'}"
                 + ("" if self.moe is None else f"; {self.moe.describe()}"))
@@ -330,8 +330,8 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
     """The route of a `dtype` model of `head_dim` (and `sliding_window`) on `cpu` with `kernels`
     (None: switched off or not built), under the platform's switches. attention_backend: the
     resolved name the user asked for ("cpu" or "sdpa"); mixture_of_experts: the model routes its
-    sparse layers' rows to experts (no layer stack; `MoeRoute`). ValueError where
-    batch_invariant cannot be honoured."""
+    sparse layers' rows to experts (`MoeRoute`; the layer stack only with the fused experts).
+    ValueError where batch_invariant cannot be honoured."""
     linears = decide_linears(cpu, dtype, kernels, packed_linears=packed_linears,
                              batch_invariant=batch_invariant, full_step_rows=full_step_rows)
     attention = decide_attention(
@@ -341,12 +341,12 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
         amx=kernels is not None and kernels.amx, batch_invariant=batch_invariant,
         attention_backend=attention_backend)
     # The stack makes the modules' kernel calls itself: every one of them must be a kernel
-    # (and batch invariance changes what the linears do); it knows dense MLPs only.
+    # (and batch invariance changes what the linears do), a sparse layer's experts too.
+    moe = decide_moe(dtype, kernels) if mixture_of_experts else None
     layer_stack = (kernels is not None and not batch_invariant and linears.packed
-                   and not mixture_of_experts
+                   and (moe is None or moe.fused)
                    and linears.small_gemm is not None
                    and attention.backend == "cpu-kernel")
-    moe = decide_moe(dtype, kernels) if mixture_of_experts else None
     if batch_invariant and moe is not None and not moe.fused:
         raise ValueError(f"batch_invariant needs the moe_experts kernel for a mixture of "
                          f"experts (float32 or bfloat16, the C++ kernels); this model is "

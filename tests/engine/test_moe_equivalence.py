@@ -4,10 +4,11 @@ Tiny random checkpoints written by transformers: Qwen3-MoE (top 2 of 8 experts,
 renormalised, its middle layer dense via `mlp_only_layers`), Qwen3-MoE routing to 8 of 16,
 Mixtral (top 2 of 8, every layer sparse) and Qwen2-MoE (a shared expert behind its gate,
 every second layer sparse via `decoder_sparse_step`). The workload and references are
-`test_hf_equivalence`'s; the experts run through the fused kernel (`cpu`) and the model's
-PyTorch loop (`cpu-pytorch`), under the default, chunked prefill, preemption, prefix-cache
-hits and the static scheduler; and at tensor-parallel size 2 (each rank a slice of every
-expert). The router's load counter adds up to top_k rows per token of every sparse layer.
+`test_hf_equivalence`'s; the experts run through the fused kernel inside the C++ layer stack
+(`cpu`) and the model's PyTorch loop (`cpu-pytorch`), under the default, chunked prefill,
+preemption, prefix-cache hits and the static scheduler; and at tensor-parallel size 2 (each
+rank a slice of every expert). The router's load counter adds up to top_k rows per token of
+every sparse layer.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def test_moe_greedy_matches_transformers(arch, setting, backend, separated_check
     with LLM(str(separated_checkpoint(arch)), dtype="float32", **BACKENDS[backend],
              **SETTINGS[setting]) as llm:
         route = llm.engine.runner.platform.route
-        assert route.moe is not None and not route.layer_stack
+        assert route.moe is not None and route.layer_stack == route.moe.fused
         assert route.moe.fused == (backend == "cpu" and route.fused_elementwise)
+        # the C++ layer stack runs the sparse layers, but for a shared expert's (Qwen2-MoE)
+        stack = llm.engine.runner.model.layer_stack
+        assert (stack is not None) == (route.layer_stack and arch != "qwen2_moe")
         check_greedy(llm, arch, setting, hf_greedy)
 
 

@@ -2,14 +2,15 @@
 (`reference.moe_experts_reference`), on every build this CPU runs: every routing shape (an
 expert with no rows, all rows on one expert, more experts than rows, one row), widths that are
 not whole vectors or blocks, float32 and bfloat16; and each row's result independent of the
-other rows of the call (what the batch-invariant mode needs)."""
+other rows of the call (what the batch-invariant mode needs). The router (`moe_route`,
+csrc/moe/moe_route.cpp) against the model's (`reference.moe_route_reference`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from carpool.kernels.reference import moe_experts_reference
+from carpool.kernels.reference import moe_experts_reference, moe_route_reference
 
 # (T, H, I, E, k, routing): "random", "one" (every row on experts 0..k-1), "skip" (expert 1
 # never chosen)
@@ -84,3 +85,34 @@ def test_moe_experts_checks_its_inputs(kernels):
     with pytest.raises(RuntimeError, match="packed"):  # I = 20 unpadded: not whole blocks
         kernels.moe_experts(x, gate_up[:, :40], down[..., :20].contiguous(), ids, weights)
     assert kernels.moe_experts(x[:0], *packed, ids[:0], weights[:0]).shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens,experts,k", [(1, 16, 4), (37, 8, 2), (5, 8, 8), (3, 60, 1),
+                                              (0, 8, 2)])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["softmax", "renormalized"])
+def test_moe_route_matches_reference(kernels, tokens, experts, k, renormalize, dtype):
+    gen = torch.Generator().manual_seed(tokens * experts + k)
+    logits = (torch.randn(tokens, experts, generator=gen) * 3).to(dtype)
+    weights, ids = kernels.moe_route(logits, k, renormalize)
+    expected_weights, expected_ids = moe_route_reference(logits, k, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+    assert weights.shape == ids.shape == (tokens, k)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    if renormalize and tokens:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(tokens))
+
+
+def test_moe_route_rows_independent_and_checked(kernels):
+    logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(1))
+    together = kernels.moe_route(logits, 4, True)
+    for row in range(9):
+        alone = kernels.moe_route(logits[row:row + 1], 4, True)
+        assert all(torch.equal(a[0], t[row]) for a, t in zip(alone, together))
+    # equal logits: the lower expert first
+    assert kernels.moe_route(torch.zeros(1, 6), 3, False)[1].tolist() == [[0, 1, 2]]
+    with pytest.raises(RuntimeError, match="top_k"):
+        kernels.moe_route(logits, 17, True)
+    with pytest.raises(RuntimeError, match="top_k"):
+        kernels.moe_route(logits, 0, True)

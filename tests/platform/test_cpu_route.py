@@ -170,13 +170,14 @@ def test_quantized_rows_take_the_rounded_weight_only_where_allowed(cpu_class):
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("cpu_class", list(KERNELS))
-def test_a_mixture_of_experts_takes_the_fused_experts_and_no_layer_stack(cpu_class, dtype):
+def test_a_mixture_of_experts_takes_the_fused_experts_in_the_layer_stack(cpu_class, dtype):
     route = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class],
                          mixture_of_experts=True)
-    assert route.moe.fused and not route.layer_stack
-    assert "C++ layer stack off (a mixture of experts" in route.describe()
-    assert route.describe().endswith("experts moe_experts (rows sorted by expert, grouped GEMMs)")
     dense = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class])
+    # the stack runs the sparse layers wherever it runs the dense model's
+    assert route.moe.fused and route.layer_stack == dense.layer_stack
+    assert route.describe().endswith(
+        "experts moe_route + moe_experts (rows sorted by expert, grouped GEMMs)")
     assert dense.moe is None and "experts" not in dense.describe()
     # without the kernels, or in float16: the model's PyTorch loop
     assert not decide_route(CPUS[cpu_class], dtype, 64, None, None,
@@ -184,6 +185,7 @@ def test_a_mixture_of_experts_takes_the_fused_experts_and_no_layer_stack(cpu_cla
     half = decide_route(CPUS[cpu_class], torch.float16, 64, None, KERNELS_WITH_MOE[cpu_class],
                         mixture_of_experts=True)
     assert not half.moe.fused and "PyTorch loop over the experts" in half.describe()
+    assert not half.layer_stack  # the stack runs kernels only: not the PyTorch loop
     invariant = decide_route(CPUS[cpu_class], dtype, 64, None, KERNELS_WITH_MOE[cpu_class],
                              batch_invariant=True, mixture_of_experts=True)
     assert invariant.moe.fused

@@ -80,6 +80,39 @@ def test_stack_steps_give_the_modules_hidden_states_bitwise(make_checkpoint, mon
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch,overrides", [
+    ("mixtral", {}),  # every layer sparse, top 2 of 8
+    ("qwen3_moe", {}),  # a dense layer among sparse ones (layer 1), q and k norms
+])
+def test_sparse_layers_run_in_the_stack_as_the_modules_run_them(make_checkpoint, monkeypatch,
+                                                                 arch, overrides, dtype):
+    runner = make_runner(make_checkpoint(arch, **overrides), dtype)
+    stack = runner.model.layer_stack
+    assert isinstance(stack, KernelLayerStack) and stack._sparse
+    taken = compare_each_step(runner, monkeypatch)
+    Driver(runner, chunk=4).run(requests(seed=len(arch)))
+    assert len(taken) > 8 and all(taken)
+
+
+@needs_kernels
+def test_counting_the_router_load_keeps_the_modules(make_checkpoint):
+    runner = make_runner(make_checkpoint("mixtral"), "float32", moe_router_stats=True)
+    assert isinstance(runner.model.layer_stack, KernelLayerStack)
+    Driver(runner, chunk=4).run(requests(seed=3))
+    # every routed row counted: the modules ran every step (the stack counts none)
+    tokens = 9 + 2 + 21 + 3 * 5  # the prompts, then each request's 5 decodes after its first
+    load = runner.router_load()
+    assert load and all(sum(layer) == tokens * runner.model.config.moe.top_k for layer in load)
+
+
+@needs_kernels
+def test_a_shared_expert_keeps_the_modules(make_checkpoint):
+    runner = make_runner(make_checkpoint("qwen2_moe"), "float32")
+    assert runner.model.layer_stack is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_steps_with_lora_adapters_give_the_modules_hidden_states_bitwise(
         make_checkpoint, tmp_path, monkeypatch, dtype):
     from carpool.lora_request import LoRARequest

@@ -104,6 +104,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sums, each row independent of the others.",
         py::arg("x"), py::arg("gate_up"), py::arg("down"), py::arg("ids"), py::arg("weights"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("moe_route", &carpool_moe::moe_route,
+        "Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64): a float32 "
+        "softmax per row, the top k (descending, the lower expert first on ties), "
+        "renormalised to sum to 1 if renormalize.",
+        py::arg("logits"), py::arg("top_k"), py::arg("renormalize"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_bf16_gemm", &carpool_gemm::has_bf16_gemm,
         "Whether this CPU runs small_gemm_bf16 (AVX512-BF16).");
   m.def("has_small_gemm_bf16", &carpool_gemm::has_small_gemm_bf16,
@@ -168,7 +174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("amx") = false, py::call_guard<py::gil_scoped_release>());
   // Module-local: every build loaded in one process (tests load the AVX2 one beside this
   // CPU's) binds the same C++ types.
-  using carpool_layers::DecoderWeights, carpool_layers::LayerStack,
+  using carpool_layers::DecoderWeights, carpool_layers::LayerStack, carpool_layers::MoeStep,
       carpool_layers::StackLinear, carpool_layers::StackShape;
   using LoraTuple = std::tuple<std::vector<int64_t>, std::vector<int64_t>,
                                std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -210,6 +216,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "rounded by int8_per_token first (W8A8).",
           py::arg("parts"), py::arg("out_features"), py::arg("bias"), py::arg("max_rows"),
           py::arg("rounded_from"), py::arg("forward"), py::arg("int8_input") = false);
+  py::class_<MoeStep>(m, "MoeStep", py::module_local(),
+                      "A sparse layer's MLP: the router's linear, moe_route, moe_experts.")
+      .def(py::init([](StackLinear router, at::Tensor gate_up, at::Tensor down, int64_t top_k,
+                       bool renormalize, bool round_weights) {
+             return MoeStep{std::move(router), std::move(gate_up), std::move(down), top_k,
+                            renormalize, round_weights};
+           }),
+           py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
+           py::arg("renormalize"), py::arg("round_weights"));
   py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local(),
                              "One decoder layer's norms and linears.")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,
@@ -220,7 +235,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                    std::move(o), std::move(gate_up), std::move(down)};
            }),
            py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
-           py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+           py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"))
+      .def_static(
+          "sparse",
+          [](at::Tensor input_norm, at::Tensor post_attention_norm,
+             c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+             StackLinear qkv, StackLinear o, MoeStep moe) {
+            return DecoderWeights{std::move(input_norm), std::move(post_attention_norm),
+                                  std::move(q_norm), std::move(k_norm), std::move(qkv),
+                                  std::move(o), StackLinear{}, StackLinear{}, std::move(moe)};
+          },
+          "A sparse layer: its MLP a mixture of experts (MoeStep).",
+          py::arg("input_norm"), py::arg("post_attention_norm"), py::arg("q_norm"),
+          py::arg("k_norm"), py::arg("qkv"), py::arg("o"), py::arg("moe"));
   py::class_<StackShape>(m, "StackShape", py::module_local(),
                          "The attention shape and the norms' epsilon of every layer.")
       .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,

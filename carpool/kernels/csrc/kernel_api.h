@@ -72,6 +72,8 @@ std::tuple<at::Tensor, at::Tensor> pack_moe_experts(const at::Tensor& gate_up,
                                                     const at::Tensor& down);
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                        const at::Tensor& ids, const at::Tensor& weights);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k,
+                                             bool renormalize);  // moe/moe_route.cpp
 }
 
 namespace carpool_greedy {  // greedy.cpp

@@ -53,6 +53,14 @@ at::Tensor with_lora(at::Tensor out, const at::Tensor& x, const LoraTerm* term) 
   return out;
 }
 
+// SparseMoeBlock.forward on one rank (no shared expert): router, route, experts.
+at::Tensor sparse_mlp(const MoeStep& moe, const at::Tensor& h) {
+  auto [weights, ids] = carpool_moe::moe_route(multiply(moe.router, h), moe.top_k,
+                                               moe.renormalize);
+  if (moe.round_weights) weights = weights.to(h.scalar_type());
+  return carpool_moe::moe_experts(h, moe.gate_up, moe.down, ids, weights);
+}
+
 }  // namespace
 
 LayerStack::LayerStack(std::vector<DecoderWeights> layers, StackShape shape)
@@ -64,6 +72,7 @@ LayerStack::LayerStack(std::vector<DecoderWeights> layers, StackShape shape)
   for (const DecoderWeights& layer : layers_) {
     TORCH_CHECK(layer.q_norm.has_value() == layer.k_norm.has_value(),
                 "LayerStack: a layer has both q and k norms or neither");
+    has_moe_ = has_moe_ || layer.moe.has_value();
   }
 }
 
@@ -107,6 +116,7 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const
                                const std::vector<LoraTerm>& lora) const {
   TORCH_CHECK(lora.empty() || lora.size() == 4 * layers_.size(), "LayerStack: ",
               lora.size(), " LoRA terms, not four a layer");
+  TORCH_CHECK(lora.empty() || !has_moe_, "LayerStack: no LoRA terms on a mixture of experts");
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LayerStack: ", layers_.size(),
               " layers but ", kv_caches.size(), " caches");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "LayerStack: x must be a contiguous [T, hidden]");
@@ -128,6 +138,10 @@ at::Tensor LayerStack::forward(const at::Tensor& x, const at::Tensor& cos, const
                   switches, terms);
     std::tie(h, residual) = carpool_fused::rms_norm(h, residual, layer.post_attention_norm,
                                                     shape_.eps);
+    if (layer.moe.has_value()) {
+      hidden = sparse_mlp(*layer.moe, h);
+      continue;
+    }
     const at::Tensor inner = carpool_fused::silu_and_mul(
         with_lora(multiply(layer.gate_up, h), h, terms == nullptr ? nullptr : terms + 2));
     hidden = with_lora(multiply(layer.down, inner), inner,

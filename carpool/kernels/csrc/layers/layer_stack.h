@@ -33,12 +33,23 @@ struct StackLinear {
   bool int8_input = false;   // x rounded to int8 steps per row first (W8A8: int8_per_token)
 };
 
+// A sparse layer's MLP (a mixture of experts), as models/moe.py's SparseMoeBlock runs it on
+// the CPU: the router's linear, moe_route, the weights cast to the hidden states' dtype where
+// the model casts them (`round_weights`), moe_experts on the packed experts.
+struct MoeStep {
+  StackLinear router;
+  at::Tensor gate_up, down;  // pack_moe_experts'
+  int64_t top_k = 0;
+  bool renormalize = false, round_weights = false;
+};
+
 // One decoder layer: its two norms' weights, the q and k norms' (Qwen3) or none, and its four
-// linears.
+// linears; a sparse layer has `moe` instead of gate_up and down (left empty).
 struct DecoderWeights {
   at::Tensor input_norm, post_attention_norm;
   c10::optional<at::Tensor> q_norm, k_norm;
   StackLinear qkv, o, gate_up, down;
+  c10::optional<MoeStep> moe;
 };
 
 // The attention shape and the norms' epsilon, the same in every layer.
@@ -85,6 +96,7 @@ class LayerStack {
 
   std::vector<DecoderWeights> layers_;
   StackShape shape_;
+  bool has_moe_ = false;
 };
 
 }  // namespace carpool_layers

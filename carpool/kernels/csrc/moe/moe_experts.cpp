@@ -7,11 +7,12 @@
 // order, then one fixed horizontal sum) whatever tile it falls in, and each row sums its
 // experts in ascending expert order: a row's result never depends on the other rows of the
 // step (the batch-invariant mode relies on it). Sums run in float32. bfloat16 experts on
-// AVX512-BF16 builds multiply bfloat16 pairs with vdpbf16ps (x as it is, silu(gate) * up
-// rounded to bfloat16 as Hugging Face's bfloat16 experts round it); elsewhere the weights
-// are widened to float32 in registers against float32 rows.
+// AVX512-BF16 builds take moe_dpbf16.h: the small GEMMs' packed layout, 16 outputs a vector,
+// vdpbf16ps on x as it is and silu(gate) * up rounded to bfloat16 as Hugging Face's bfloat16
+// experts round it. Elsewhere (below) the weights are widened to float32 in registers
+// against float32 rows.
 //
-// pack_moe_experts lays the gate/up weights out once at load: per block of kBlock
+// There pack_moe_experts lays the gate/up weights out once at load: per block of kBlock
 // intermediate rows, the block's gate rows then its up rows, so one tile reads both halves
 // of its SiLU from one stretch; the intermediate size is zero-padded to whole blocks (a zero
 // gate row gives silu(0) * 0 = 0, and the padded down columns are zero too).
@@ -30,6 +31,9 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#include "moe/moe_dpbf16.h"
+#include "moe/moe_routing.h"
 
 namespace carpool_moe {
 namespace {
@@ -163,38 +167,6 @@ void dot(int rows, int cols, const RowT<W>* const* x, const W* w, int64_t ldw, i
   }
 }
 
-struct Routing {
-  std::vector<int64_t> starts;  // [E + 1]: expert e's pairs are [starts[e], starts[e + 1])
-  std::vector<int64_t> rows;  // per sorted pair: its row
-  std::vector<int64_t> sorted;  // per pair t * k + s: its place in the sorted order
-  std::vector<int64_t> active;  // the experts with pairs, ascending
-};
-
-Routing sort_by_expert(const at::Tensor& ids, int64_t num_experts) {
-  const int64_t pairs = ids.numel(), k = ids.size(1);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  Routing r;
-  r.starts.assign(num_experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "moe_experts: expert id ", id[p],
-                " out of range for ", num_experts, " experts");
-    ++r.starts[id[p] + 1];
-  }
-  for (int64_t e = 0; e < num_experts; ++e) {
-    if (r.starts[e + 1]) r.active.push_back(e);
-    r.starts[e + 1] += r.starts[e];
-  }
-  std::vector<int64_t> next(r.starts.begin(), r.starts.end() - 1);
-  r.rows.resize(pairs);
-  r.sorted.resize(pairs);
-  for (int64_t p = 0; p < pairs; ++p) {  // rows ascending within each expert
-    const int64_t place = next[id[p]]++;
-    r.rows[place] = p / k;
-    r.sorted[p] = place;
-  }
-  return r;
-}
-
 template <typename W>
 void run(const RowT<W>* x, int64_t H, const W* gate_up, const W* down, int64_t I,
          const Routing& r, RowT<W>* act, float* y) {
@@ -263,6 +235,9 @@ std::tuple<at::Tensor, at::Tensor> pack_moe_experts(const at::Tensor& gate_up,
   TORCH_CHECK(gate_up.scalar_type() == down.scalar_type() &&
                   (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
               "pack_moe_experts: float32 or bfloat16 weights of one dtype");
+#ifdef CARPOOL_AVX512_BF16
+  if (gate_up.scalar_type() == at::kBFloat16) return pack_dpbf16(gate_up, down);
+#endif
   const int64_t padded = (I + kBlock - 1) / kBlock * kBlock;
   auto half = [&](int64_t start) {  // [E, I, H] -> [E, padded / kBlock, kBlock, H]
     return at::constant_pad_nd(gate_up.narrow(1, start, I), {0, 0, 0, padded - I})
@@ -277,20 +252,24 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at:
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && weights.sizes() == ids.sizes() &&
                   ids.size(0) == x.size(0), "moe_experts: x [T, H], ids and weights [T, k]");
   TORCH_CHECK(ids.scalar_type() == at::kLong, "moe_experts: ids must be int64");
-  const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0), I = down.size(2);
-  TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(1) == 2 * I && gate_up.size(2) == H &&
-                  down.size(0) == E && down.size(1) == H && I % kBlock == 0 &&
-                  gate_up.is_contiguous() && down.is_contiguous(),
-              "moe_experts: weights not packed by pack_moe_experts for x of width ", H);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "moe_experts: x must be float32 or bfloat16");
+  const int64_t T = x.size(0), H = x.size(1), E = gate_up.size(0), I = down.size(2);
+  // The packed widths (pack_moe_experts): the dpbf16 layout pads H to even (gate_up) and to
+  // whole blocks of 16 (down's outputs), I to whole blocks of 16.
+  const bool dp = kDpBf16 && gate_up.scalar_type() == at::kBFloat16;
+  const int64_t K = dp ? (H + 1) / 2 * 2 : H, Hy = dp ? (H + 15) / 16 * 16 : H;
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(1) == 2 * I &&
+                  gate_up.size(2) == K && down.size(0) == E && down.size(1) == Hy &&
+                  I % (dp ? 16 : kBlock) == 0 && gate_up.is_contiguous() && down.is_contiguous(),
+              "moe_experts: weights not packed by pack_moe_experts for x of width ", H);
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const int64_t k = ids.size(1);
   const at::Tensor id = ids.contiguous();
   const at::Tensor wt = weights.to(at::kFloat).contiguous();
   const Routing r = sort_by_expert(id, E);
-  at::Tensor y = at::empty({T * k, H}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({T * k, Hy}, x.options().dtype(at::kFloat));
   auto go = [&](auto weight) {
     using W = decltype(weight);
     using X = RowT<W>;
@@ -300,36 +279,21 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& gate_up, const at:
     run<W>(xs.data_ptr<X>(), H, gate_up.data_ptr<W>(), down.data_ptr<W>(), I, r,
            act.data_ptr<X>(), y.data_ptr<float>());
   };
-  if (gate_up.scalar_type() == at::kBFloat16)
+  if (dp) {
+#ifdef CARPOOL_AVX512_BF16
+    at::Tensor xs = x.to(at::kBFloat16).contiguous();
+    if (K != H) xs = at::constant_pad_nd(xs, {0, K - H});
+    at::Tensor act = at::empty({T * k, I}, xs.options());
+    run_dpbf16(xs.data_ptr<at::BFloat16>(), K, gate_up.data_ptr<at::BFloat16>(),
+               down.data_ptr<at::BFloat16>(), I, Hy, r, act.data_ptr<at::BFloat16>(),
+               y.data_ptr<float>());
+#endif
+  } else if (gate_up.scalar_type() == at::kBFloat16) {
     go(at::BFloat16());
-  else
+  } else {
     go(float());
-  // Each row: its experts' outputs times their weights, summed in ascending expert order.
-  const float* ys = y.data_ptr<float>();
-  const float* w = wt.data_ptr<float>();
-  const int64_t* e = id.data_ptr<int64_t>();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sum(H);
-    std::vector<int64_t> order(k);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t s = 0; s < k; ++s) order[s] = s;
-      std::sort(order.begin(), order.end(),
-                [&](int64_t a, int64_t b) { return e[t * k + a] < e[t * k + b]; });
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t s : order) {
-        const float* row = ys + r.sorted[t * k + s] * H;
-        const float scale = w[t * k + s];
-        for (int64_t h = 0; h < H; ++h) sum[h] += row[h] * scale;
-      }
-      if (bf16) {
-        at::BFloat16* o = out.data_ptr<at::BFloat16>() + t * H;
-        for (int64_t h = 0; h < H; ++h) o[h] = static_cast<at::BFloat16>(sum[h]);
-      } else {
-        std::copy(sum.begin(), sum.end(), out.data_ptr<float>() + t * H);
-      }
-    }
-  });
+  }
+  weighted_sum(y.data_ptr<float>(), Hy, wt.data_ptr<float>(), id.data_ptr<int64_t>(), k, r, out);
   return out;
 }
 
