@@ -4,17 +4,17 @@
 // Why its own loop: a step mixing N adapters adds two or more small matmuls per adapter to
 // each of a layer's four linears, and through torch each is an op call of a few rows;
 // here one call does every adapter's rows of one linear. The rows of one adapter are one
-// slice of the step (the runner sorts a step by adapter), so the work goes by adapter, in
-// two passes, punica's shrink and expand:
+// slice of the step (the runner sorts a step by adapter), so the work goes by adapter: a
+// thread takes a block of one adapter's rows and runs punica's two passes over it,
 //   shrink: T[rows, rank] = x[rows]·A_g, in tiles of a few rows times a few 16-wide (AVX2:
 //           8-wide) blocks of ranks, float32 sums in registers: a pass over A_g serves the
 //           tile's rows, instead of each row streaming A_g again;
 //   expand: out[rows, cols] += T[rows, r0:r1]·B_p per part p, in tiles of rows times a few
 //           blocks of columns: a tile's slice of B_p is read once for its rows, its sums kept
 //           in float32 and added to out once (one rounding).
-// bfloat16 A, B and x are widened to float32 as they are loaded (x once per row tile); the
-// products are float32 FMAs on both builds (Vectorized<float>: AVX-512's 16 lanes or AVX2's
-// 8), so they keep T in float32 as the reference does.
+// bfloat16 A, B and x are widened to float32 as they are loaded (x once per block); the
+// products are float32 FMAs on both builds (AVX-512's 16 lanes or AVX2's 8), so they keep T
+// in float32 as the reference does.
 //
 // A row's result does not depend on which rows share its step: its sums run over k (then j)
 // in the same order in every tile shape, and the tiles only decide which rows share a load.
@@ -27,14 +27,16 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <tuple>
 #include <type_traits>
-#include <cstdint>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
+
+#include "gemm/tile_dispatch.h"
 
 namespace carpool_gemm {
 
@@ -47,10 +49,12 @@ constexpr int64_t kLanes = Vec::size();
 // 32 vector registers: a tile's sums, its loads of A or B and a broadcast
 constexpr int kShrinkRows = 8, kShrinkBlocks = 3;  // 24 sums
 constexpr int kExpandRows = 6, kExpandBlocks = 4;  // 24 sums
+constexpr int64_t kItemRows = 16;  // a thread's block of one adapter's rows
 #else
 // 16 vector registers (AVX2; the DEFAULT build's generic vectors take the same shapes)
 constexpr int kShrinkRows = 4, kShrinkBlocks = 2;  // 8 sums
 constexpr int kExpandRows = 4, kExpandBlocks = 2;  // 8 sums
+constexpr int64_t kItemRows = 16;  // a thread's block of one adapter's rows
 #endif
 
 // The tiles' loops work on the raw registers where the build has them: through Vectorized's
@@ -182,18 +186,6 @@ __attribute__((noinline)) void expand_tile(const float* t, int64_t t_stride, con
       add_into<kWhole>(out + r * out_stride + c * kLanes, acc[r][c], n - c * kLanes);
 }
 
-// f.template operator()<R, NB>() with R == rows (1..MaxR) and NB == blocks (1..MaxNB).
-template <int MaxR, int MaxNB, typename F>
-void dispatch_tile(int64_t rows, int64_t blocks, const F& f) {
-  if constexpr (MaxNB > 1) {
-    if (blocks < MaxNB) return dispatch_tile<MaxR, MaxNB - 1>(rows, blocks, f);
-  }
-  if constexpr (MaxR > 1) {
-    if (rows < MaxR) return dispatch_tile<MaxR - 1, MaxNB>(rows, blocks, f);
-  }
-  f.template operator()<MaxR, MaxNB>();
-}
-
 // [begin, end) cut into ceil(len / max_rows) tiles of nearly equal heights, as (first, rows).
 void row_tiles(int64_t begin, int64_t end, int64_t max_rows,
                std::vector<std::pair<int64_t, int64_t>>& tiles) {
@@ -208,11 +200,10 @@ void row_tiles(int64_t begin, int64_t end, int64_t max_rows,
 
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// The float32 scratch each thread widens a row tile of x into (bfloat16), reused call to call.
-float* x_scratch(int64_t values) {
-  thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < values) scratch.resize(values);
-  return scratch.data();
+// A thread's float32 scratch, reused call to call (one for x widened, one for T).
+float* scratch(std::vector<float>& held, int64_t values) {
+  if (static_cast<int64_t>(held.size()) < values) held.resize(values);
+  return held.data();
 }
 
 template <typename scalar_t>
@@ -223,92 +214,83 @@ void lora_groups(at::Tensor& out, const at::Tensor& x, const std::vector<int64_t
   const int64_t groups = static_cast<int64_t>(a.size());
   const scalar_t* xs = x.data_ptr<scalar_t>();
   scalar_t* os = out.data_ptr<scalar_t>();
-  // T: each group's rows x its ranks padded to whole vectors, groups one after another
-  std::vector<int64_t> t_offset(groups + 1, 0), t_stride(groups);
+  std::vector<std::vector<int64_t>> group_parts(groups);
+  for (int64_t p = 0; p < static_cast<int64_t>(b.size()); ++p)
+    group_parts[parts[4 * p]].push_back(p);
+  // items: blocks of one adapter's rows, each shrunk then expanded by one thread, so a call
+  // is one fork and join (as the base linear's), not one a pass
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  std::vector<int64_t> block_group;
   for (int64_t g = 0; g < groups; ++g) {
-    t_stride[g] = padded(a[g].size(1));
-    t_offset[g + 1] = t_offset[g] + (ends[g] - starts[g]) * t_stride[g];
+    row_tiles(starts[g], ends[g], kItemRows, blocks);
+    block_group.resize(blocks.size(), g);
   }
-  thread_local std::vector<float> t_scratch;
-  if (static_cast<int64_t>(t_scratch.size()) < t_offset[groups])
-    t_scratch.resize(t_offset[groups]);
-  float* t = t_scratch.data();
-
-  // shrink: one item per (group, row tile), every rank block of the group's A
-  std::vector<std::pair<int64_t, int64_t>> shrink_tiles;
-  std::vector<int64_t> shrink_group;
-  for (int64_t g = 0; g < groups; ++g) {
-    row_tiles(starts[g], ends[g], kShrinkRows, shrink_tiles);
-    shrink_group.resize(shrink_tiles.size(), g);
-  }
-  at::parallel_for(0, static_cast<int64_t>(shrink_tiles.size()), 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t lo, int64_t hi) {
+    thread_local std::vector<float> x_held, t_held;
+    std::vector<std::pair<int64_t, int64_t>> tiles;
     for (int64_t item = lo; item < hi; ++item) {
-      const auto [row0, rows] = shrink_tiles[item];
-      const int64_t g = shrink_group[item];
-      const int64_t rank = a[g].size(1);
+      const auto [first, count] = blocks[item];
+      const int64_t g = block_group[item];
+      const int64_t rank = a[g].size(1), t_stride = padded(rank);
       const scalar_t* ag = a[g].data_ptr<scalar_t>();
       const float* xf;
       if constexpr (std::is_same_v<scalar_t, float>) {
-        xf = xs + row0 * in_features;
+        xf = xs + first * in_features;
       } else {
-        float* widened = x_scratch(rows * in_features);
-        for (int64_t r = 0; r < rows; ++r)
-          at::vec::convert(xs + (row0 + r) * in_features, widened + r * in_features, in_features);
+        float* widened = scratch(x_held, count * in_features);
+        at::vec::convert(xs + first * in_features, widened, count * in_features);
         xf = widened;
       }
-      float* tg = t + t_offset[g] + (row0 - starts[g]) * t_stride[g];
+      float* t = scratch(t_held, count * t_stride);
+      // shrink: T = x·A, tiles of rows times every rank block of A
+      tiles.clear();
+      row_tiles(0, count, kShrinkRows, tiles);
       for (int64_t rank0 = 0; rank0 < rank; rank0 += kShrinkBlocks * kLanes) {
         const int64_t left = rank - rank0;
-        const int64_t blocks = std::min<int64_t>(kShrinkBlocks, (left + kLanes - 1) / kLanes);
-        const int64_t last = std::min(kLanes, left - (blocks - 1) * kLanes);
+        const int64_t nb = std::min<int64_t>(kShrinkBlocks, (left + kLanes - 1) / kLanes);
+        const int64_t last = std::min(kLanes, left - (nb - 1) * kLanes);
         // rows k < whole read the last block whole: it ends within A
-        const int64_t span = rank0 + blocks * kLanes;  // row k reads A up to k * rank + span
+        const int64_t span = rank0 + nb * kLanes;  // row k reads A up to k * rank + span
         const int64_t whole = last == kLanes ? in_features
             : in_features * rank < span ? 0 : (in_features * rank - span) / rank + 1;
-        dispatch_tile<kShrinkRows, kShrinkBlocks>(rows, blocks, [&]<int R, int NB>() {
-          shrink_tile<scalar_t, R, NB, true>(xf, in_features, ag, 0, whole, rank, rank0, last,
-                                             false, tg, t_stride[g]);
-          if (whole < in_features)
-            shrink_tile<scalar_t, R, NB, false>(xf, in_features, ag, whole, in_features, rank,
-                                                rank0, last, true, tg, t_stride[g]);
-        });
-      }
-    }
-  });
-
-  // expand: one item per (part, row tile, block of columns)
-  struct ExpandItem {
-    int64_t part, row0, rows, col;
-  };
-  constexpr int64_t kColumns = kExpandBlocks * kLanes;
-  std::vector<ExpandItem> items;
-  std::vector<std::pair<int64_t, int64_t>> tiles;
-  for (int64_t p = 0; p < static_cast<int64_t>(b.size()); ++p) {
-    const int64_t g = parts[4 * p];
-    tiles.clear();
-    row_tiles(starts[g], ends[g], kExpandRows, tiles);
-    for (int64_t col = 0; col < b[p].size(1); col += kColumns)
-      for (const auto& [row0, rows] : tiles) items.push_back({p, row0, rows, col});
-  }
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const ExpandItem& item = items[i];
-      const int64_t p = item.part, g = parts[4 * p], col0 = parts[4 * p + 1],
-                    r0 = parts[4 * p + 2], r1 = parts[4 * p + 3];
-      const int64_t cols = b[p].size(1), n = std::min(kColumns, cols - item.col);
-      const scalar_t* bp = b[p].data_ptr<scalar_t>() + item.col;
-      const float* tg = t + t_offset[g] + (item.row0 - starts[g]) * t_stride[g] + r0;
-      scalar_t* orow = os + item.row0 * out_features + col0 + item.col;
-      dispatch_tile<kExpandRows, kExpandBlocks>(
-          item.rows, (n + kLanes - 1) / kLanes, [&]<int R, int NB>() {
-            if (n == NB * kLanes) {
-              expand_tile<scalar_t, R, NB, true>(tg, t_stride[g], bp, cols, r1 - r0, n, orow,
-                                                 out_features);
-            } else {
-              expand_tile<scalar_t, R, NB, false>(tg, t_stride[g], bp, cols, r1 - r0, n, orow,
-                                                  out_features);
-            }
+        for (const auto& [row0, rows] : tiles) {
+          const float* xr = xf + row0 * in_features;
+          float* tr = t + row0 * t_stride;
+          dispatch_tile<kShrinkRows, kShrinkBlocks>(rows, nb, [&]<int R, int NB>() {
+            shrink_tile<scalar_t, R, NB, true>(xr, in_features, ag, 0, whole, rank, rank0,
+                                               last, false, tr, t_stride);
+            if (whole < in_features)
+              shrink_tile<scalar_t, R, NB, false>(xr, in_features, ag, whole, in_features,
+                                                  rank, rank0, last, true, tr, t_stride);
           });
+        }
+      }
+      // expand: out += T[:, r0:r1]·B per part, tiles of rows times blocks of columns
+      tiles.clear();
+      row_tiles(0, count, kExpandRows, tiles);
+      constexpr int64_t kColumns = kExpandBlocks * kLanes;
+      for (const int64_t p : group_parts[g]) {
+        const int64_t col0 = parts[4 * p + 1], r0 = parts[4 * p + 2], r1 = parts[4 * p + 3];
+        const int64_t cols = b[p].size(1);
+        for (int64_t col = 0; col < cols; col += kColumns) {
+          const int64_t n = std::min(kColumns, cols - col);
+          const scalar_t* bp = b[p].data_ptr<scalar_t>() + col;
+          for (const auto& [row0, rows] : tiles) {
+            const float* tr = t + row0 * t_stride + r0;
+            scalar_t* orow = os + (first + row0) * out_features + col0 + col;
+            dispatch_tile<kExpandRows, kExpandBlocks>(rows, (n + kLanes - 1) / kLanes,
+                                                      [&]<int R, int NB>() {
+              if (n == NB * kLanes) {
+                expand_tile<scalar_t, R, NB, true>(tr, t_stride, bp, cols, r1 - r0, n, orow,
+                                                   out_features);
+              } else {
+                expand_tile<scalar_t, R, NB, false>(tr, t_stride, bp, cols, r1 - r0, n, orow,
+                                                    out_features);
+              }
+            });
+          }
+        }
+      }
     }
   });
 }
