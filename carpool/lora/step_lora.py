@@ -6,6 +6,11 @@ would without adapters, and `StepLora.add` then adds (x·A)·B·scale over each 
 slice only. Base rows pay nothing; an adapter's rows pay in proportion to its rank. (The
 order of requests in a packed step changes nothing else: attention, sampling and the
 outputs are per request.)
+
+The kernel's weight arguments (every layer's A and B lists) depend only on which adapters a
+step runs, in order, and consecutive steps mostly run the same ones: `KernelTerms` keeps them
+for the last such set, so a step adds only its rows (the lists of 120 linears' tensors took
+longer to build in Python than the decode step's LoRA products).
 """
 
 from __future__ import annotations
@@ -34,17 +39,61 @@ def order_by_adapter(scheduler_output: SchedulerOutput) -> SchedulerOutput:
     return replace(scheduler_output, scheduled=sorted(scheduled, key=adapter_id))
 
 
+MODULES = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the layer stack's order
+
+
+class KernelTerms:
+    """`lora_add_`'s weight arguments for one ordered set of adapters, per layer and linear:
+    (which of the set's adapters it has, A per adapter, B per part, parts); the last set's
+    are kept (the runner holds one, steps share it)."""
+
+    def __init__(self) -> None:
+        self._adapters: tuple[LoraWeights, ...] = ()
+        self._terms: dict[tuple[int, str], tuple[tuple[int, ...], list, list, list[int]]] = {}
+
+    def of(self, adapters: tuple[LoraWeights, ...]) -> dict:
+        """(layer, module) -> (adapter indices, a, b, parts) for these adapters, in order."""
+        if len(adapters) != len(self._adapters) or any(
+                mine is not theirs for mine, theirs in zip(adapters, self._adapters)):
+            self._terms = {}
+            self._adapters = adapters
+        return self._terms
+
+    def clear(self) -> None:
+        """Forget the set (an adapter unloaded: its tensors are not held here after)."""
+        self._adapters, self._terms = (), {}
+
+    @staticmethod
+    def build(adapters: tuple[LoraWeights, ...], layer: int, module: str) -> tuple:
+        indices: list[int] = []
+        a, b, parts = [], [], []
+        for index, weights in enumerate(adapters):
+            term = weights.layers[layer].get(module)
+            if term is None:
+                continue
+            group = len(a)
+            indices.append(index)
+            a.append(term.a)
+            for col0, _, r0, r1, part_b in term.parts:
+                b.append(part_b)
+                parts.extend((group, col0, r0, r1))
+        return tuple(indices), a, b, parts
+
+
 @dataclass(frozen=True)
 class StepLora:
     """The `lora` forward argument: (first row, last row + 1, weights) per adapter, and the
-    kernels' `lora_add_` where the CPU route takes it (None: torch's matmuls per slice)."""
+    kernels' `lora_add_` where the CPU route takes it (None: torch's matmuls per slice), with
+    the runner's `KernelTerms` (None: built for this step alone)."""
 
     groups: tuple[tuple[int, int, LoraWeights], ...]
     kernel: Callable | None = None
+    terms: KernelTerms | None = None
 
     @staticmethod
     def of(scheduled, query_starts: np.ndarray, query_lens: np.ndarray,
-           weights: dict[int, LoraWeights], kernel: Callable | None = None) -> StepLora | None:
+           weights: dict[int, LoraWeights], kernel: Callable | None = None,
+           terms: KernelTerms | None = None) -> StepLora | None:
         """Groups of an `order_by_adapter` step; None when no row has an adapter."""
         groups: list[tuple[int, int, LoraWeights]] = []
         current, start = 0, 0
@@ -58,7 +107,7 @@ class StepLora:
         if current:
             last = len(scheduled) - 1
             groups.append((start, int(query_starts[last] + query_lens[last]), weights[current]))
-        return StepLora(tuple(groups), kernel) if groups else None
+        return StepLora(tuple(groups), kernel, terms) if groups else None
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> None:
         """out[rows] += x[rows]·A·B·scale for each adapter's rows, in place."""
@@ -81,27 +130,32 @@ class StepLora:
     def stack_terms(self, num_layers: int) -> list[tuple]:
         """The C++ layer stack's `lora` argument: `lora_add_`'s arguments for every layer's
         qkv, o, gate_up and down, in that order."""
-        return [self._kernel_args(layer, module) for layer in range(num_layers)
-                for module in ("qkv", "o", "gate_up", "down")]
+        known, rows = self._known_terms(), {}
+        return [self._kernel_args(layer, module, known, rows) for layer in range(num_layers)
+                for module in MODULES]
 
     def _add_by_kernel(self, out: torch.Tensor, x: torch.Tensor, layer: int,
                        module: str) -> None:
         """Every adapter's rows of this linear in one `lora_add_` call."""
-        starts, ends, a, b, parts = self._kernel_args(layer, module)
+        starts, ends, a, b, parts = self._kernel_args(layer, module, self._known_terms(), {})
         if a:
             self.kernel(out, x, starts, ends, a, b, parts)
 
-    def _kernel_args(self, layer: int, module: str) -> tuple:
-        starts, ends, a, b, parts = [], [], [], [], []
-        for start, end, weights in self.groups:
-            term = weights.layers[layer].get(module)
-            if term is None:
-                continue
-            group = len(a)
-            starts.append(start)
-            ends.append(end)
-            a.append(term.a)
-            for col0, _, r0, r1, part_b in term.parts:
-                b.append(part_b)
-                parts.extend((group, col0, r0, r1))
-        return starts, ends, a, b, parts
+    def _known_terms(self) -> dict:
+        adapters = tuple(weights for _, _, weights in self.groups)
+        return {} if self.terms is None else self.terms.of(adapters)
+
+    def _kernel_args(self, layer: int, module: str, known: dict, rows: dict) -> tuple:
+        """(starts, ends, a, b, parts) of the adapters that change this linear; `rows` keeps
+        the starts and ends of each subset of adapters met (mostly one: all of them)."""
+        term = known.get((layer, module))
+        if term is None:
+            adapters = tuple(weights for _, _, weights in self.groups)
+            term = known[(layer, module)] = KernelTerms.build(adapters, layer, module)
+        indices, a, b, parts = term
+        bounds = rows.get(indices)
+        if bounds is None:
+            groups = self.groups
+            bounds = rows[indices] = ([groups[i][0] for i in indices],
+                                      [groups[i][1] for i in indices])
+        return (*bounds, a, b, parts)

@@ -25,7 +25,7 @@ from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.lora.adapter_cache import AdapterCache
 from carpool.lora.peft_adapter import load_adapter
-from carpool.lora.step_lora import StepLora, order_by_adapter
+from carpool.lora.step_lora import KernelTerms, StepLora, order_by_adapter
 from carpool.lora_request import LoRARequest
 from carpool.models.config import ModelConfig, load_model_config
 from carpool.models.draft_check import check_draft_model
@@ -125,6 +125,7 @@ class ModelRunner:
         route = getattr(self.platform, "route", None)
         self.lora_kernel = kernels.lora_add_ if route is not None and route.lora_kernel \
             else None
+        self._lora_terms = KernelTerms()  # the last adapter set's lora_add_ weight lists
         # the weights' format and their types, as the loader found them (None: float weights)
         self.quantization: str | None = getattr(self.model, "quantization", None)
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed,
@@ -265,7 +266,7 @@ class ModelRunner:
             return None
         weights = self.adapters.activate(requests)
         return StepLora.of(scheduler_output.scheduled, batch.layout.query_starts,
-                           batch.layout.query_lens, weights, self.lora_kernel)
+                           batch.layout.query_lens, weights, self.lora_kernel, self._lora_terms)
 
     def _load_adapter(self, request: LoRARequest):
         weights = load_adapter(request.lora_name, request.lora_path, self.model_config,
@@ -276,6 +277,7 @@ class ModelRunner:
 
     def evict_adapter(self, lora_int_id: int) -> bool:
         """Drop a loaded adapter now (unloaded by name); False if it was not loaded."""
+        self._lora_terms.clear()  # it may hold the adapter's tensors
         return self.adapters is not None and self.adapters.evict(lora_int_id)
 
     def _choose_num_blocks(self, num_kv_blocks: int | None, kv_cache_memory: int | None,

@@ -46,6 +46,7 @@
 #include "gemm/amx_tiles.h"
 #include "gemm/bf16_dot.h"
 #include "gemm/stealable_shares.h"
+#include "gemm/tile_dispatch.h"
 
 namespace carpool_gemm {
 
@@ -290,19 +291,6 @@ __attribute__((noinline)) void tile_avx2_f32(const float* x, int64_t x_stride, c
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// Calls f.template operator()<R, B>() with R == rows (1 <= rows <= MaxR) and B == nb
-// (1 <= nb <= MaxB): the tile function instantiated for this tile's height and width.
-template <int MaxR, int MaxB, typename F>
-void dispatch_tile(int64_t rows, int64_t nb, const F& f) {
-  if constexpr (MaxB > 1) {
-    if (nb < MaxB) return dispatch_tile<MaxR, MaxB - 1>(rows, nb, f);
-  }
-  if constexpr (MaxR > 1) {
-    if (rows < MaxR) return dispatch_tile<MaxR - 1, MaxB>(rows, nb, f);
-  }
-  f.template operator()<MaxR, MaxB>();
-}
-
 // Calls tile.template operator()<R, B>(blk, r0, next) over an m-row output of `blocks`
 // column blocks of `block_bytes` each (packed contiguously from `w`) for every tile of R rows
 // from r0 and B blocks from blk: the threads split the blocks evenly (columns only, so a
