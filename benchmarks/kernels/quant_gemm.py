@@ -18,13 +18,20 @@ Prints each variant's time a pass, its speed over bf16-small's, and its weight b
     python3 -m benchmarks.kernels.quant_gemm --shapes 135M --copies 16 --rows 1 4 16 64 256 1024
     python3 -m benchmarks.kernels.quant_gemm --dtype float32 --variants int8 int4 int8-dq
     python3 -m benchmarks.kernels.quant_gemm --capability AVX2 --rows 1 16 32 64
+    python3 -m benchmarks.kernels.quant_gemm --rows 1 2 --variants q5_0 q4_k q6_k \
+        --baseline ~/.cache/torch_extensions/py311_cpu/<an older build>/<its name>.so
+
+`--baseline` times the quantized variants of another build of the kernels too (its own
+packing), alternated with this one's as "<variant>@base": before / after in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +46,11 @@ SHAPES = {
     "135M": [(576, 960), (576, 576), (576, 3072), (1536, 576)],   # SmolLM2-135M
 }
 VARIANTS = ["bf16-small", "bf16-onednn", "int8", "int4", "int8-dq", "int4-dq", "int8-r",
-            "int4-r"]
+            "int4-r", "q5_0", "q4_k", "q6_k"]
+# GGUF's types as carpool packs them (carpool/platform/cpu_quant.py): (bits, group, mins,
+# float16 header); the q and scales random, of the type's ranges
+GGUF_TYPES = {"q5_0": (5, 32, False, True), "q4_k": (4, 32, True, False),
+              "q6_k": (8, 16, False, False)}
 
 
 def quantized(weight: torch.Tensor, bits: int, group: int, mins: bool):
@@ -77,6 +88,20 @@ class Variant:
             else:
                 self.run = self.layer._matmul
             return
+        if name in GGUF_TYPES:
+            bits, group, mins, f16 = GGUF_TYPES[name]
+            qweight, scale, offset, _, _ = quantized(linear.weight, 8 if bits == 5 else bits,
+                                                     group, mins)
+            if bits == 5:
+                qweight = qweight.clamp(-16, 15)
+            elif bits == 8:
+                qweight = qweight.clamp(-32, 31)
+            if f16:
+                scale = scale.half().float()
+            packed = kernels.pack_quant_weight(qweight, scale, offset, bits, group, f16)
+            self.bytes = packed.nbytes
+            self.run = lambda x: kernels.quant_linear(x, packed)
+            return
         bits = 8 if name.startswith("int8") else 4
         packed = kernels.pack_quant_weight(*quantized(linear.weight, bits, 32, bits == 4))
         self.bytes = packed.nbytes
@@ -87,6 +112,16 @@ class Variant:
                 x, kernels.dequantize_rows(packed, 0, packed.n, x.dtype))
         else:
             self.run = lambda x: kernels.quant_linear(x, packed)
+
+
+def import_module_file(path: Path):
+    """An extension module from its file (its name is the file's stem, as torch builds it)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -100,6 +135,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
     parser.add_argument("--capability", choices=("AVX512", "AVX2"),
                         help="time this build of the kernels (default: this CPU's)")
+    parser.add_argument("--baseline", type=Path,
+                        help="a built kernels module (.so) whose quantized variants run too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -111,6 +148,12 @@ def main() -> None:
     linears = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for k, n in shapes]
     names = [v for v in args.variants if dtype == torch.bfloat16 or not v.startswith("bf16")]
     variants = {name: [Variant(name, linear, kernels) for linear in linears] for name in names}
+    if args.baseline is not None:
+        base_kernels = import_module_file(args.baseline)
+        for name in names:
+            if not name.startswith("bf16"):
+                variants[f"{name}@base"] = [Variant(name, linear, base_kernels)
+                                            for linear in linears]
     print(f"{args.shapes} x {args.copies}: {len(linears)} layers, {args.dtype} rows, "
           f"{args.threads} threads; weight MB a pass: " + ", ".join(
               f"{name} {sum(v.bytes for v in vs) / 1e6:.0f}" for name, vs in variants.items()))
@@ -128,6 +171,8 @@ def main() -> None:
             base = best.get("bf16-small")
             print(f"rows {rows:5d}  " + "  ".join(
                 f"{name} {t * 1e3:8.2f} ms" + (f" ({base / t:4.2f}x)" if base else "")
+                + (f" {sum(v.bytes for v in variants[name]) / t / 1e9:4.1f} GB/s"
+                   if rows == 1 else "")
                 for name, t in best.items()), flush=True)
 
 

@@ -45,12 +45,9 @@ CARPOOL_BF16_TARGET void fill_rounded_pairs(const QuantWeight& w, const uint8_t*
         first = Isa::i8(q + 2 * p * kBlock);
         second = Isa::i8(q + (2 * p + 1) * kBlock);
       } else if constexpr (Bits == 5) {
-        const uint8_t* unit = q + (p / 16) * kUnit5;
-        uint16_t masks[2];
-        std::memcpy(masks, unit + 256 + (p % 16) * 4, 4);
-        Isa::u5(unit + (p % 16) * kBlock, masks[0], masks[1], first, second);
+        Isa::u5(q + (p / 16) * kUnit5, p % 16, 0, first, second);
       } else {
-        Isa::u4(q + p * kBlock, first, second);
+        Isa::u4(q + (p / 16) * kUnit4, p % 16, 0, first, second);
       }
       _mm512_storeu_si512(out + (grp * pairs + p) * kBlock,
                           bf16_pairs(Isa::fma(first, s, mn), Isa::fma(second, s, mn)));

@@ -20,11 +20,41 @@
 #if defined(CPU_CAPABILITY_AVX512)
 #include "gemm/bf16_dot.h"
 
+// Pair j of a 4- or 5-bit unit (quant_weight.h): each column's dword shifted right by 4 (j % 4)
+// holds the pair's nibbles in bits 0-3 and 16-19, the indices `vpermw` reads (its 5 index
+// bits a word: bit 4 is the next nibble's, so the 4-bit table holds 0..15 twice); 5 bits
+// flip bit 4 by the pair's flip mask into u's, in a table of -16..15. One shift, at most one
+// masked add, one lookup a pair (inlined with a constant j, the shift is an immediate).
+template <int Bits>
+CARPOOL_BF16_TARGET inline __m512i unit_pairs(const uint8_t* unit, int j) {
+  const __m512i d = _mm512_srli_epi32(_mm512_loadu_si512(unit + (j >> 2) * 64), 4 * (j & 3));
+  if constexpr (Bits == 5) {
+    // bfloat16 of -16..15, indexed by u = q + 16
+    const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
+        0xc110, 0xc120, 0xc130, 0xc140, 0xc150, 0xc160, 0xc170, 0xc180);
+    // bit 4 of each word is the next nibble's bit 0: flipped to u's bit 4 where the pair's
+    // flip mask says (adding 16 flips it; the carry lands in bits vpermw ignores)
+    uint32_t mask;
+    std::memcpy(&mask, unit + 256 + j * 4, 4);
+    const __mmask32 flips = _cvtu32_mask32(mask);
+    const __m512i index = _mm512_mask_add_epi16(d, flips, d, _mm512_set1_epi16(16));
+    return _mm512_permutexvar_epi16(index, table);
+  } else {
+    // bfloat16 of 0..15, twice
+    const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+        0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+        0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    return _mm512_permutexvar_epi16(d, table);
+  }
+}
+
 // Pair p of a group's q (p < g / 2) for 16 columns: one dword a column, the first element's
 // bfloat16 in its low half. 8 bits: two widened float32 vectors, their high halves kept
-// (exact for these integers). 4 bits: each byte's two nibbles moved to the low bits of the
-// dword's two halves, then looked up in a table of bfloat16 0..15 (`vpermw`): no conversions.
-// 5 bits: the same with each half's bit 4 set from the unit's masks, in a table of -16..15.
+// (exact for these integers); 4 and 5 bits: unit_pairs, no conversions.
 template <int Bits>
 CARPOOL_BF16_TARGET inline __m512i q_pairs(const uint8_t* q, int64_t p) {
   if constexpr (Bits == 8) {
@@ -33,35 +63,8 @@ CARPOOL_BF16_TARGET inline __m512i q_pairs(const uint8_t* q, int64_t p) {
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
                                      _mm512_castps_si512(second),
                                      _mm512_set1_epi32(static_cast<int>(0xffff0000u)), 0xf8);
-  } else if constexpr (Bits == 5) {
-    // bfloat16 of -16..15, indexed by u = q + 16 (vpermw's 5 index bits)
-    const __m512i table = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
-        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
-        0xc110, 0xc120, 0xc130, 0xc140, 0xc150, 0xc160, 0xc170, 0xc180);
-    const uint8_t* unit = q + (p / 16) * kUnit5;
-    const __m512i v = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(unit + (p % 16) * kBlock)));
-    uint16_t masks[2];
-    std::memcpy(masks, unit + 256 + (p % 16) * 4, 4);
-    __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
-                                              _mm512_set1_epi32(0x000f000f), 0xa8);
-    index = _mm512_mask_or_epi32(index, masks[0], index, _mm512_set1_epi32(0x10));
-    index = _mm512_mask_or_epi32(index, masks[1], index, _mm512_set1_epi32(0x100000));
-    return _mm512_permutexvar_epi16(index, table);
   } else {
-    // bfloat16 of 0..15, twice (vpermw reads 5 index bits; the 5th is always 0 here)
-    const __m512i table = _mm512_set_epi16(
-        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
-        0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
-        0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
-    const __m512i v =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + p * kBlock)));
-    // (v | v << 12) & 0x000f000f: the low nibble in bits 0-3, the high one in bits 16-19
-    const __m512i index = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12),
-                                                    _mm512_set1_epi32(0x000f000f), 0xa8);
-    return _mm512_permutexvar_epi16(index, table);
+    return unit_pairs<Bits>(q + (p / 16) * (Bits == 5 ? kUnit5 : kUnit4), p % 16);
   }
 }
 
@@ -73,6 +76,19 @@ CARPOOL_BF16_TARGET void fill_pairs(const QuantWeight& w, const uint8_t* block, 
     const uint8_t* q = block + grp * w.group_bytes() + w.header_bytes();
     for (int64_t p = 0; p < pairs; ++p)
       _mm512_storeu_si512(out + (grp * pairs + p) * kBlock, q_pairs<Bits>(q, p));
+  }
+}
+
+// One pair of k: its weights for B blocks (wv) times each row's x pair (at x, rows x_stride
+// apart) into the partial sums.
+template <int R, int B>
+CARPOOL_BF16_TARGET __attribute__((always_inline)) inline void pair_step(
+    const uint16_t* x, int64_t x_stride, const __m512i (&wv)[B], F (&part)[R][B]) {
+  for (int r = 0; r < R; ++r) {
+    int32_t pair;
+    std::memcpy(&pair, x + r * x_stride, 4);
+    const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+    for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], (__m512bh)wv[b], xv);
   }
 }
 
@@ -100,18 +116,27 @@ CARPOOL_BF16_TARGET __attribute__((noinline)) void tile_bf16(const Call& call, i
     F part[R][B];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) part[r][b] = Isa::zero();
-    for (int64_t p = 0; p < pairs; ++p) {
-      __m512i wv[B];
-      for (int b = 0; b < B; ++b) {
-        wv[b] = buffer != nullptr
-                    ? _mm512_loadu_si512(buffer + (b * block_pairs + grp * pairs + p) * kBlock)
-                    : q_pairs<Bits>(group + b * block_bytes + header, p);
+    if (Bits != 8 && buffer == nullptr) {
+      // a unit's 16 pairs unrolled, so that each pair's shifts are immediates
+      constexpr int64_t unit_bytes = Bits == 5 ? kUnit5 : kUnit4;
+      for (int64_t u = 0; u < pairs / 16; ++u) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          __m512i wv[B];
+          for (int b = 0; b < B; ++b)
+            wv[b] = unit_pairs<Bits>(group + b * block_bytes + header + u * unit_bytes, j);
+          pair_step<R, B>(x + grp * g + 2 * (u * 16 + j), call.xb_stride, wv, part);
+        }
       }
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * call.xb_stride + grp * g + 2 * p, 4);
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-        for (int b = 0; b < B; ++b) part[r][b] = _mm512_dpbf16_ps(part[r][b], (__m512bh)wv[b], xv);
+    } else {
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m512i wv[B];
+        for (int b = 0; b < B; ++b) {
+          wv[b] = buffer != nullptr
+                      ? _mm512_loadu_si512(buffer + (b * block_pairs + grp * pairs + p) * kBlock)
+                      : q_pairs<Bits>(group + b * block_bytes + header, p);
+        }
+        pair_step<R, B>(x + grp * g + 2 * p, call.xb_stride, wv, part);
       }
     }
     for (int b = 0; b < B; ++b) {

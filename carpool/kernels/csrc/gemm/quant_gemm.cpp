@@ -42,7 +42,8 @@ namespace carpool_gemm {
 namespace {
 
 constexpr int64_t kBlock = QuantWeight::kBlock;
-constexpr int64_t kUnit5 = 320;  // bytes of 32 k x 16 columns at 5 bits (quant_weight.h)
+constexpr int64_t kUnit4 = 256;  // bytes of 32 k x 16 columns at 4 bits (quant_weight.h)
+constexpr int64_t kUnit5 = 320;  // and at 5 bits
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Tiles: up to 2 rows x 4 blocks (a row's 4 blocks are 4 independent chains of sums, which
@@ -146,17 +147,13 @@ __attribute__((noinline)) void tile(const Call& call, int64_t r0, int64_t blk) {
         for (int64_t j = 0; j < 16; ++j) {
           F lo[V], hi[V];
           for (int b = 0; b < B; ++b) {
-            if constexpr (Bits == 5) {
-              const uint8_t* unit = q + b * block_bytes + u * kUnit5;
-              uint16_t masks[2];
-              std::memcpy(masks, unit + 256 + j * 4, 4);
-              for (int h = 0; h < kVecs; ++h)
-                Isa::u5(unit + j * kBlock + h * Isa::kLanes, masks[0] >> (h * Isa::kLanes),
-                        masks[1] >> (h * Isa::kLanes), lo[b * kVecs + h], hi[b * kVecs + h]);
-            } else {
-              for (int h = 0; h < kVecs; ++h)
-                Isa::u4(q + b * block_bytes + (u * 16 + j) * kBlock + h * Isa::kLanes,
-                        lo[b * kVecs + h], hi[b * kVecs + h]);
+            const uint8_t* unit = q + b * block_bytes + u * (Bits == 5 ? kUnit5 : kUnit4);
+            for (int h = 0; h < kVecs; ++h) {
+              if constexpr (Bits == 5) {
+                Isa::u5(unit, j, h * Isa::kLanes, lo[b * kVecs + h], hi[b * kVecs + h]);
+              } else {
+                Isa::u4(unit, j, h * Isa::kLanes, lo[b * kVecs + h], hi[b * kVecs + h]);
+              }
             }
           }
           for (int r = 0; r < R; ++r) {
@@ -242,30 +239,57 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
     bias_f = at::zeros({blocks * kBlock}, x.options().dtype(at::kFloat));
     bias_f.narrow(0, 0, n).copy_(*bias);
   }
-  // float32 rows as they are (contiguous within a row); bfloat16 widened once, exactly.
-  const at::Tensor x32 = x.scalar_type() == at::kFloat && x.stride(1) == 1
-                             ? x : x.to(at::kFloat).contiguous();
+  const bool pairs = takes_bf16_pairs(x, w);
+  // Rows contiguous within a row. The pairs path reads bfloat16 rows as they are (4 and 5
+  // bits: copied into pair order below); the float32 path reads float32 rows, bfloat16 ones
+  // widened once, exactly.
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor x32 = pairs || x.scalar_type() == at::kFloat ? xc : xc.to(at::kFloat);
   at::Tensor y = at::empty({m, blocks * kBlock}, x.options().dtype(at::kFloat));
   if (m > 0 && n > 0) {
-    const float* xd = x32.const_data_ptr<float>();
     const int64_t x_stride = x32.stride(0), g = w.group_size;
+    // x[r][i] as float32 (exact for bfloat16)
+    const auto x_at = [&](int64_t r, int64_t i) {
+      if (x32.scalar_type() == at::kFloat) return x32.const_data_ptr<float>()[r * x_stride + i];
+      uint16_t bits;
+      std::memcpy(&bits, static_cast<const uint8_t*>(x32.const_data_ptr()) +
+                             (r * x_stride + i) * 2, 2);
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+      float v;
+      std::memcpy(&v, &wide, 4);
+      return v;
+    };
     std::vector<float> xsum(w.has_mins ? m * groups : 0);
     for (int64_t r = 0; r < (w.has_mins ? m : 0); ++r) {
       for (int64_t grp = 0; grp < groups; ++grp) {
         float sum = 0.0f;
-        for (int64_t i = 0; i < g; ++i) sum += xd[r * x_stride + grp * g + i];
+        for (int64_t i = 0; i < g; ++i) sum += x_at(r, grp * g + i);
         xsum[r * groups + grp] = sum;
       }
     }
-    Call call{&w, xd, x_stride, xsum.data(),
+    Call call{&w, pairs ? nullptr : x32.const_data_ptr<float>(), x_stride, xsum.data(),
               bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr, y.data_ptr<float>()};
-    if (takes_bf16_pairs(x, w)) {
+    std::vector<uint16_t> x_pairs;
+    if (pairs) {
       // 8 bits: x's own rows, pairs (k, k + 1); 4, 5 bits: each 32 k as (k0 + j, k0 + 16 + j)
-      const at::Tensor xb =
-          w.bits == 8 ? (x.stride(1) == 1 ? x : x.contiguous())
-                      : x.reshape({m, w.k / 32, 2, 16}).transpose(2, 3).contiguous().view({m, w.k});
-      call.xb = reinterpret_cast<const uint16_t*>(xb.const_data_ptr());
-      call.xb_stride = xb.stride(0);
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(x32.const_data_ptr());
+      call.xb = xb;
+      call.xb_stride = x_stride;
+      if (w.bits != 8) {
+        x_pairs.resize(m * w.k);
+        for (int64_t r = 0; r < m; ++r) {
+          for (int64_t k0 = 0; k0 < w.k; k0 += 32) {
+            const uint16_t* src = xb + r * x_stride + k0;
+            uint16_t* dst = x_pairs.data() + r * w.k + k0;
+            for (int64_t j = 0; j < 16; ++j) {
+              dst[2 * j] = src[j];
+              dst[2 * j + 1] = src[16 + j];
+            }
+          }
+        }
+        call.xb = x_pairs.data();
+        call.xb_stride = w.k;
+      }
       if (rounded_from > 0 && m >= rounded_from) {
         const auto run = w.bits == 8   ? (w.has_mins ? run_call_rounded<8, true>
                                                      : run_call_rounded<8, false>)

@@ -8,12 +8,20 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+// A 5-bit unit's flip mask of pair j (quant_weight.h), from column c0's bits on.
+inline uint32_t flip_mask(const uint8_t* unit, int64_t j, int64_t c0) {
+  uint32_t m;
+  std::memcpy(&m, unit + 256 + j * 4, 4);
+  return m >> (2 * c0);
+}
 
 #if defined(CPU_CAPABILITY_AVX512)
 struct Isa {
@@ -31,21 +39,31 @@ struct Isa {
     return _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static void u4(const uint8_t* p, F& lo, F& hi) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  // 4 and 5 bits (quant_weight.h): pair j (k0 + j, k0 + 16 + j) of a 32-k unit, for the
+  // columns [c0, c0 + kLanes): each column's dword of chunk j / 4, shifted to nibble j % 4;
+  // 5 bits take five bits there, bit 4 flipped where the pair's flip mask says, minus 16.
+  static __m512i unit_dwords(const uint8_t* unit, int64_t j, int64_t c0) {
+    const __m512i d = _mm512_loadu_si512(unit + (j >> 2) * 64 + c0 * 4);
+    return _mm512_srl_epi32(d, _mm_cvtsi32_si128(static_cast<int>(4 * (j & 3))));
   }
-  // 5 bits (quant_weight.h): u4's nibbles, bit 4 from the masks (bit i: lane i), minus 16.
-  static void u5(const uint8_t* p, uint32_t mlo, uint32_t mhi, F& lo, F& hi) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    __m512i l = _mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), sixteen);
-    __m512i h = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), sixteen);
-    l = _mm512_mask_add_epi32(l, static_cast<__mmask16>(mlo), l, sixteen);
-    h = _mm512_mask_add_epi32(h, static_cast<__mmask16>(mhi), h, sixteen);
-    lo = _mm512_cvtepi32_ps(l);
-    hi = _mm512_cvtepi32_ps(h);
+  static void u4(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
+    const __m512i d = unit_dwords(unit, j, c0), fifteen = _mm512_set1_epi32(15);
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, fifteen));
+    hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 16), fifteen));
+  }
+  static void u5(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
+    const __m512i d = unit_dwords(unit, j, c0), five = _mm512_set1_epi32(31),
+                  sixteen = _mm512_set1_epi32(16);
+    // column c's two flip bits (bits 2c, 2c + 1 of the pair's mask) in bits 0 and 1
+    const __m512i flips = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(flip_mask(unit, j, c0))),
+                                            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16,
+                                                              18, 20, 22, 24, 26, 28, 30));
+    const __m512i l = _mm512_xor_si512(_mm512_and_si512(d, five),
+                                       _mm512_and_si512(_mm512_slli_epi32(flips, 4), sixteen));
+    const __m512i h = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi32(d, 16), five),
+                                       _mm512_and_si512(_mm512_slli_epi32(flips, 3), sixteen));
+    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(l, sixteen));
+    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(h, sixteen));
   }
 };
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -64,22 +82,26 @@ struct Isa {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  static void u4(const uint8_t* p, F& lo, F& hi) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  static __m256i unit_dwords(const uint8_t* unit, int64_t j, int64_t c0) {
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + (j >> 2) * 64 + c0 * 4));
+    return _mm256_srl_epi32(d, _mm_cvtsi32_si128(static_cast<int>(4 * (j & 3))));
   }
-  static void u5(const uint8_t* p, uint32_t mlo, uint32_t mhi, F& lo, F& hi) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256i sixteen = _mm256_set1_epi32(16);
-    // 16 where the lane's mask bit is set, else 0; then minus 16
-    const auto high = [&](uint32_t mask) {
-      const __m256i bit = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask)), lanes);
-      return _mm256_sub_epi32(_mm256_and_si256(_mm256_cmpeq_epi32(bit, lanes), sixteen), sixteen);
-    };
-    lo = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_and_si256(v, _mm256_set1_epi32(15)), high(mlo)));
-    hi = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_srli_epi32(v, 4), high(mhi)));
+  static void u4(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
+    const __m256i d = unit_dwords(unit, j, c0), fifteen = _mm256_set1_epi32(15);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, fifteen));
+    hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 16), fifteen));
+  }
+  static void u5(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
+    const __m256i d = unit_dwords(unit, j, c0), five = _mm256_set1_epi32(31),
+                  sixteen = _mm256_set1_epi32(16);
+    const __m256i flips = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(flip_mask(unit, j, c0))),
+                                            _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    const __m256i l = _mm256_xor_si256(_mm256_and_si256(d, five),
+                                       _mm256_and_si256(_mm256_slli_epi32(flips, 4), sixteen));
+    const __m256i h = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(d, 16), five),
+                                       _mm256_and_si256(_mm256_slli_epi32(flips, 3), sixteen));
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(l, sixteen));
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(h, sixteen));
   }
 };
 #else
@@ -93,13 +115,21 @@ struct Isa {
   static F fma(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
   static void store(float* p, F v) { *p = v; }
   static F i8(const uint8_t* p) { return static_cast<float>(static_cast<int8_t>(*p)); }
-  static void u4(const uint8_t* p, F& lo, F& hi) {
-    lo = static_cast<float>(*p & 15);
-    hi = static_cast<float>(*p >> 4);
+  static uint32_t dword(const uint8_t* p) {
+    uint32_t d;
+    std::memcpy(&d, p, 4);
+    return d;
   }
-  static void u5(const uint8_t* p, uint32_t mlo, uint32_t mhi, F& lo, F& hi) {
-    lo = static_cast<float>(static_cast<int>((*p & 15) | ((mlo & 1) << 4)) - 16);
-    hi = static_cast<float>(static_cast<int>((*p >> 4) | ((mhi & 1) << 4)) - 16);
+  static void u4(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
+    const uint32_t d = dword(unit + (j >> 2) * 64 + c0 * 4) >> (4 * (j & 3));
+    lo = static_cast<float>(d & 15);
+    hi = static_cast<float>((d >> 16) & 15);
+  }
+  static void u5(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
+    const uint32_t d = dword(unit + (j >> 2) * 64 + c0 * 4) >> (4 * (j & 3));
+    const uint32_t flips = flip_mask(unit, j, c0);
+    lo = static_cast<float>(static_cast<int>((d & 31) ^ ((flips & 1) << 4)) - 16);
+    hi = static_cast<float>(static_cast<int>(((d >> 16) & 31) ^ ((flips & 2) << 3)) - 16);
   }
 };
 #endif

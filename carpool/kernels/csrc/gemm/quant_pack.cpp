@@ -25,7 +25,8 @@ namespace {
 using F = Isa::F;
 constexpr int64_t kBlock = QuantWeight::kBlock;
 constexpr int kVecs = kBlock / Isa::kLanes;
-constexpr int64_t kUnit5 = 320;  // bytes of 32 k x 16 columns at 5 bits
+constexpr int64_t kUnit4 = 256;  // bytes of 32 k x 16 columns at 4 bits (quant_weight.h)
+constexpr int64_t kUnit5 = 320;  // and at 5 bits
 
 // float32 as bfloat16, rounded to nearest even (as Tensor.to rounds; weights are finite).
 inline uint16_t bf16_bits(float v) {
@@ -59,20 +60,15 @@ void dequantize_block(const QuantWeight& w, int64_t blk, int64_t c0, int64_t c1,
         if constexpr (Bits == 8) {
           for (int64_t i = 0; i < count; ++i)
             Isa::store(tile[i] + c, Isa::fma(Isa::i8(q + (k0 + i) * kBlock + c), s[h], m[h]));
-        } else if constexpr (Bits == 5) {
-          const uint8_t* unit = q + (k0 / 32) * kUnit5;
-          for (int64_t j = 0; j < 16; ++j) {
-            uint16_t masks[2];
-            std::memcpy(masks, unit + 256 + j * 4, 4);
-            F lo, hi;
-            Isa::u5(unit + j * kBlock + c, masks[0] >> c, masks[1] >> c, lo, hi);
-            Isa::store(tile[j] + c, Isa::fma(lo, s[h], m[h]));
-            Isa::store(tile[16 + j] + c, Isa::fma(hi, s[h], m[h]));
-          }
         } else {
+          const uint8_t* unit = q + (k0 / 32) * (Bits == 5 ? kUnit5 : kUnit4);
           for (int64_t j = 0; j < 16; ++j) {
             F lo, hi;
-            Isa::u4(q + (k0 / 2 + j) * kBlock + c, lo, hi);
+            if constexpr (Bits == 5) {
+              Isa::u5(unit, j, c, lo, hi);
+            } else {
+              Isa::u4(unit, j, c, lo, hi);
+            }
             Isa::store(tile[j] + c, Isa::fma(lo, s[h], m[h]));
             Isa::store(tile[16 + j] + c, Isa::fma(hi, s[h], m[h]));
           }
@@ -112,18 +108,42 @@ void put_header(uint8_t* dst, int64_t i, float v, bool f16) {
   }
 }
 
-// Column c's g q (-16..15) of one group into its 5-bit units at `dst` (quant_weight.h).
+// Bits 4i.. (low) and 16 + 4i.. (high) of column c's dword in chunk j / 4 of a unit, i = j % 4
+// (quant_weight.h): the nibbles of the unit's pair j.
+void put_pair(uint8_t* unit, int64_t j, int64_t c, int lo, int hi) {
+  uint8_t* at = unit + (j >> 2) * 64 + c * 4;
+  uint32_t d;
+  std::memcpy(&d, at, 4);
+  d |= static_cast<uint32_t>(lo & 15) << (4 * (j & 3));
+  d |= static_cast<uint32_t>(hi & 15) << (16 + 4 * (j & 3));
+  std::memcpy(at, &d, 4);
+}
+
+// Column c's g / 2 canonical 4-bit bytes of one group into its units at `dst`.
+void pack_group4(const uint8_t* src, int64_t g, int64_t c, uint8_t* dst) {
+  for (int64_t i = 0; i < g / 2; ++i)
+    put_pair(dst + (i / 16) * kUnit4, i % 16, c, src[i] & 15, src[i] >> 4);
+}
+
+// Column c's g q (-16..15) of one group into its 5-bit units at `dst` (quant_weight.h): u =
+// q + 16's nibbles as 4 bits' are, and flip bits that turn the bit after each pair's
+// nibble (what the readers' 5 bits hold there) into u's bit 4.
 void pack_group5(const int8_t* q, int64_t g, int64_t c, uint8_t* dst) {
   for (int64_t k0 = 0; k0 < g; k0 += 32) {
     uint8_t* unit = dst + (k0 / 32) * kUnit5;
+    const auto u = [&](int64_t k) { return q[k0 + k] + 16; };  // k < 32
+    for (int64_t j = 0; j < 16; ++j) put_pair(unit, j, c, u(j), u(16 + j));
     for (int64_t j = 0; j < 16; ++j) {
-      const int lo = q[k0 + j] + 16, hi = q[k0 + 16 + j] + 16;
-      unit[j * kBlock + c] = static_cast<uint8_t>((lo & 15) | ((hi & 15) << 4));
-      uint16_t masks[2];
-      std::memcpy(masks, unit + 256 + j * 4, 4);
-      masks[0] |= static_cast<uint16_t>(((lo >> 4) & 1) << c);
-      masks[1] |= static_cast<uint16_t>(((hi >> 4) & 1) << c);
-      std::memcpy(unit + 256 + j * 4, masks, 4);
+      // bit 4 of the column's dword shifted right by 4 (j % 4): the next pair's nibbles' bit
+      // 0 within the chunk, for its last pair (k0 + 16 + 4 (j / 4))'s (low half) and 0
+      const bool last = (j & 3) == 3;
+      const int after_lo = last ? u(16 + (j & ~3)) & 1 : u(j + 1) & 1;
+      const int after_hi = last ? 0 : u(16 + j + 1) & 1;
+      uint32_t m;
+      std::memcpy(&m, unit + 256 + j * 4, 4);
+      m |= static_cast<uint32_t>(((u(j) >> 4) ^ after_lo) & 1) << (2 * c);
+      m |= static_cast<uint32_t>(((u(16 + j) >> 4) ^ after_hi) & 1) << (2 * c + 1);
+      std::memcpy(unit + 256 + j * 4, &m, 4);
     }
   }
 }
@@ -194,6 +214,10 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
           const uint8_t* src = qd + col * row_bytes + grp * group_q_bytes;
           if (bits == 5) {
             pack_group5(reinterpret_cast<const int8_t*>(src), group_size, c, dst + header);
+            continue;
+          }
+          if (bits == 4) {
+            pack_group4(src, group_size, c, dst + header);
             continue;
           }
           for (int64_t i = 0; i < group_q_bytes; ++i) dst[header + i * kBlock + c] = src[i];

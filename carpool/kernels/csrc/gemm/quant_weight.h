@@ -17,15 +17,19 @@
 //   scales and mins instead where every one is exact in float16, `f16_header`: GGUF's
 //   Q8_0 / Q5_0 / Q4_0 store theirs so, and the header is then half the bytes):
 //   bits 8: g x 16 bytes, byte [k][c] = q[column c][k0 + k];
-//   bits 4: g / 32 units x 16 x 16 bytes, byte [u][j][c] = qweight byte 16 u + j of column c
-//           (the canonical bytes, columns interleaved).
+//   bits 4: g / 32 units of 32 k (k0 = 32 u) x 16 columns, 256 bytes: 4 chunks of 16 dwords,
+//           chunk j / 4's dword c holding q[c][k0 + j] in bits 4 (j % 4).., q[c][k0 + 16 + j]
+//           in bits 16 + 4 (j % 4).. (the pair the readers take together, j < 16);
 //   bits 5 (packed from bits-8 q in -16..15, e.g. GGUF's Q5_0, with g % 32 == 0): per 32 k,
-//           a unit of 320 bytes: 256 bytes as bits 4's of u = q + 16's low nibbles, then
-//           16 x 4 bytes, for j: uint16 whose bit c is bit 4 of u[c][k0 + j], uint16 the
-//           same for k0 + 16 + j. Five bits a weight instead of eight.
-// So a block streams front to back once: 16 columns' q for one k are one 16-byte load (bits 8)
-// or one 16-byte load gives k0 + j and k0 + 16 + j (bits 4), and a group's scales and mins
-// sit in the cache line before its q. Its size is the canonical bytes plus the padding of N.
+//           a unit of 320 bytes: bits 4's 256 bytes of u = q + 16's low nibbles, then 16
+//           uint32 flip masks, pair j's bit 2c (2c + 1) flipping bit 4 of column c's dword
+//           shifted right by 4 (j % 4) (of its high half) into u[c][k0 + j]'s (k0 + 16 + j's)
+//           bit 4. Five bits a weight instead of eight.
+// So a block streams front to back once: 16 columns' q for one k are one 16-byte load (bits
+// 8); one 64-byte load and one shift give 16 columns' pair j, each in a dword's two halves
+// (bits 4), or, with one masked add on their words, the five bits `vpermw` indexes by (bits
+// 5). A group's scales and mins sit in the cache line before its q. Its size is the
+// canonical bytes plus the padding of N.
 
 #pragma once
 
