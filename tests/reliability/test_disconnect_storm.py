@@ -21,10 +21,12 @@ from tests.reliability.live import (API_KEY, MODEL, greedy_texts, live_server, m
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
-# Chunked prefill in 64-token steps, so a long prompt takes several steps to prefill.
+# Chunked prefill in 64-token steps, so a long prompt takes several steps to prefill. A small
+# send buffer, so a leaver's socket fills (and its request pauses until its departure is
+# noticed) after a few dozen chunks rather than after the whole of its reply.
 STORM_FLAGS = ["--max-num-seqs", "32", "--num-kv-blocks", "512", "--max-model-len", "512",
                "--max-num-batched-tokens", "64", "--max-num-waiting-requests", "1024",
-               "--log-prompts"]
+               "--log-prompts", "--http-send-buffer", "4096"]
 LONG = "def handler(request):\n    return request.json()\n" * 14  # ~300 tokens
 PROMPTS = ["import os\n", "class Foo:", LONG, "for i in range(", "def main():", "x = [",
            LONG + "# tail\n", "return "]
