@@ -84,3 +84,23 @@ def metric_value(text: str, name: str, **labels) -> float:
     if labels:
         return 0.0
     raise KeyError(f"{name} not in metrics")
+
+
+def assert_greedy_equals_offline(server: Server, prompts: list[str], max_tokens: int) -> list:
+    """The server's greedy completions of `prompts` (one request) and its chat reply to
+    MESSAGES equal the offline `LLM`'s on the same checkpoint; returns the offline outputs."""
+    from carpool import LLM, SamplingParams
+
+    with LLM(str(server.checkpoint), dtype="float32", num_kv_blocks=128,
+             max_model_len=256) as llm:
+        expected = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
+                                use_tqdm=False)
+        chat = llm.chat(MESSAGES, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    client = server.client()
+    out = client.completions.create(model=server.model, prompt=prompts, max_tokens=max_tokens,
+                                    temperature=0)
+    assert [c.text for c in out.choices] == [want.outputs[0].text for want in expected]
+    reply = client.chat.completions.create(model=server.model, messages=MESSAGES,
+                                           max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == chat[0].outputs[0].text
+    return expected

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from carpool import LLM, SamplingParams
 from carpool.bench.local_server import LocalServer
-from tests.server.live import MESSAGES, SERVER_FLAGS, Server
+from tests.server.live import SERVER_FLAGS, Server, assert_greedy_equals_offline
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
@@ -28,19 +27,7 @@ def moe_server(make_checkpoint, tmp_path_factory):
 
 
 def test_moe_server_equals_offline_and_reports_router_load(moe_server):
-    client = moe_server.client()
-    with LLM(str(moe_server.checkpoint), dtype="float32", num_kv_blocks=128,
-             max_model_len=256) as llm:
-        expected = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0),
-                                use_tqdm=False)
-        chat = llm.chat(MESSAGES, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-    out = client.completions.create(model=moe_server.model, prompt=PROMPTS, max_tokens=24,
-                                    temperature=0)
-    for want, got in zip(expected, out.choices):
-        assert got.text == want.outputs[0].text
-    reply = client.chat.completions.create(model=moe_server.model, messages=MESSAGES,
-                                           max_tokens=16, temperature=0)
-    assert reply.choices[0].message.content == chat[0].outputs[0].text
+    assert_greedy_equals_offline(moe_server, PROMPTS, 24)
     with moe_server.http() as http:
         stats = http.get("/stats").json()
     load = stats["router_load"]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from carpool import LLM, SamplingParams
 from carpool.bench.local_server import LocalServer
 from carpool.testing.checkpoints import truncated_checkpoint
-from tests.server.live import MESSAGES, SERVER_FLAGS, Server, metric_value, wait_until_idle
+from tests.server.live import (SERVER_FLAGS, Server, assert_greedy_equals_offline, metric_value,
+                               wait_until_idle)
 
 pytestmark = pytest.mark.slow  # a live server (still run in CI)
 
@@ -34,22 +34,11 @@ def draft_server(llama_checkpoint, tmp_path_factory):
 
 
 def test_a_draft_model_server_equals_offline_without_speculation(draft_server):
+    expected = assert_greedy_equals_offline(draft_server, PROMPTS, 32)
     client = draft_server.client()
-    with LLM(str(draft_server.checkpoint), dtype="float32", num_kv_blocks=128,
-             max_model_len=256) as llm:
-        expected = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0),
-                                use_tqdm=False)
-        chat = llm.chat(MESSAGES, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
-    out = client.completions.create(model=draft_server.model, prompt=PROMPTS, max_tokens=32,
-                                    temperature=0)
-    for want, got in zip(expected, out.choices):
-        assert got.text == want.outputs[0].text
     stream = client.completions.create(model=draft_server.model, prompt=PROMPTS[1],
                                        max_tokens=32, temperature=0, stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream) == expected[1].outputs[0].text
-    reply = client.chat.completions.create(model=draft_server.model, messages=MESSAGES,
-                                           max_tokens=16, temperature=0)
-    assert reply.choices[0].message.content == chat[0].outputs[0].text
     sampled = client.completions.create(model=draft_server.model, prompt=PROMPTS[0],
                                         max_tokens=24, temperature=0.8, seed=3, n=2,
                                         extra_body={"ignore_eos": True})
