@@ -124,20 +124,51 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
     _assert_all_blocks_free(server)
 
 
-def test_client_gone_before_the_first_token_is_aborted(server):
-    """A raw socket that sends a streaming request and hangs up at once."""
-    aborts_before = _aborts(server)
+def _raw_streaming_request(server) -> tuple[tuple[str, int], bytes]:
     host, port = server.base_url.removeprefix("http://").split(":")
     payload = (b'{"model": "%s", "prompt": "if x:", "max_tokens": 200, "stream": true, '
                b'"ignore_eos": true}' % server.model.encode())
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
                b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
+    return (host, int(port)), request
+
+
+def _finished_length(server) -> float:
+    return metric_value(_metrics(server), "carpool:request_success_total",
+                        finished_reason="length")
+
+
+def test_client_gone_before_the_first_token_is_aborted(server):
+    """A raw socket that reads the status line of its stream (so the engine has the
+    request) and hangs up before reading a token."""
+    aborts_before = _aborts(server)
+    address, request = _raw_streaming_request(server)
     for _ in range(3):
-        with socket.create_connection((host, int(port))) as sock:
+        with socket.create_connection(address) as sock:
             sock.sendall(request)
+            assert sock.recv(12, socket.MSG_WAITALL) == b"HTTP/1.1 200"
     _wait_for_aborts(server, aborts_before, 3)
     _assert_all_blocks_free(server)
+
+
+def test_client_gone_while_its_request_is_read_leaves_nothing_running(server):
+    """A raw socket that hangs up right after sending: whether the server notices before
+    the engine has the request (a 499, nothing to abort) or after (an abort) is a race,
+    but none of the requests may run to its end, and no block may stay taken."""
+    wait_until_idle(server)
+    aborts_before, length_before = _aborts(server), _finished_length(server)
+    address, request = _raw_streaming_request(server)
+    for _ in range(3):
+        with socket.create_connection(address) as sock:
+            sock.sendall(request)
+    # Sent after the three, so by the time it has finished and the engine is idle, any of
+    # them that reached the engine has ended too.
+    probe = server.client().completions.create(model=server.model, prompt="x", max_tokens=1)
+    assert probe.choices[0].finish_reason == "length"
+    _assert_all_blocks_free(server)
+    assert _finished_length(server) == length_before + 1
+    assert _aborts(server) - aborts_before <= 3
 
 
 def test_metrics_exposes_the_carpool_names(server, client):
