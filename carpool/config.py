@@ -168,19 +168,9 @@ class EngineConfig:
                              f"got {self.grammar_cache_memory!r}")
         if not isinstance(self.grammar_limits, GrammarLimits):
             raise ValueError(f"grammar_limits must be a GrammarLimits, got {self.grammar_limits!r}")
-        if self.speculative_config is not None and (
-                not isinstance(self.speculative_config, SpeculativeConfig)
-                or self.scheduler.scheduler != "continuous"):
-            raise ValueError("speculative_config needs a SpeculativeConfig and the continuous "
-                             f"scheduler, got {self.speculative_config!r} with "
-                             f"{self.scheduler.scheduler!r}")
-        if self.speculative_config is not None and self.speculative_config.method == \
-                "draft_model":
-            for bad, name in ((self.tensor_parallel_size != 1, "tensor_parallel_size > 1"),
-                              (self.lora is not None, "enable_lora")):
-                if bad:  # the draft runs on one rank, without adapters
-                    raise ValueError(f"speculative_config.method 'draft_model' does not "
-                                     f"support {name}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.check_engine(self.speculative_config, self.tensor_parallel_size,
+                                           self.lora is not None, self.scheduler.scheduler)
 
     @property
     def is_resolved(self) -> bool:

@@ -110,6 +110,26 @@ class SpeculativeConfig:
                                      "(a draft model proposes without a lookup)")
         return cls(**arguments)
 
+    @staticmethod
+    def check_engine(speculative, tensor_parallel_size: int, enable_lora: bool,
+                     scheduler: str) -> None:
+        """ValueError naming speculative_config where speculation cannot run: the scheduler
+        that plans draft rows is the continuous one, and a draft model runs on one rank,
+        without adapters."""
+        if not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig, "
+                             f"got {speculative!r}")
+        if scheduler != "continuous":
+            raise ValueError(f"speculative_config needs the continuous scheduler, "
+                             f"got {scheduler!r}")
+        if speculative.method != "draft_model":
+            return
+        for bad, name in ((tensor_parallel_size != 1, "tensor_parallel_size > 1"),
+                          (enable_lora, "enable_lora")):
+            if bad:
+                raise ValueError(f"speculative_config.method 'draft_model' does not "
+                                 f"support {name}")
+
     def num_tokens_for_batch(self, batch_size: int) -> int:
         """How many tokens a request may draft in a step that runs `batch_size` requests."""
         table = self.num_speculative_tokens_per_batch_size
