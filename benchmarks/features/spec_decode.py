@@ -31,40 +31,10 @@ import time
 
 import torch
 
+from benchmarks.features.spec_prompts import WORKLOADS
 from carpool import LLM, SamplingParams
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.testing.checkpoints import truncated_checkpoint
-
-CODE = '''def parse_header(line: str) -> tuple[str, str]:
-    """Split an HTTP header line into its name and value."""
-    name, sep, value = line.partition(":")
-    if not sep:
-        raise ValueError(f"not a header line: {line!r}")
-    return name.strip().lower(), value.strip()
-
-
-def parse_headers(lines: list[str]) -> dict[str, str]:
-    """Every header line of a request, by lower-case name."""
-    headers = {}
-    for line in lines:
-        name, value = parse_header(line)
-        headers[name] = value
-    return headers
-'''
-PROSE = ("The committee met on Tuesday to review the budget. The committee approved the new "
-         "budget for the library, the park and the school. The committee asked the mayor to "
-         "report on the budget for the park before the next meeting of the committee. ")
-NOVEL = ("Quantum tunnelling lets particles cross barriers; meanwhile, orchards in Kent "
-         "ripen slowly while seventeen violinists rehearse Sibelius under flickering gaslight")
-WORKLOADS = {
-    # outputs that repeat the prompt: an edit of code that quotes it, a summary that quotes
-    "code-edit": (CODE + "\n\n# The same two functions, with type hints kept:\n\n"
-                  + CODE[:120], {}),
-    "summary-quote": ("Text: " + PROSE * 2 + "\nSummary, quoting the text: The committee", {}),
-    # little overlap: a prompt that does not repeat, and sampled outputs
-    "novel-greedy": (NOVEL, {}),
-    "novel-sampled": (NOVEL, dict(temperature=1.0, seed=0)),
-}
 
 
 def itl_and_counts(llm: LLM, prompt: str, max_tokens: int,
