@@ -98,6 +98,17 @@ class SharedExpert(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def _gate_sigmoid(gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid of a [n, 1] gate, each row the same whatever n. ATen's loop runs whole vectors
+    through its vectorized sigmoid and the remainder through the scalar one, which differ in
+    the last bit on a few inputs, so a row's value would depend on its place in the step; each
+    row widened to 64 lanes (whole vectors on every ISA and dtype) always takes the vector one."""
+    return torch.sigmoid(gate.expand(-1, _GATE_LANES).contiguous())[:, :1]
+
+
+_GATE_LANES = 64
+
+
 class SparseMoeBlock(nn.Module):
     """A sparse layer's MLP: router, experts, the shared expert where the config has one."""
 
@@ -133,7 +144,7 @@ class SparseMoeBlock(nn.Module):
             self.router_load += torch.bincount(ids.flatten(), minlength=self.router_load.numel())
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + _gate_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
 
     def rename_targets(self, module_name: str, targets: dict[str, Target]) -> None:

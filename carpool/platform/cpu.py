@@ -13,9 +13,9 @@ CPU, the model's dtype and attention shape, the kernels and these switches: the 
 the route, shows it in `describe()`, and hands each part to what it picks (`prepare_model`:
 linears, fused modules, the layer stack; `attention_backend`: the attention paths).
 
-`batch_invariant` (off by default) makes every linear, packed or not, multiply only a few
-fixed row counts per call (`cpu_invariant_linear`), so a row's result never depends on how
-many rows its step has."""
+`batch_invariant` (off by default) makes every linear take the vector small GEMM, whose
+rows are independent, or else multiply only a few fixed row counts per call
+(`cpu_invariant_linear`), so a row's result never depends on how many rows its step has."""
 
 from __future__ import annotations
 

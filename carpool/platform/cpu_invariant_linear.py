@@ -18,6 +18,11 @@ is padded to 2 rows, not 16, and prefills go in 256-row calls; a machine whose s
 sum otherwise keeps the sizes from 16 up (about where oneDNN's cost per row stops falling:
 docs/lab/16-batch-invariant-mode.md). Whether linears take tiles is the route's
 (`cpu_route.LinearRoute.tiles`).
+
+A layer the compiled vector small GEMM takes needs no tiles: its kernel sums a row's
+products in one order whatever the call's rows, so under batch invariance the route gives it
+every call (`cpu_route.EVERY_ROW`), and `tile_linears` leaves it be once `rows_independent`
+has checked its shape.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from carpool.platform.cpu_linear import PackedLinear
+from carpool.platform.cpu_route import EVERY_ROW
 
 REFERENCE_ROWS = 16  # the call size every other one must agree with (always used)
 TILES = (256, 64, 16, 8, 4, 2)  # the candidates, largest first
@@ -90,24 +96,47 @@ class RowTiledLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+def rows_independent(linear: PackedLinear) -> bool:
+    """Whether `linear`'s small GEMM gives every row of a random input bitwise the same in one
+    call of MIN_CHECKED_ROWS rows as in calls of 1 and of 13 (the kernel's tiles and their
+    remainders): checked once per layer shape, as `agreeing_tiles` checks oneDNN's."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(MIN_CHECKED_ROWS, linear.in_features, generator=gen).to(
+        linear.weight.dtype)
+    whole = linear(x)
+    return all(torch.equal(torch.cat([linear(x[start:start + rows])
+                                      for start in range(0, x.shape[0], rows)]), whole)
+               for rows in (1, 13))
+
+
 def tile_linears(model: nn.Module) -> int:
     """Replace every `PackedLinear` (oneDNN on exactly the rows given) and `nn.Linear`
     (`F.linear`) inside `model` with a `RowTiledLinear`, its tiles checked once per layer
-    shape; returns how many."""
+    shape; returns how many. A `PackedLinear` whose small GEMM takes every call
+    (`cpu_route.EVERY_ROW`) and whose rows are independent stays as it is."""
     tiles_of: dict[tuple, tuple[int, ...]] = {}
+    independent: dict[tuple, bool] = {}
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if isinstance(child, (PackedLinear, nn.Linear))]
+    tiled = 0
     with torch.inference_mode():
         for parent, name, child in targets:
+            key = (type(child), child.in_features, child.out_features, child.weight.dtype,
+                   child.bias is None)
+            if isinstance(child, PackedLinear) and child.small is not None and \
+                    child.small.max_rows >= EVERY_ROW:
+                if key not in independent:
+                    independent[key] = rows_independent(child)
+                if independent[key]:
+                    continue  # (else oneDNN in tiles, and the layer stack stays off)
             if isinstance(child, PackedLinear):
                 matmul = child.packed_matmul
             else:
                 def matmul(rows, linear=child):
                     return F.linear(rows, linear.weight, linear.bias)
-            key = (type(child), child.in_features, child.out_features, child.weight.dtype,
-                   child.bias is None)
             if key not in tiles_of:
                 tiles_of[key] = agreeing_tiles(matmul, child.in_features, child.weight.dtype)
             setattr(parent, name, RowTiledLinear(child, matmul, tiles_of[key]))
-    return len(targets)
+            tiled += 1
+    return tiled

@@ -43,6 +43,7 @@ class KernelLayerStack:
         self._sparse = sparse
         self._sliding_window = route.sliding_window or 0
         self._prefill_amx = route.attention.prefill_amx
+        self._batch_invariant = route.attention.batch_invariant
 
     @classmethod
     def of(cls, model: nn.Module, kernels: ModuleType, route: CpuRoute) -> KernelLayerStack | None:
@@ -108,7 +109,8 @@ class KernelLayerStack:
         terms = [] if lora is None else lora.stack_terms(len(kv_caches))
         return self._stack.forward(x, cos.contiguous(), sin.contiguous(), kv_caches,
                                    meta.slot_mapping, paged_rows, prefill_rows,
-                                   self._sliding_window, self._prefill_amx, terms)
+                                   self._sliding_window, self._prefill_amx,
+                                   self._batch_invariant, terms)
 
 
 def _stack_linear(kernels: ModuleType, linear: PackedLinear | QuantLinear):

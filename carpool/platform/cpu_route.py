@@ -138,6 +138,10 @@ SMALL_GEMM_MAX_ROWS: dict[CpuClass, dict[torch.dtype, int]] = {
 # them and in_features is a multiple of 32: it stays ahead of oneDNN's 512-row pieces that far
 # (2 x cpu_linear.MAX_ROWS; docs/lab/43-the-amx-small-gemm.md).
 SMALL_GEMM_AMX_TILE_MAX_ROWS = 1024
+# Under batch invariance the vector small GEMM takes calls of every size: a row's sums run in
+# the same order whatever the call's rows (csrc/gemm/small_gemm.cpp), so the fast path is
+# the invariant one, and the layer stack runs on it.
+EVERY_ROW = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,8 @@ class SmallGemmRoute:
         return SmallGemmCut(self.max_rows, amx=False)
 
     def describe(self) -> str:
+        if self.max_rows >= EVERY_ROW:
+            return f"{self.kernel} for every call (batch-invariant)"
         vector = f"{self.kernel} up to {self.max_rows} rows"
         if self.amx_tile_max_rows:
             return f"{self.kernel} on AMX tiles up to {self.amx_tile_max_rows} rows (K in 32s), " \
@@ -179,7 +185,7 @@ class LinearRoute:
     """How a linear layer multiplies (`cpu_linear`, `cpu_invariant_linear`)."""
 
     packed: bool  # oneDNN on a weight packed once (else F.linear)
-    tiles: bool  # batch-invariant: a few fixed row counts per call
+    tiles: bool  # batch-invariant: calls the small GEMM does not take in a few fixed row counts
     onednn_dtype: torch.dtype | None  # what oneDNN multiplies in (None: not packed)
     full_step_rows: int  # a call of exactly this many rows is one oneDNN call (0: none)
     # bfloat16 calls between 2 pieces and a full step as one padded call: AMX tiles reuse each
@@ -192,7 +198,9 @@ class LinearRoute:
         if not self.packed:
             return "F.linear in batch-invariant tiles" if self.tiles else "F.linear"
         if self.tiles:
-            return "oneDNN packed, in batch-invariant tiles"
+            tiled = "oneDNN packed, in batch-invariant tiles"
+            return tiled if self.small_gemm is None else \
+                f"{self.small_gemm.describe()}, the layers it does not take {tiled}"
         onednn = "oneDNN packed" + (f" in {_name(self.onednn_dtype)}"
                                     if self.onednn_dtype != dtype else "")
         if self.full_step_rows:
@@ -340,10 +348,10 @@ def decide_route(cpu: CpuFacts, dtype: torch.dtype, head_dim: int, sliding_windo
         prefill_bf16=kernels is not None and kernels.bf16_gemm and kernels.prefill_head_dim_ok,
         amx=kernels is not None and kernels.amx, batch_invariant=batch_invariant,
         attention_backend=attention_backend)
-    # The stack makes the modules' kernel calls itself: every one of them must be a kernel
-    # (and batch invariance changes what the linears do), a sparse layer's experts too.
+    # The stack makes the modules' kernel calls itself: every one of them must be a kernel, a
+    # sparse layer's experts too (a layer tiled for batch invariance keeps the modules).
     moe = decide_moe(dtype, kernels) if mixture_of_experts else None
-    layer_stack = (kernels is not None and not batch_invariant and linears.packed
+    layer_stack = (kernels is not None and linears.packed
                    and (moe is None or moe.fused)
                    and linears.small_gemm is not None
                    and attention.backend == "cpu-kernel")
@@ -371,9 +379,14 @@ def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | Non
     # Without oneDNN bfloat16 (AVX2 CPUs) torch's own bfloat16 GEMM is far slower than oneDNN
     # in float32 (docs/lab/37-an-avx2-only-machine.md).
     onednn = torch.float32 if dtype == torch.bfloat16 and not cpu.onednn_bf16 else dtype
-    if batch_invariant:  # fixed row counts through packed_matmul only
+    if batch_invariant:
+        # the vector small GEMM for every call (on AMX too: one kernel whatever the rows),
+        # the layers it does not take through oneDNN in fixed row counts
+        small = decide_small_gemm(cpu, dtype, kernels)
+        if small is not None:
+            small = SmallGemmRoute(small.kernel, EVERY_ROW, 0)
         return LinearRoute(packed=True, tiles=True, onednn_dtype=onednn, full_step_rows=0,
-                           one_padded_call=False, small_gemm=None)
+                           one_padded_call=False, small_gemm=small)
     return LinearRoute(packed=True, tiles=False, onednn_dtype=onednn,
                        full_step_rows=full_step_rows,
                        one_padded_call=dtype == torch.bfloat16 and cpu.amx,

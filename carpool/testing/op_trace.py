@@ -54,10 +54,16 @@ class OpTrace:
     _step: _StepRows = field(default_factory=_StepRows)
     _handles: list = field(default_factory=list)
     _attention_calls: int = 0
+    _stack: object = None
 
     def __enter__(self) -> OpTrace:
         runner = self.engine.runner
         model: nn.Module = runner.model
+        # The C++ layer stack runs the layers without their modules; its hidden states are
+        # the modules' to the bit (tests/runner/test_layer_stack.py), so the trace takes them.
+        self._stack = getattr(model, "layer_stack", None)
+        if self._stack is not None:
+            model.layer_stack = None
         self._previous_hook = self.engine.step_hook
         self.engine.step_hook = self._on_step
         for name, module in model.named_modules():
@@ -83,6 +89,8 @@ class OpTrace:
             handle.remove()
         del self._attention.forward  # back to the class's method
         self.engine.step_hook = self._previous_hook
+        if self._stack is not None:
+            self.engine.runner.model.layer_stack = self._stack
 
     def _on_step(self, scheduler_output) -> None:
         if self._previous_hook is not None:

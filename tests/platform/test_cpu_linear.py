@@ -325,8 +325,9 @@ def test_runner_gives_its_step_budget_to_the_linears_but_not_in_batch_invariant_
                                     max_num_batched_tokens=1024, max_num_seqs=2,
                                     batch_invariant=True)
     runner = ModelRunner(config, llama_checkpoint)
-    tiled = [m for m in runner.model.modules() if isinstance(m, RowTiledLinear)]
-    assert tiled and {m.matmul.__self__._full_rows for m in tiled} == {0}  # fixed tiles only
+    packed = [m.matmul.__self__ if isinstance(m, RowTiledLinear) else m
+              for m in runner.model.modules() if isinstance(m, (RowTiledLinear, PackedLinear))]
+    assert packed and {m._full_rows for m in packed} == {0}  # fixed tiles, or the small GEMM
 
 
 def test_pack_linears_replaces_every_float32_linear_only():

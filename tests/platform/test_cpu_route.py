@@ -12,11 +12,13 @@ import torch
 
 from carpool.attention.paths import DecodePath, PromptPath
 from carpool.platform.cpu_route import (
+    EVERY_ROW,
     SMALL_GEMM_AMX_TILE_MAX_ROWS,
     CpuClass,
     CpuFacts,
     KernelFacts,
     SmallGemmCut,
+    SmallGemmRoute,
     decide_route,
 )
 
@@ -112,8 +114,13 @@ def test_the_attention_shape_moves_the_prompt_path():
 def test_the_switches_move_the_route():
     invariant = route_of(CpuClass.AMX, BF16, batch_invariant=True, full_step_rows=2048)
     assert invariant.linears.tiles and invariant.linears.packed
-    assert invariant.linears.small_gemm is None and invariant.linears.full_step_rows == 0
-    assert invariant.attention.batch_invariant and not invariant.layer_stack
+    # the vector small GEMM for every call, never the AMX tiles, and the stack on it
+    assert invariant.linears.small_gemm == SmallGemmRoute("small_gemm_bf16", EVERY_ROW, 0)
+    assert invariant.linears.full_step_rows == 0
+    assert invariant.attention.batch_invariant and invariant.layer_stack
+    no_small = dataclasses.replace(KERNELS[CpuClass.AMX], small_gemm_bf16=False)
+    tiled = decide_route(CPUS[CpuClass.AMX], BF16, 64, None, no_small, batch_invariant=True)
+    assert tiled.linears.tiles and tiled.linears.small_gemm is None and not tiled.layer_stack
     assert invariant.attention.prompts is PromptPath.PAGED_ATTENTION
     unpacked = route_of(CpuClass.AMX, BF16, packed_linears=False)
     assert not unpacked.linears.packed and not unpacked.layer_stack

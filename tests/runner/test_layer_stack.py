@@ -157,7 +157,27 @@ def test_calls_beyond_the_small_gemm_run_the_linears_own_forward(make_checkpoint
 
 
 @needs_kernels
-@pytest.mark.parametrize("setting", [dict(batch_invariant=True), dict(cpu_packed_linears=False),
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_runs_on_the_stack_with_every_call_on_the_small_gemm(
+        make_checkpoint, monkeypatch, dtype):
+    """Invariance rides the fast path: the vector small GEMM takes calls of every size (its
+    rows are independent), so the stack runs, its attention in the invariant order."""
+    runner = make_runner(make_checkpoint("llama"), dtype, batch_invariant=True)
+    route = runner.platform.route
+    if route.linears.small_gemm is None:
+        pytest.skip(f"no {dtype} small GEMM on this CPU: the linears take oneDNN tiles")
+    assert route.linears.small_gemm.max_rows == cpu_route.EVERY_ROW
+    assert route.attention.batch_invariant
+    assert isinstance(runner.model.layer_stack, KernelLayerStack)
+    linears = [m for m in runner.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert linears and all(m.small is not None and not m.small.amx for m in linears)
+    taken = compare_each_step(runner, monkeypatch)
+    Driver(runner, chunk=4).run(requests(seed=2))
+    assert len(taken) > 8 and all(taken)
+
+
+@needs_kernels
+@pytest.mark.parametrize("setting", [dict(cpu_packed_linears=False),
                                      dict(cpu_kernels=False), dict(dtype="float16")])
 def test_no_stack_where_a_layer_is_not_all_kernels(make_checkpoint, setting):
     settings = {"dtype": "bfloat16", **setting}

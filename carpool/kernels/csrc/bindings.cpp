@@ -265,20 +265,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               const at::Tensor& sin, const std::vector<at::Tensor>& kv_caches,
               const at::Tensor& slot_mapping, const std::vector<at::Tensor>& paged_rows,
               const std::vector<at::Tensor>& prefill_rows, int64_t sliding_window,
-              bool prefill_amx, const std::vector<LoraTuple>& lora) {
+              bool prefill_amx, bool batch_invariant, const std::vector<LoraTuple>& lora) {
              std::vector<carpool_layers::LoraTerm> terms;
              terms.reserve(lora.size());
              for (const LoraTuple& t : lora)
                terms.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t),
                                 std::get<4>(t)});
              return stack.forward(x, cos, sin, kv_caches, slot_mapping, paged_rows,
-                                  prefill_rows, {sliding_window, prefill_amx}, terms);
+                                  prefill_rows, {sliding_window, prefill_amx, batch_invariant},
+                                  terms);
            },
            "The layers over x [T, hidden]: the last one's output plus its residual stream; "
            "lora: none, or (starts, ends, a, b, parts) as lora_add_ takes them, four a layer.",
            py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
            py::arg("slot_mapping"), py::arg("paged_rows"), py::arg("prefill_rows"),
-           py::arg("sliding_window"), py::arg("prefill_amx"), py::arg("lora"),
+           py::arg("sliding_window"), py::arg("prefill_amx"), py::arg("batch_invariant"),
+           py::arg("lora"),
            py::call_guard<py::gil_scoped_release>());
   m.def("attend", &carpool_attention::attend,
         "A step's attention into a new [T, H, D]: prefill_rows by prefill_attention_bf16 "

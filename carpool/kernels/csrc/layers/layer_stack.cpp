@@ -102,7 +102,7 @@ at::Tensor LayerStack::attention(const DecoderWeights& layer, const at::Tensor& 
   const at::Tensor out =
       carpool_attention::attend(q, kv_cache, paged_rows, prefill_rows, shape_.scale,
                                 switches.sliding_window, switches.prefill_amx,
-                                /*batch_invariant=*/false);
+                                switches.batch_invariant);
   const at::Tensor flat = out.reshape({tokens, heads * d});
   return with_lora(multiply(layer.o, flat), flat, lora == nullptr ? nullptr : lora + 1);
 }

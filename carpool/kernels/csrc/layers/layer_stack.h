@@ -69,6 +69,7 @@ struct StackShape {
 struct AttentionSwitches {
   int64_t sliding_window = 0;  // 0: none
   bool prefill_amx = false;    // prefill_attention_bf16 on AMX tiles
+  bool batch_invariant = false;  // every row scored the same way, whatever the step
 };
 
 class LayerStack {
