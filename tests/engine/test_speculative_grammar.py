@@ -100,3 +100,38 @@ def test_greedy_grammar_outputs_equal_no_speculation_and_hold(method, setting, c
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     if setting == "chunked_preemption":
         assert stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_grammar_outputs_hold_and_repeat(method, checkpoint):
+    """Seeded samples at temperature 0.8 under each grammar: every output satisfies it, the
+    grammar requests' drafts are accepted (n-gram: with the masked p; a draft model: by
+    rejection sampling against its masked q), and the same seeds give the same outputs
+    again; with n-gram drafts those of a run without speculation (its rows draw a plain
+    decode's numbers)."""
+    def sampled(llm):
+        results = {}
+        for kind, grammar in GRAMMARS.items():
+            before = llm.stats().spec_decode_num_accepted_tokens
+            params = [SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS,
+                                     structured_outputs=grammar) for i in range(len(PROMPTS))]
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            results[kind] = ([(o.outputs[0].token_ids, o.outputs[0].text,
+                               o.outputs[0].finish_reason) for o in outs],
+                             llm.stats().spec_decode_num_accepted_tokens - before)
+        return results
+    with LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=256) as plain:
+        expected = sampled(plain)
+    with LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=256,
+             speculative_config=speculative(method, checkpoint)) as llm:
+        got = sampled(llm)
+        again = sampled(llm)
+        assert_clean(llm)
+    for kind in GRAMMARS:
+        outputs, accepted = got[kind]
+        assert outputs == again[kind][0], kind
+        for _, text, finish_reason in outputs:
+            assert finish_reason == "stop" and satisfies(kind, text), (kind, text)
+        assert accepted > 0, kind
+        if method == "ngram":
+            assert outputs == expected[kind][0], kind
