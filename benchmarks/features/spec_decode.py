@@ -4,7 +4,8 @@ latency per workload, acceptance, and what a (1 + k)-token verify step costs aga
 
 One process holds both engines (same model, same threads, prefix caching off); every round
 runs each workload on each side, the side order alternating between rounds. A workload is
-one request, greedy unless it says otherwise, `max_tokens` outputs with EOS ignored; its
+one request, greedy unless it says otherwise, `max_tokens` outputs with EOS ignored (under
+a grammar, `json-quote`, up to `max_tokens`: it ends where its grammar completes); its
 ITL is (last token time - first token time) / (outputs - 1), so the prompt's prefill is left
 out, and its CPU time per output token is the process's CPU time for the request less that
 of the same request with max_tokens=1 (its prefill), over outputs - 1: on a shared machine
@@ -25,13 +26,14 @@ Feeds BENCHMARKS.md "Speculative decoding" and docs/lab/55-speculative-decoding.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
 
 import torch
 
-from carpool import LLM, SamplingParams
+from carpool import LLM, SamplingParams, StructuredOutputsParams
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.testing.checkpoints import truncated_checkpoint
 
@@ -56,6 +58,15 @@ PROSE = ("The committee met on Tuesday to review the budget. The committee appro
          "report on the budget for the park before the next meeting of the committee. ")
 NOVEL = ("Quantum tunnelling lets particles cross barriers; meanwhile, orchards in Kent "
          "ripen slowly while seventeen violinists rehearse Sibelius under flickering gaslight")
+RECORDS = [{"name": name, "city": city, "age": age} for name, city, age in (
+    ("Ada Lovelace", "London", 36), ("Alan Turing", "Manchester", 41),
+    ("Grace Hopper", "Arlington", 85), ("Edsger Dijkstra", "Nuenen", 72),
+    ("Barbara Liskov", "Boston", 84), ("Donald Knuth", "Stanford", 86))]
+RECORD_SCHEMA = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+    "type": "object", "additionalProperties": False, "required": ["name", "city", "age"],
+    "properties": {"name": {"type": "string", "maxLength": 24},
+                   "city": {"type": "string", "maxLength": 24},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 130}}}}
 WORKLOADS = {
     # outputs that repeat the prompt: an edit of code that quotes it, a summary that quotes
     "code-edit": (CODE + "\n\n# The same two functions, with type hints kept:\n\n"
@@ -64,6 +75,9 @@ WORKLOADS = {
     # little overlap: a prompt that does not repeat, and sampled outputs
     "novel-greedy": (NOVEL, {}),
     "novel-sampled": (NOVEL, dict(temperature=1.0, seed=0)),
+    # a grammar (JSON schema) whose output copies records from the prompt
+    "json-quote": ("Records: " + json.dumps(RECORDS) + "\nThe same records as JSON: ",
+                   dict(structured_outputs=StructuredOutputsParams(json=RECORD_SCHEMA))),
 }
 
 

@@ -79,9 +79,8 @@ class LLMEngine:
                                              self._eos_token_ids, config.grammar_cache_memory,
                                              config.grammar_limits)
         self._lora = LoraRequests(config.lora, self.model_config, runner)
-        speculator = getattr(scheduler, "speculator", None)
-        if speculator is not None:  # grammar requests speculate, their drafts cut here
-            speculator.grammar_drafts = self._grammar_drafts
+        if getattr(scheduler, "speculator", None) is not None:  # grammars' drafts cut here
+            scheduler.speculator.grammar_drafts = self._grammar_drafts
 
     @classmethod
     def from_config(cls, config: EngineConfig, detokenize: bool = True) -> LLMEngine:
@@ -259,9 +258,8 @@ class LLMEngine:
     def _grammar_drafts(self, request_id: str, drafts: list[int]) -> int:
         """How many of a constrained request's drafts its grammar lets a step verify."""
         state = self._states.get(request_id)
-        if state is None or state.matcher is None:
-            return 0
-        return accepted_drafts(state.matcher, drafts)
+        return 0 if state is None or state.matcher is None else accepted_drafts(state.matcher,
+                                                                                  drafts)
 
     def _constrained_rows(self, sched_out: SchedulerOutput) -> list[tuple[str, Any]]:
         """(request id, matcher) of the requests sampling this step under a grammar."""
