@@ -47,19 +47,32 @@ def satisfies(kind: str, text: str) -> bool:
     return text in CHOICES
 
 
-def run(llm: LLM, prompts: list[str]) -> dict[str, tuple[list, int]]:
+def greedy(grammar: StructuredOutputsParams, num_prompts: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=grammar)
+
+
+def run(llm: LLM, prompts: list[str], params_of=greedy) -> dict[str, tuple[list, int]]:
     """Per grammar: each prompt's (token ids, text, finish reason), and the drafts the
-    grammar's requests got accepted (the counter's growth over their run)."""
+    grammar's requests got accepted (the counter's growth over their run);
+    `params_of(grammar, number of prompts)`: their sampling parameters."""
     results = {}
     for kind, grammar in GRAMMARS.items():
         before = llm.stats().spec_decode_num_accepted_tokens
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                    structured_outputs=grammar),
-                            use_tqdm=False)
+        outs = llm.generate(prompts, params_of(grammar, len(prompts)), use_tqdm=False)
         results[kind] = ([(o.outputs[0].token_ids, o.outputs[0].text,
                            o.outputs[0].finish_reason) for o in outs],
                          llm.stats().spec_decode_num_accepted_tokens - before)
     return results
+
+
+def assert_held_and_speculated(results: dict[str, tuple[list, int]]) -> None:
+    """Every output ended on its complete grammar and satisfies it; each grammar's own
+    requests had drafts accepted (outputs that repeat their prompts)."""
+    for kind, (outputs, accepted) in results.items():
+        for tokens, text, finish_reason in outputs:
+            assert finish_reason == "stop" and satisfies(kind, text), (kind, text)
+            assert 0 < len(tokens) < MAX_TOKENS
+        assert accepted > 0, kind
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +102,9 @@ def test_greedy_grammar_outputs_equal_no_speculation_and_hold(method, setting, c
         got = run(llm, PROMPTS_OF[setting])
         stats = llm.stats()
         assert_clean(llm)
+    assert_held_and_speculated(got)
     for kind in GRAMMARS:
-        outputs, accepted = got[kind]
-        assert outputs == expected[kind][0], kind
-        for tokens, text, finish_reason in outputs:
-            assert finish_reason == "stop" and satisfies(kind, text), (kind, text)
-            assert 0 < len(tokens) < MAX_TOKENS
-        # the grammar's own requests speculated (outputs that repeat their prompts)
-        assert accepted > 0, kind
+        assert got[kind][0] == expected[kind][0], kind
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     if setting == "chunked_preemption":
         assert stats.num_preemptions > 0
@@ -110,16 +118,9 @@ def test_sampled_grammar_outputs_hold_and_repeat(method, checkpoint):
     again; with n-gram drafts those of a run without speculation (its rows draw a plain
     decode's numbers)."""
     def sampled(llm):
-        results = {}
-        for kind, grammar in GRAMMARS.items():
-            before = llm.stats().spec_decode_num_accepted_tokens
-            params = [SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS,
-                                     structured_outputs=grammar) for i in range(len(PROMPTS))]
-            outs = llm.generate(PROMPTS, params, use_tqdm=False)
-            results[kind] = ([(o.outputs[0].token_ids, o.outputs[0].text,
-                               o.outputs[0].finish_reason) for o in outs],
-                             llm.stats().spec_decode_num_accepted_tokens - before)
-        return results
+        return run(llm, PROMPTS, lambda grammar, num_prompts: [
+            SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS,
+                           structured_outputs=grammar) for i in range(num_prompts)])
     with LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=256) as plain:
         expected = sampled(plain)
     with LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=256,
@@ -127,11 +128,8 @@ def test_sampled_grammar_outputs_hold_and_repeat(method, checkpoint):
         got = sampled(llm)
         again = sampled(llm)
         assert_clean(llm)
+    assert_held_and_speculated(got)
     for kind in GRAMMARS:
-        outputs, accepted = got[kind]
-        assert outputs == again[kind][0], kind
-        for _, text, finish_reason in outputs:
-            assert finish_reason == "stop" and satisfies(kind, text), (kind, text)
-        assert accepted > 0, kind
+        assert got[kind][0] == again[kind][0], kind
         if method == "ngram":
-            assert outputs == expected[kind][0], kind
+            assert got[kind][0] == expected[kind][0], kind

@@ -64,6 +64,15 @@ def test_each_position_sees_the_drafts_before_it():
     assert len(verified.logprobs["a"]) == 3
 
 
+def count_emitted(counts: list[Counter], requests, verified) -> None:
+    """Add each request's emitted tokens (accepted drafts, then its own) by position."""
+    for request in requests:
+        rid = request.request_id
+        for position, token in enumerate([*verified.accepted_draft_ids[rid],
+                                          verified.sampled_token_ids[rid]]):
+            counts[position][token] += 1
+
+
 def target_distribution(logits: np.ndarray, temperature: float, top_k: int = 0,
                         top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
     """What a plain decode samples from, written out: temperature, min_p, top_k, top_p."""
@@ -95,11 +104,7 @@ def test_sampled_tokens_keep_the_targets_distribution(params):
     for b in range(num_batches):
         requests = [row(f"t{b}-{i}", drafts=drafts, **params) for i in range(batch)]
         verified = sample_and_verify(sampler, logits.repeat(batch, 1), requests)
-        for request in requests:
-            rid = request.request_id
-            emitted = [*verified.accepted_draft_ids[rid], verified.sampled_token_ids[rid]]
-            for position, token in enumerate(emitted):
-                counts[position][token] += 1
+        count_emitted(counts, requests, verified)
     for position, counter in enumerate(counts):
         total = counter.total()
         if total < 200:
@@ -211,12 +216,8 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(params
         proposals = spec_verify.proposals(requests, {r.request_id: q for r in requests})
         out = sampler.sample(logits.repeat(batch, 1), spec_verify.logits_rows(requests),
                              bitmask, proposals)
-        verified = spec_verify.verify(requests, out.token_ids, out.logprobs)
-        for request in requests:
-            rid = request.request_id
-            emitted = [*verified.accepted_draft_ids[rid], verified.sampled_token_ids[rid]]
-            for position, token in enumerate(emitted):
-                counts[position][token] += 1
+        count_emitted(counts, requests,
+                      spec_verify.verify(requests, out.token_ids, out.logprobs))
     for position, counter in enumerate(counts):
         total = counter.total()
         observed = np.array([counter.get(t, 0) for t in range(vocab)])
