@@ -4,7 +4,8 @@ latency per workload, acceptance, and what a (1 + k)-token verify step costs aga
 
 One process holds both engines (same model, same threads, prefix caching off); every round
 runs each workload on each side, the side order alternating between rounds. A workload is
-one request, greedy unless it says otherwise, `max_tokens` outputs with EOS ignored; its
+one request, greedy unless it says otherwise, `max_tokens` outputs with EOS ignored (under
+a grammar, `json-quote`, up to `max_tokens`: it ends where its grammar completes); its
 ITL is (last token time - first token time) / (outputs - 1), so the prompt's prefill is left
 out, and its CPU time per output token is the process's CPU time for the request less that
 of the same request with max_tokens=1 (its prefill), over outputs - 1: on a shared machine
@@ -31,11 +32,18 @@ import time
 
 import torch
 
-from benchmarks.features.spec_prompts import WORKLOADS
-from carpool import LLM, SamplingParams
+from benchmarks.features.spec_prompts import JSON_QUOTE, RECORD_SCHEMA
+from benchmarks.features.spec_prompts import WORKLOADS as PROMPT_WORKLOADS
+from carpool import LLM, SamplingParams, StructuredOutputsParams
 from carpool.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from carpool.testing.checkpoints import truncated_checkpoint
 
+WORKLOADS = {
+    **PROMPT_WORKLOADS,
+    # a grammar (JSON schema) whose output copies records from the prompt
+    "json-quote": (JSON_QUOTE,
+                   dict(structured_outputs=StructuredOutputsParams(json=RECORD_SCHEMA))),
+}
 
 def itl_and_counts(llm: LLM, prompt: str, max_tokens: int,
                    extra: dict) -> tuple[float, float, tuple]:

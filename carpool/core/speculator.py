@@ -6,8 +6,8 @@ same step. A request drafts nothing when
 
   - the step runs more requests than the config's batch-size table allows (at larger batches
     the verify rows cost more than the accepted tokens save),
-  - it has a grammar (structured outputs do not speculate: the matcher cannot take tokens
-    back after a rejection),
+  - it has a grammar and no one told the speculator how many drafts a grammar accepts
+    (`grammar_drafts`, set by the engine, which holds the matchers),
   - it has at most one output token left (`max_tokens`, `max_model_len`): drafts never
     overshoot, so the tokens a step may emit end where they would without speculation,
   - its recent drafts were mostly rejected: below MIN_ACCEPTED_PER_DRAFT accepted tokens per
@@ -20,12 +20,21 @@ With a draft model (method `draft_model`) the decision is the same, but the toke
 known here: the answer is k `DRAFT_SLOT` placeholders, which the runner's draft model fills
 in before the step runs (`runner/draft_proposer.py`); the core stays free of tensors.
 
+Under a grammar (structured outputs), n-gram drafts are cut here to the prefix the grammar
+lets a step verify (`grammar_drafts`: tokens it accepts, short of one that completes it;
+`structured/speculation.py`), so none of the step's blocks or budget go to tokens that
+cannot be kept; a cut to nothing is a plain decode. A draft model draws its drafts under the
+grammar's masks and the runner cuts them by the same rule. Every verified position is then
+sampled under its own mask, so the output keeps its grammar, and greedy outputs equal those
+without speculation.
+
 `record` takes the verified counts back (from `Scheduler.update`) for the averages and the
 counters `SpecDecodeStats` holds (vLLM's spec_decode_* metrics).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from carpool.core.ngram_proposer import NgramIndex
@@ -81,13 +90,17 @@ class Speculator:
         self.stats = SpecDecodeStats()
         self._indexes: dict[str, NgramIndex] = {}
         self._acceptance: dict[str, _Acceptance] = {}
+        # (request id, drafts) -> how many of them the request's grammar lets a step verify;
+        # None: requests with a grammar do not speculate
+        self.grammar_drafts: Callable[[str, list[int]], int] | None = None
 
     def propose(self, request: Request, batch_size: int, token_budget: int) -> list[int]:
         """Draft tokens for the request's next decode in a step of `batch_size` running
         requests with `token_budget` tokens left (its own decode token included); [] for a
         plain decode."""
         k = self.config.num_tokens_for_batch(batch_size)  # first: large batches stop here
-        if k == 0 or request.sampling_params.structured_outputs is not None:
+        constrained = request.sampling_params.structured_outputs is not None
+        if k == 0 or (constrained and self.grammar_drafts is None):
             return []
         k = min(k, token_budget - 1,
                 request.max_output_tokens - request.num_output_tokens - 1)
@@ -103,7 +116,10 @@ class Speculator:
         if index is None:
             index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
             self._indexes[request.request_id] = index
-        return index.propose(request, k)
+        drafts = index.propose(request, k)
+        if constrained and drafts:
+            drafts = drafts[:self.grammar_drafts(request.request_id, drafts)]
+        return drafts
 
     def record(self, request_id: str, num_drafted: int, num_accepted: int,
                running: bool = True) -> None:

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import wait
 from typing import Any
 
 from carpool.config import EngineConfig, generation_config_folder
@@ -36,6 +35,7 @@ from carpool.outputs import EngineStats, StepOutput
 from carpool.runner.executor import RankFailedError
 from carpool.sampling_params import SamplingParams
 from carpool.structured.manager import GrammarError, StructuredOutputs
+from carpool.structured.speculation import accepted_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class LLMEngine:
                                              self._eos_token_ids, config.grammar_cache_memory,
                                              config.grammar_limits)
         self._lora = LoraRequests(config.lora, self.model_config, runner)
+        if getattr(scheduler, "speculator", None) is not None:  # grammars' drafts cut here
+            scheduler.speculator.grammar_drafts = self._grammar_drafts
 
     @classmethod
     def from_config(cls, config: EngineConfig, detokenize: bool = True) -> LLMEngine:
@@ -224,22 +226,22 @@ class LLMEngine:
             self._stats.record_idle()
             return outputs
         self._stats.record_step(sched_out)
-        bitmask = self._structured.start_bitmask(self._constrained_rows(sched_out))
+        grammar = self._structured.step_grammar(self._constrained_rows(sched_out))
         try:
             if self.step_hook is not None:
                 self.step_hook(sched_out)
-            if bitmask is None:
+            if grammar is None:
                 runner_out = self.runner.execute(sched_out)
             else:
-                runner_out = self.runner.execute(sched_out, grammar_bitmask=bitmask)
+                runner_out = self.runner.execute(sched_out, grammar=grammar)
         except RankFailedError:  # the tensor-parallel group is broken: no step can run
-            if bitmask is not None:
-                wait([bitmask])  # its matchers are about to be dropped
+            if grammar is not None:
+                grammar.wait()  # its matchers are about to be dropped
             raise
         except Exception as exc:  # a failed step must not take the engine down
             logger.exception("model step failed; failing its %d requests", len(sched_out.scheduled))
-            if bitmask is not None:
-                wait([bitmask])  # its matchers are about to be dropped
+            if grammar is not None:
+                grammar.wait()  # its matchers are about to be dropped
             return outputs + self._fail_step(sched_out, exc)
         for request_id, chunk in runner_out.prompt_logprobs.items():
             state = self._states.get(request_id)
@@ -252,6 +254,12 @@ class LLMEngine:
             if state is not None:
                 outputs.append(self._advance(state, runner_out.logprobs_of(request.request_id)))
         return outputs
+
+    def _grammar_drafts(self, request_id: str, drafts: list[int]) -> int:
+        """How many of a constrained request's drafts its grammar lets a step verify."""
+        state = self._states.get(request_id)
+        return 0 if state is None or state.matcher is None else accepted_drafts(state.matcher,
+                                                                                  drafts)
 
     def _constrained_rows(self, sched_out: SchedulerOutput) -> list[tuple[str, Any]]:
         """(request id, matcher) of the requests sampling this step under a grammar."""

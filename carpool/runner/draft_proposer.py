@@ -22,6 +22,11 @@ a request at C computed tokens (t and the accepted drafts; the k-th draft is nev
 Rejected drafts' slots are overwritten by the next round. Plain decodes do not run the draft
 (a step that drafts nothing costs nothing extra); the request catches up when it next drafts.
 
+Under a grammar a request drafts under its grammar's masks (the matcher's state after its
+drafts so far, `StepGrammar.masks_after`), so q is the masked distribution, and it stops
+drafting before a token that would complete the grammar (the target samples that one): it
+may fill fewer than its k slots, or none.
+
 A draft's KV that is wrong (a prefix-cache hit on blocks an earlier request filled while
 its draft lagged) costs acceptance, never correctness: the target verifies every token.
 """
@@ -43,6 +48,8 @@ from carpool.platform import Platform
 from carpool.runner import kv_cache
 from carpool.runner.input_batch import build_input_batch
 from carpool.runner.sampler import Sampler
+from carpool.structured.bitmask import GrammarBitmask
+from carpool.structured.speculation import StepGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +96,13 @@ class DraftProposer:
         logger.info("draft model %s: %d layers, KV pool %d bytes (beside the target's)",
                     path, config.num_layers, spec.bytes_per_block * (num_kv_blocks + 1))
 
-    def propose(self, scheduler_output: SchedulerOutput) -> Drafted:
+    def propose(self, scheduler_output: SchedulerOutput,
+                grammar: StepGrammar | None = None) -> Drafted:
         """Run the step's prefill chunks through the draft and fill every speculating
-        request's draft slots (see the module docstring)."""
+        request's draft slots (see the module docstring); a request in `grammar` drafts
+        under its grammar's masks and stops drafting before a token its grammar does not
+        let the step verify (`StepGrammar.accepted_drafts`), so it may get fewer drafts
+        than slots, or none (a plain decode)."""
         self.sampler.free(scheduler_output.finished_ids)
         for request_id in (*scheduler_output.finished_ids, *scheduler_output.preempted_ids):
             self._computed.pop(request_id, None)
@@ -116,17 +127,26 @@ class DraftProposer:
             return Drafted(scheduler_output, {})
         drafts: dict[str, list[int]] = {r.request_id: [] for r in speculating}
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in speculating}
+        ended: set[str] = set()  # requests whose grammar stopped their drafts
         for i in range(max((len(r.draft_token_ids) for r in speculating), default=0) + 1):
             if i:  # pass i + 1: each request still drafting feeds its newest draft
                 rows = [_next_row(r, drafts[r.request_id]) for r in speculating
-                        if len(r.draft_token_ids) > i]
+                        if len(r.draft_token_ids) > i and r.request_id not in ended]
                 if not rows:
                     break
-            tokens, q = self._forward(rows)
+            constrained = [(r.request_id, drafts[r.request_id]) for r in rows
+                           if r.sample and grammar is not None and r.request_id in grammar]
+            tokens, q = self._forward(rows, grammar.masks_after(constrained)
+                                      if constrained else None)
             for j, row in enumerate(r for r in rows if r.sample):
                 drafts[row.request_id].append(tokens[j])
                 if q is not None and not row.sampling_params.is_greedy:
                     probs[row.request_id].append(q[j])
+            for request_id, own in constrained:
+                kept = grammar.accepted_drafts(request_id, own)
+                if kept < len(own):  # it completes the grammar: the target samples it
+                    ended.add(request_id)
+                    del own[kept:], probs[request_id][kept:]
             if not speculating:
                 break
         return Drafted(_filled(scheduler_output, drafts),
@@ -142,8 +162,10 @@ class DraftProposer:
             self._computed[request.request_id] = (request.num_computed_tokens
                                                   + min(num_accepted + 1, k))
 
-    def _forward(self, rows: list[ScheduledRequest]) -> tuple[list[int], torch.Tensor | None]:
-        """One draft forward over `rows`; a token (and q) per row with sample=True."""
+    def _forward(self, rows: list[ScheduledRequest], bitmask: GrammarBitmask | None = None
+                 ) -> tuple[list[int], torch.Tensor | None]:
+        """One draft forward over `rows`; a token (and q) per row with sample=True, drawn
+        under `bitmask` where it has the row's request."""
         step = SchedulerOutput(scheduled=rows)
         batch = build_input_batch(step, block_size=self.block_size,
                                   scratch_block=self.num_kv_blocks, device=self.device)
@@ -153,7 +175,7 @@ class DraftProposer:
         if not batch.sampled:
             return [], None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        return self.sampler.draw_draft(logits, batch.sampled)
+        return self.sampler.draw_draft(logits, batch.sampled, bitmask)
 
 
 def _tokens(request: ScheduledRequest, start: int, end: int) -> list[int]:

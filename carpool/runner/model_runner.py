@@ -13,7 +13,6 @@ runs the same steps in the same order, and only rank 0 samples.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from carpool.runner.input_batch import build_input_batch
 from carpool.runner.prompt_logprobs import chunk_prompt_logprobs, wants_prompt_logprobs
 from carpool.runner.sampler import Sampler
 from carpool.sampling_params import SamplingParams
+from carpool.structured.speculation import StepGrammar
 from carpool.utils.device import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -178,28 +178,31 @@ class ModelRunner:
         return None if counted is None else counted()
 
     def execute(self, scheduler_output: SchedulerOutput,
-                grammar_bitmask: Future | None = None) -> ModelRunnerOutput:
+                grammar: StepGrammar | None = None) -> ModelRunnerOutput:
         """One forward over all scheduled tokens; a sampled token per request with sample=True.
 
         Writes the new tokens' K/V into their slots. Padding tokens (static baseline)
         run through the model against the scratch block and are discarded.
-        `grammar_bitmask`, a future of a `GrammarBitmask` the engine started before the
-        step, is awaited only once the logits exist, so its masks are computed meanwhile.
+        `grammar`: the step's constrained requests; their masks (one per verified position)
+        begin before the forward, once the drafts are known, and are awaited only once the
+        logits exist, so they are computed meanwhile.
         """
-        return self._run_step(scheduler_output, self.kv_caches, self.num_kv_blocks,
-                              grammar_bitmask)
+        return self._run_step(scheduler_output, self.kv_caches, self.num_kv_blocks, grammar)
 
     @torch.inference_mode()
     def _run_step(self, scheduler_output: SchedulerOutput, kv_caches: list[torch.Tensor],
-                  num_kv_blocks: int, grammar_bitmask: Future | None = None) -> ModelRunnerOutput:
+                  num_kv_blocks: int, grammar: StepGrammar | None = None) -> ModelRunnerOutput:
         """`execute` against the given caches of num_kv_blocks + 1 (scratch) blocks."""
         self.sampler.free(scheduler_output.finished_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         lora, draft_probs = None, {}
         if self.drafter is not None and kv_caches is self.kv_caches:  # (not when profiling)
-            drafted = self.drafter.propose(scheduler_output)
+            drafted = self.drafter.propose(scheduler_output, grammar)
             scheduler_output, draft_probs = drafted.scheduler_output, drafted.probs
+        if grammar is not None:
+            grammar.start({r.request_id: r.draft_token_ids for r in scheduler_output.scheduled
+                           if r.draft_token_ids and r.request_id in grammar})
         if self.adapters is not None:
             scheduler_output = order_by_adapter(scheduler_output)
         batch = build_input_batch(scheduler_output, block_size=self.block_size,
@@ -223,7 +226,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V) model dtype
         if self.tp.rank != 0:  # every rank gathers the logits (a collective); rank 0 samples
             return ModelRunnerOutput()
-        bitmask = grammar_bitmask.result() if grammar_bitmask is not None else None
+        bitmask = grammar.result() if grammar is not None else None
         if batch.num_drafts:
             output = self._verify_drafts(logits, batch.sampled, bitmask, output, draft_probs)
             if self.drafter is not None:

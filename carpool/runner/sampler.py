@@ -142,13 +142,17 @@ class Sampler:
         logits = _apply_top_k_top_p(logits, params)
         return greedy, greedy_tokens, torch.softmax(logits, dim=-1)
 
-    def draw_draft(self, logits: torch.Tensor, requests: list[ScheduledRequest]
+    def draw_draft(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                   grammar_bitmask: GrammarBitmask | None = None
                    ) -> tuple[list[int], torch.Tensor | None]:
         """A draft model's tokens, one per row, and the float32 [N, V] probabilities the
         sampled rows drew them from (q; None when every row is greedy): processed as the
-        target's rows are (min_tokens, penalties, temperature, min_p, top_k, top_p), so q is
-        close to p where the draft is good."""
-        greedy, greedy_tokens, probs = self._processed(logits.float(), requests)
+        target's rows are (grammar mask, min_tokens, penalties, temperature, min_p, top_k,
+        top_p), so q is close to p where the draft is good."""
+        logits = logits.float()
+        if grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, requests, grammar_bitmask)
+        greedy, greedy_tokens, probs = self._processed(logits, requests)
         if probs is None:
             return greedy_tokens.tolist(), None
         drawn = draw_by_inverse_cdf(probs, self._uniforms(requests))
@@ -260,16 +264,22 @@ def _last_positive(weights: torch.Tensor) -> torch.Tensor:
 
 def apply_grammar_bitmask(logits: torch.Tensor, requests: list[ScheduledRequest],
                           grammar_bitmask: GrammarBitmask) -> None:
-    """-inf, in place, on every token a constrained row's grammar does not allow.
+    """-inf, in place, on every token a constrained row's grammar does not allow. A request
+    with n mask rows (a speculating one: a row per verified position) has its first n logits
+    rows masked by them, in order.
 
     On the CPU each constrained row is masked by numpy in place, on one thread: torch's
     masked fill of a vocabulary-wide row is a parallel region per call, which on a busy
     machine waits for its second thread (measured at tens of ms per step with 8 rows on
     the shared 2-core box). Elsewhere, one masked fill over the gathered rows.
     """
-    row_of = {r.request_id: i for i, r in enumerate(requests)}
-    pairs = [(row_of[rid], i) for i, rid in enumerate(grammar_bitmask.request_ids)
-             if rid in row_of]
+    # each request's next row (its first; a speculating request's rows follow it)
+    row_of = {r.request_id: i for i, r in reversed(list(enumerate(requests)))}
+    pairs = []
+    for i, rid in enumerate(grammar_bitmask.request_ids):
+        if rid in row_of:
+            pairs.append((row_of[rid], i))
+            row_of[rid] += 1
     if not pairs:
         return
     disallowed = grammar_bitmask.disallowed(logits.shape[-1])  # (R, V) bool, numpy

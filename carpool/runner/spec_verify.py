@@ -24,6 +24,11 @@ target's distribution p. Two proposals:
     per row, `sampler.rejection_tokens` applies the rule). The row's token is then d or a
     token of the residual (never d), so the comparison below still finds the rejection. The
     same seed gives the same tokens again, not those of a run without speculation.
+
+Under a grammar, row j is masked by the grammar's state after d1..dj (the step's
+`StepGrammar` gives a request 1 + k mask rows; its drafts were cut to ones the grammar
+accepts), so the comparison and the rejection rule above see the masked p, and every
+emitted token keeps the grammar.
 """
 
 from __future__ import annotations

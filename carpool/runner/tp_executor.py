@@ -28,7 +28,6 @@ import multiprocessing.connection
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from carpool.distributed import Heartbeat, RankFailedError, join_group, local_in
 from carpool.runner.model_runner import ModelRunner, ModelRunnerOutput
 from carpool.runner.step_message import encode_shutdown, encode_step
 from carpool.runner.tp_worker import WorkerSpec, on_device, rank_device, spawned_worker_main
+from carpool.structured.speculation import StepGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +103,17 @@ class TensorParallelExecutor:
         return self.runner.router_load()
 
     def execute(self, scheduler_output: SchedulerOutput,
-                grammar_bitmask: Future | None = None) -> ModelRunnerOutput:
+                grammar: StepGrammar | None = None) -> ModelRunnerOutput:
         """Broadcast the step, run rank 0's shard, sample (with the grammar masks: rank 0
         alone samples). Raises RankFailedError if the group is broken (before or during
         the step)."""
         if self.failure is not None:
             raise self.failure
         if scheduler_output.is_empty:  # nothing to run: only rank 0's sampler state changes
-            return self.runner.execute(scheduler_output, grammar_bitmask)
+            return self.runner.execute(scheduler_output, grammar)
         try:
             self.group.broadcast_ints(encode_step(scheduler_output))
-            return self.runner.execute(scheduler_output, grammar_bitmask)
+            return self.runner.execute(scheduler_output, grammar)
         except Exception as exc:
             failure = self.failure or RankFailedError(
                 f"tensor-parallel step failed on rank 0, the ranks are out of step: {exc!r}")

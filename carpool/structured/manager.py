@@ -5,8 +5,9 @@ the cache at once; a new one compiles on the one compile thread, never on the en
 thread (a big grammar takes seconds, which would freeze every stream), and the request
 waits outside the scheduler until `compiled` hands its matcher over. That thread has a big
 stack: the server's checker process, on a default stack, passes only grammars that compile
-within it. A bad grammar is a ValueError naming the field. The engine starts each step's
-masks before the model runs, and advances a request's matcher with every token it samples.
+within it. A bad grammar is a ValueError naming the field. Each step's masks are begun
+before the model runs (`step_grammar`, a `StepGrammar`: with speculative decoding, one per
+verified position), and the engine advances a request's matcher with every token it samples.
 A grammar that fails during generation (one that matches nothing, or outgrows the parser's
 limits on the way) is a `GrammarError`: the request ends with `error`, never `stop`, since
 its text breaks the constraint. Nothing is built until the first constrained request, so
@@ -26,6 +27,7 @@ from carpool.sampling_params import GrammarLimits, SamplingParams, StructuredOut
 from carpool.structured.bitmask import BitmaskFiller
 from carpool.structured.compiler import GrammarCompiler
 from carpool.structured.grammar import error_reason
+from carpool.structured.speculation import StepGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +110,14 @@ class StructuredOutputs:
             return future
         return self._compile_thread.submit(self._compiler.matcher, params)
 
-    def start_bitmask(self, rows: Iterable[tuple[str, llguidance.LLMatcher]]) -> Future | None:
-        """Begin the masks of this step's sampled constrained rows (request id, matcher);
-        None when there are none (the step then pays nothing)."""
-        rows = list(rows)
-        if not rows:
+    def step_grammar(self, rows: Iterable[tuple[str, llguidance.LLMatcher]]
+                     ) -> StepGrammar | None:
+        """The grammar work of this step's sampled constrained rows (request id, matcher):
+        their drafts and masks; None when there are none (the step then pays nothing)."""
+        matchers = dict(rows)
+        if not matchers:
             return None
-        return self._filler.start(rows)
+        return StepGrammar(self._filler, matchers)
 
     @staticmethod
     def advance(request_id: str, matcher: llguidance.LLMatcher, token_ids: list[int]) -> bool:

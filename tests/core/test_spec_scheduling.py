@@ -139,6 +139,31 @@ def test_large_batches_and_grammar_requests_do_not_speculate():
     assert not step(s).scheduled[0].draft_token_ids
 
 
+def test_a_grammar_requests_drafts_are_cut_to_what_its_grammar_lets_through():
+    """With `grammar_drafts` set (the engine holds the matchers), a grammar request drafts:
+    its n-gram drafts are cut, before blocks or budget are taken, to the count it answers;
+    a cut to nothing is a plain decode. Requests without a grammar are not asked."""
+    s = make_scheduler()
+    asked = []
+
+    def grammar_drafts(request_id, drafts):
+        asked.append((request_id, list(drafts)))
+        return 2 if len(asked) == 1 else 0
+    s.speculator.grammar_drafts = grammar_drafts
+    grammar = SamplingParams(max_tokens=16, structured_outputs=StructuredOutputsParams(
+        regex="[5-8]+"))
+    s.add_request(Request("g", LOOP * 3, grammar))
+    s.add_request(loop_request("plain"))
+    step(s, next_token=lambda _: 5)
+    rows = {r.request_id: r for r in step(s).scheduled}
+    assert asked == [("g", [6, 7, 8, 5])]
+    assert rows["g"].draft_token_ids == [6, 7] and rows["g"].token_ids == [5, 6, 7]
+    assert rows["plain"].draft_token_ids == [6, 7, 8, 5]
+    step(s, next_token=lambda _: 5)  # (its suffix 99 occurred nowhere: no draft)
+    rows = {r.request_id: r for r in step(s).scheduled}
+    assert len(asked) == 2 and not rows["g"].draft_token_ids and len(rows["g"].token_ids) == 1
+
+
 def test_rejected_drafts_pause_the_request_then_it_tries_again():
     s = make_scheduler(max_num_batched_tokens=128)
     s.add_request(loop_request("a", repeats=2, max_tokens=100))

@@ -71,7 +71,8 @@ def test_the_batch_size_gate_stops_drafts_in_larger_steps(truncated, monkeypatch
     forwards = []
     original = DraftProposer._forward
     monkeypatch.setattr(DraftProposer, "_forward",
-                        lambda self, rows: forwards.append(len(rows)) or original(self, rows))
+                        lambda self, rows, *masks: forwards.append(len(rows))
+                        or original(self, rows, *masks))
     prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12, 13] * 6, [14] * 12]
     with LLM(path, dtype="float32", device="cpu", num_kv_blocks=128) as plain:
         expected = greedy(plain, prompts, 16, ignore_eos=True)

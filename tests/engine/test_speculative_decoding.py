@@ -214,10 +214,12 @@ def test_batch_invariant_logprobs_and_seeded_samples_bitwise(method, separated_c
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_grammar_requests_keep_their_grammar_beside_speculating_ones(method):
-    """Structured outputs do not speculate (the matcher cannot take rejected tokens back):
-    their outputs hold the grammar and equal those without speculation, while a plain
-    request in the same steps speculates."""
+def test_sampled_grammar_requests_speculate_and_keep_their_grammar(method):
+    """Structured outputs speculate too, every verified position sampled under its own mask:
+    seeded samples hold the grammar; with n-gram drafts they equal those without speculation
+    (the rows draw a plain decode's numbers), with a draft model (rejection sampling draws
+    its own) the same seeds give the same tokens again. A plain request beside them keeps
+    its output."""
     from carpool import StructuredOutputsParams
 
     regex = r"[0-9]{3}-[a-z]{2}"
@@ -235,8 +237,12 @@ def test_grammar_requests_keep_their_grammar_beside_speculating_ones(method):
     with LLM(max_model_len=256, num_kv_blocks=64,
              speculative_config=speculative(method, "carpool-default")) as llm:
         outs = run(llm)
+        again = [(o.text, o.token_ids) for o in run(llm)]
         assert llm.stats().spec_decode_num_accepted_tokens > 0
         assert_clean(llm)
     for out in outs[:3]:
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), out.text
-    assert [(o.text, o.token_ids) for o in outs] == expected
+    got = [(o.text, o.token_ids) for o in outs]
+    assert again == got and got[3] == expected[3]
+    if method == "ngram":
+        assert got == expected

@@ -96,3 +96,27 @@ def test_tensor_parallel_speculative_decoding_keeps_greedy_outputs(separated_che
         assert stats.spec_decode_num_accepted_tokens > 0
         assert stats.num_free_blocks == stats.num_total_blocks
     assert got == expected
+
+
+def test_tensor_parallel_speculation_under_a_grammar(separated_checkpoint):
+    """Grammar requests speculating over two ranks (rank 0 masks the verify rows): greedy
+    outputs equal one rank's without speculation and satisfy their grammars."""
+    from tests.engine.test_speculative_decoding import NGRAM
+    from tests.engine.test_speculative_grammar import GRAMMARS, PROMPTS, satisfies
+
+    path = str(separated_checkpoint("qwen3"))
+
+    def run(llm):
+        return {kind: [(o.outputs[0].token_ids, o.outputs[0].text) for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=grammar),
+            use_tqdm=False)] for kind, grammar in GRAMMARS.items()}
+    with LLM(path, dtype="float32", num_kv_blocks=256) as one:
+        expected = run(one)
+    with LLM(path, dtype="float32", num_kv_blocks=256, tensor_parallel_size=2,
+             speculative_config=NGRAM) as llm:
+        got = run(llm)
+        stats = llm.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
+        assert stats.num_free_blocks == stats.num_total_blocks
+    assert got == expected
+    assert all(satisfies(kind, text) for kind in got for _, text in got[kind])

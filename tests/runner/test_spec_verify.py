@@ -16,6 +16,7 @@ from carpool.core.scheduler_output import ScheduledRequest
 from carpool.runner import spec_verify
 from carpool.runner.sampler import Sampler
 from carpool.sampling_params import SamplingParams
+from carpool.structured.bitmask import GrammarBitmask
 
 CPU = torch.device("cpu")
 SIGNIFICANCE = 1e-3  # a correct sampler fails a chi-square test this rarely
@@ -63,6 +64,15 @@ def test_each_position_sees_the_drafts_before_it():
     assert len(verified.logprobs["a"]) == 3
 
 
+def count_emitted(counts: list[Counter], requests, verified) -> None:
+    """Add each request's emitted tokens (accepted drafts, then its own) by position."""
+    for request in requests:
+        rid = request.request_id
+        for position, token in enumerate([*verified.accepted_draft_ids[rid],
+                                          verified.sampled_token_ids[rid]]):
+            counts[position][token] += 1
+
+
 def target_distribution(logits: np.ndarray, temperature: float, top_k: int = 0,
                         top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
     """What a plain decode samples from, written out: temperature, min_p, top_k, top_p."""
@@ -94,11 +104,7 @@ def test_sampled_tokens_keep_the_targets_distribution(params):
     for b in range(num_batches):
         requests = [row(f"t{b}-{i}", drafts=drafts, **params) for i in range(batch)]
         verified = sample_and_verify(sampler, logits.repeat(batch, 1), requests)
-        for request in requests:
-            rid = request.request_id
-            emitted = [*verified.accepted_draft_ids[rid], verified.sampled_token_ids[rid]]
-            for position, token in enumerate(emitted):
-                counts[position][token] += 1
+        count_emitted(counts, requests, verified)
     for position, counter in enumerate(counts):
         total = counter.total()
         if total < 200:
@@ -175,6 +181,53 @@ def test_draft_model_rejection_sampling_keeps_the_targets_distribution(params):
     assert 0 < rate < 1
     assert rate == pytest.approx(overlap, abs=0.03)
     assert overlap > float((target[0] * q[0].double().numpy()).sum()) + 0.05
+
+
+@pytest.mark.parametrize("masked_q", [True, False])
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4)])
+def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(params, masked_q):
+    """Under a grammar each verified position has its own mask (a `GrammarBitmask` row per
+    position): every emitted token is one its position allows, and each position's
+    frequencies match the masked target distribution (chi-square at SIGNIFICANCE), with the
+    draft drawn under the masks (as the draft model does) or not (a disallowed draft has
+    p = 0: always rejected)."""
+    vocab, batch, num_batches, k = 8, 1000, 6, 2
+    allowed = np.zeros((k + 1, vocab), dtype=bool)
+    allowed[0, :6], allowed[1, 2:], allowed[2, 1::2] = True, True, True
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(k + 1, vocab, generator=generator) * 1.5
+    masked = logits.masked_fill(torch.from_numpy(~allowed), float("-inf"))
+    draft_logits = (masked if masked_q else logits)[:k] + torch.randn(k, vocab,
+                                                                       generator=generator)
+    target = [target_distribution(masked[j].double().numpy(), **params) for j in range(k + 1)]
+    q = torch.tensor(np.stack([target_distribution(draft_logits[j].double().numpy(), **params)
+                               for j in range(k)]), dtype=torch.float32)
+    words = np.packbits(allowed, axis=1, bitorder="little").view(np.uint8)
+    mask_rows = np.zeros((k + 1, 1), dtype=np.int32)
+    mask_rows.view(np.uint8)[:, :words.shape[1]] = words
+    counts = [Counter() for _ in range(k + 1)]
+    sampler = Sampler(CPU, (0,), seed=5)
+    for b in range(num_batches):
+        drafts = torch.stack([torch.multinomial(q[j], batch, replacement=True,
+                                                generator=generator) for j in range(k)], 1)
+        requests = [row(f"g{b}-{i}", drafts=drafts[i].tolist(), **params) for i in range(batch)]
+        bitmask = GrammarBitmask(tuple(r.request_id for r in requests for _ in range(k + 1)),
+                                 np.tile(mask_rows, (batch, 1)))
+        proposals = spec_verify.proposals(requests, {r.request_id: q for r in requests})
+        out = sampler.sample(logits.repeat(batch, 1), spec_verify.logits_rows(requests),
+                             bitmask, proposals)
+        count_emitted(counts, requests,
+                      spec_verify.verify(requests, out.token_ids, out.logprobs))
+    for position, counter in enumerate(counts):
+        total = counter.total()
+        observed = np.array([counter.get(t, 0) for t in range(vocab)])
+        assert observed[~allowed[position]].sum() == 0, (position, observed)
+        if total < 200:
+            continue
+        expected = target[position]
+        support = expected > 0
+        _, p_value = chisquare(observed[support], expected[support] * total)
+        assert p_value > SIGNIFICANCE, (position, observed, expected * total)
 
 
 def test_draft_model_greedy_rows_accept_while_the_argmax_agrees():
