@@ -9,9 +9,8 @@ import torch
 
 from carpool.core.scheduler_output import ScheduledRequest
 from carpool.runner.penalties import apply_penalties
-from carpool.runner.sampler import (CDF_BLOCK, TOP_CANDIDATES, Sampler, _apply_top_k_top_p,
-                                    _cut_sorted, draw_by_inverse_cdf, greedy_ids)
-
+from carpool.runner.sampler import CDF_BLOCK, Sampler, draw_by_inverse_cdf, greedy_ids
+from carpool.runner.truncation import TOP_CANDIDATES, _cut_sorted, apply_top_k_top_p
 from carpool.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -90,7 +89,7 @@ def test_top_k_top_p_among_candidates_keeps_what_a_full_sort_keeps():
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
     top_p = torch.tensor([p.top_p for p in params])
     expected = _cut_sorted(logits, *logits.sort(dim=-1, descending=True), top_k, top_p)
-    got = _apply_top_k_top_p(logits, params)
+    got = apply_top_k_top_p(logits, params)
     assert torch.equal(got.isfinite(), expected.isfinite())
     assert torch.equal(got[got.isfinite()], expected[expected.isfinite()])
     kept = got.isfinite().sum(dim=-1).tolist()
@@ -98,7 +97,7 @@ def test_top_k_top_p_among_candidates_keeps_what_a_full_sort_keeps():
     assert kept[6] > TOP_CANDIDATES  # the flat row's prefix came from the full sort
     # Every row inside its candidates (the common case): one topk, no sort.
     rows = [0, 1, 4]
-    got = _apply_top_k_top_p(logits[rows], [params[i] for i in rows])
+    got = apply_top_k_top_p(logits[rows], [params[i] for i in rows])
     assert torch.equal(got, expected[rows])
 
 
