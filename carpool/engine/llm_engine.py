@@ -27,6 +27,11 @@ from carpool.default_model_path import DEFAULT_MODEL_NAME
 from carpool.engine import limits
 from carpool.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from carpool.engine.lora_requests import LoraRequests
+from carpool.engine.request_finish import (
+    final_output,
+    finish_on_complete_grammar,
+    finish_over_token_stop,
+)
 from carpool.engine.request_state import RequestState, request_metrics
 from carpool.engine.runner_setup import resolve_for_model
 from carpool.engine.step_stats import StepStats, spec_decode_stats
@@ -183,7 +188,7 @@ class LLMEngine:
         for request_id, matcher, error in self._structured.compiled(0.05 if idle else 0.0):
             state = self._states.pop(request_id) if error else self._states[request_id]
             if error:
-                failed.append(self._final_output(state, "error", error, "grammar_error"))
+                failed.append(final_output(state, "error", self._clock, error, "grammar_error"))
             else:
                 state.matcher = matcher
                 self.scheduler.add_request(state.request)
@@ -202,7 +207,7 @@ class LLMEngine:
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         for rid in live:
             state = self._states.pop(rid)
-            self._aborted_outputs.append(self._final_output(state, "abort"))
+            self._aborted_outputs.append(final_output(state, "abort", self._clock))
 
     def set_paused(self, request_ids: Iterable[str], paused: bool) -> None:
         """Flow control: hold these requests back (their reader is behind) or let them run."""
@@ -282,10 +287,10 @@ class LLMEngine:
         if state.matcher is not None:
             try:
                 if self._structured.advance(request.request_id, state.matcher, new_token_ids):
-                    self._finish_on_complete_grammar(request)
+                    finish_on_complete_grammar(self.scheduler, request)
             except GrammarError as exc:
                 grammar_error = str(exc)
-                self._finish_over_token_stop(request, RequestStatus.FINISHED_ERROR)
+                finish_over_token_stop(self.scheduler, request, RequestStatus.FINISHED_ERROR)
         if state.num_sent_tokens == len(new_token_ids):
             self._stats.num_prompt_tokens += request.num_prompt_tokens
         new_text = ""
@@ -295,8 +300,8 @@ class LLMEngine:
             new_text = delta.text
             if delta.stop_string is not None:
                 new_token_ids = state.cut_output(new_token_ids, delta.num_tokens)
-                self._finish_over_token_stop(request, RequestStatus.FINISHED_STOPPED,
-                                            delta.stop_string)
+                finish_over_token_stop(self.scheduler, request, RequestStatus.FINISHED_STOPPED,
+                                       delta.stop_string)
         self._stats.num_generated_tokens += len(new_token_ids)
         new_logprobs = None if positions is None or request.sampling_params.logprobs is None \
             else [self._token_texts.fill(p) if self.detokenize else p
@@ -317,23 +322,6 @@ class LLMEngine:
                 output.error, output.error_code = grammar_error, "grammar_error"
         return output
 
-    def _finish_on_complete_grammar(self, request: Request) -> None:
-        """`stop`, also when the grammar completed on the very token that reached max_tokens."""
-        if request.status == RequestStatus.FINISHED_LENGTH:
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif not request.is_finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-
-    def _finish_over_token_stop(self, request: Request, status: RequestStatus,
-                                stop_reason: str | None = None) -> None:
-        """Finish `request` with `status` (a stop string, a failed grammar), winning over a
-        token-level stop (EOS, a stop id, max_tokens) that fired on the same token."""
-        if request.is_finished:
-            request.status = status
-        else:
-            self.scheduler.finish_requests([request.request_id], status)
-        request.stop_reason = stop_reason
-
     def _fail_step(self, sched_out: SchedulerOutput, exc: BaseException) -> list[StepOutput]:
         # The step's blocks were hashed when it was planned, but their K/V may never have been
         # written: no later request may hit them (nor, simply, any other block).
@@ -341,16 +329,7 @@ class LLMEngine:
         ids = [s.request_id for s in sched_out.scheduled if s.request_id in self._states]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         message = f"{type(exc).__name__}: {exc}"
-        return [self._final_output(self._states.pop(rid), "error", error=message) for rid in ids]
-
-    def _final_output(self, state: RequestState, reason: str, error: str | None = None,
-                      error_code: str | None = None) -> StepOutput:
-        request = state.request
-        return StepOutput(
-            request_id=request.request_id, new_token_ids=[], new_text="",
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=state.num_sent_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0, finish_reason=reason, error=error,
-            error_code=error_code, request_metrics=request_metrics(request, self._clock))
+        return [final_output(self._states.pop(rid), "error", self._clock, message) for rid in ids]
 
     # ---- introspection -----------------------------------------------------------------
 
