@@ -78,13 +78,17 @@ class RequestTable:
         self._waiting.append(request)
 
     def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
-               accepted_draft_ids: Mapping[str, Sequence[int]] | None = None) -> list[Request]:
+               accepted_draft_ids: Mapping[str, Sequence[int]] | None = None,
+               num_draft_tokens: Mapping[str, int] | None = None) -> list[Request]:
         """Advance the scheduled requests, append their sampled tokens, finish (and free) the
         ones that stop. Returns the requests that received a token, in schedule order.
 
         `accepted_draft_ids`: for a request scheduled with drafts, those verified (a prefix of
         them); they are appended before its sampled token, one at a time under the stop rules,
-        so a stop among them ends the request there and drops the rest."""
+        so a stop among them ends the request there and drops the rest.
+        `num_draft_tokens`: for the same requests, how many drafts the runner verified (a
+        draft model's, cut by a grammar, may fill fewer than their slots); a speculating
+        scheduler counts those (`Scheduler.update`), this table needs only the tokens."""
         return self._apply_step(scheduler_output, sampled_token_ids, accepted_draft_ids or {})
 
     def get_request(self, request_id: str) -> Request | None:

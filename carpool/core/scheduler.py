@@ -140,16 +140,23 @@ class Scheduler(RequestTable):
         return True
 
     def update(self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
-               accepted_draft_ids: Mapping[str, Sequence[int]] | None = None) -> list[Request]:
+               accepted_draft_ids: Mapping[str, Sequence[int]] | None = None,
+               num_draft_tokens: Mapping[str, int] | None = None) -> list[Request]:
         produced = super().update(scheduler_output, sampled_token_ids, accepted_draft_ids)
         if self.speculator is not None and accepted_draft_ids is not None:
             for scheduled in scheduler_output.scheduled:
                 if not scheduled.draft_token_ids or scheduled.request_id not in sampled_token_ids:
                     continue
+                # the drafts the runner verified (not told: those planned): a draft model's
+                # slots a grammar cut are no drafts, and one cut to none was a plain decode
+                num_drafted = (num_draft_tokens or {}).get(scheduled.request_id,
+                                                           len(scheduled.draft_token_ids))
+                if not num_drafted:
+                    continue
                 num_accepted = len(accepted_draft_ids.get(scheduled.request_id, ()))
                 request = self._requests.get(scheduled.request_id)  # None: it finished
-                self.speculator.record(scheduled.request_id, len(scheduled.draft_token_ids),
-                                       num_accepted, running=request is not None)
+                self.speculator.record(scheduled.request_id, num_drafted, num_accepted,
+                                       running=request is not None)
                 if num_accepted and request is not None:  # accepted drafts may have filled
                     # a block: hashed by the next lookup or free
                     self._note_filled_blocks(request, scheduled.num_computed_tokens,

@@ -29,7 +29,9 @@ sampled under its own mask, so the output keeps its grammar, and greedy outputs 
 without speculation.
 
 `record` takes the verified counts back (from `Scheduler.update`) for the averages and the
-counters `SpecDecodeStats` holds (vLLM's spec_decode_* metrics).
+counters `SpecDecodeStats` holds (vLLM's spec_decode_* metrics): the drafts the runner
+verified, which under a grammar may be fewer than a draft model's slots (the runner reports
+them, `ModelRunnerOutput.num_draft_tokens`); a draft cut to none counts as a plain decode.
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ class LLMEngine:
             if state is not None:
                 state.add_prompt_logprobs(chunk)
         advanced = self.scheduler.update(sched_out, runner_out.sampled_token_ids,
-                                         runner_out.accepted_draft_ids)
+                                         runner_out.accepted_draft_ids,
+                                         runner_out.num_draft_tokens)
         for request in advanced:
             state = self._states.get(request.request_id)
             if state is not None:

@@ -25,7 +25,8 @@ Rejected drafts' slots are overwritten by the next round. Plain decodes do not r
 Under a grammar a request drafts under its grammar's masks (the matcher's state after its
 drafts so far, `StepGrammar.masks_after`), so q is the masked distribution, and it stops
 drafting before a token that would complete the grammar (the target samples that one): it
-may fill fewer than its k slots, or none.
+may fill fewer than its k slots, or none (the runner reports how many it filled, so the
+scheduler's counters and averages count only those).
 
 A draft's KV that is wrong (a prefix-cache hit on blocks an earlier request filled while
 its draft lagged) costs acceptance, never correctness: the target verifies every token.

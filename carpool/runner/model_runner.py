@@ -55,6 +55,10 @@ class ModelRunnerOutput:
     # before the sampled token, and their logprobs where asked (see runner/spec_verify.py).
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_draft_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # For the same requests: how many drafts the step verified, fewer than the scheduler's
+    # slots where a grammar cut a draft model's drafts (0: none, a plain decode). The
+    # scheduler's counters and averages count these, not the slots.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
     def logprobs_of(self, request_id: str) -> list[PositionLogprobs] | None:
         """The logprobs of each token the request got this step, in order (None: not asked)."""
@@ -197,6 +201,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         lora, draft_probs = None, {}
+        slotted = {r.request_id for r in scheduler_output.scheduled if r.draft_token_ids}
         if self.drafter is not None and kv_caches is self.kv_caches:  # (not when profiling)
             drafted = self.drafter.propose(scheduler_output, grammar)
             scheduler_output, draft_probs = drafted.scheduler_output, drafted.probs
@@ -213,7 +218,9 @@ class ModelRunner:
         args = (batch.input_ids, batch.positions, kv_caches, self.attention, meta)
         # (a base-only step calls the model as it would without adapters)
         hidden = self.model(*args) if lora is None else self.model(*args, lora=lora)
-        output = ModelRunnerOutput()
+        output = ModelRunnerOutput(num_draft_tokens={
+            r.request_id: len(r.draft_token_ids) for r in scheduler_output.scheduled
+            if r.request_id in slotted} if slotted else {})
         for i, req in enumerate(scheduler_output.scheduled):
             if req.sampling_params.prompt_logprobs is not None and wants_prompt_logprobs(req):
                 # on every rank: the logits are a collective

@@ -300,3 +300,26 @@ def test_a_draft_models_passes_are_charged_to_its_average():
     assert all(drafted(0.2))  # 3 - 0.6 earned per draft
     charged = drafted(1.0)  # 3 - 3 earned: pauses
     assert not all(charged) and charged.count(True) < 20
+
+
+def test_a_draft_models_slots_the_runner_did_not_fill_are_not_counted():
+    """Issue 61: a grammar may cut a draft model's drafts short of the k slots planned; the
+    runner reports how many it drafted, and the counters and the running average count
+    those: one drafted token accepted of 3 slots earns 1 - 0.3 (no pause), not 1 - 0.9; a
+    draft cut to none is a plain decode, neither a draft nor a rejection."""
+    spec = SpeculativeConfig(method="draft_model", model="/a/draft", num_speculative_tokens=3,
+                             draft_pass_cost=0.3)
+    s = make_scheduler(num_blocks=256, spec=spec, max_model_len=1024)
+    s.add_request(Request("a", [9, 10, 11], SamplingParams(max_tokens=300)))
+    step(s, next_token=lambda _: 1)
+    for i in range(40):
+        output = s.schedule()
+        assert len(output.scheduled[0].draft_token_ids) == 3  # never paused
+        if i % 2:
+            s.update(output, {"a": 7}, {"a": [5]}, {"a": 1})  # one drafted, accepted
+        else:
+            s.update(output, {"a": 7}, {}, {"a": 0})  # the grammar cut every draft
+    stats = s.speculator.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (20, 20, 20)
+    assert stats.num_accepted_tokens_per_pos == [20]
+    s.block_manager.check_integrity()

@@ -133,3 +133,37 @@ def test_sampled_grammar_outputs_hold_and_repeat(method, checkpoint):
         assert got[kind][0] == again[kind][0], kind
         if method == "ngram":
             assert got[kind][0] == expected[kind][0], kind
+
+
+def test_a_draft_models_slots_cut_by_the_grammar_are_not_counted_as_drafts(checkpoint,
+                                                                          monkeypatch):
+    """Issue 61: the draft model stops drafting before a token that completes the grammar,
+    so some steps verify fewer drafts than the scheduler planned slots for, or none. The
+    spec_decode counters count the drafts the proposer filled in, not the slots."""
+    from carpool.runner.draft_proposer import DraftProposer
+
+    counts = {"slots": 0, "draft_tokens": 0, "drafts": 0}
+    original = DraftProposer.propose
+
+    def propose(self, scheduler_output, grammar=None):
+        drafted = original(self, scheduler_output, grammar)
+        planned = {r.request_id: len(r.draft_token_ids) for r in scheduler_output.scheduled
+                   if r.draft_token_ids}
+        for row in drafted.scheduler_output.scheduled:
+            if row.request_id in planned:
+                counts["slots"] += planned[row.request_id]
+                counts["draft_tokens"] += len(row.draft_token_ids)
+                counts["drafts"] += bool(row.draft_token_ids)
+        return drafted
+
+    monkeypatch.setattr(DraftProposer, "propose", propose)
+    with LLM(checkpoint, dtype="float32", device="cpu", num_kv_blocks=256,
+             speculative_config=speculative("draft_model", checkpoint)) as llm:
+        results = run(llm, PROMPTS)
+        stats = llm.stats()
+        assert_clean(llm)
+    assert_held_and_speculated(results)
+    assert 0 < counts["draft_tokens"] < counts["slots"]  # the grammars cut drafts
+    assert stats.spec_decode_num_draft_tokens == counts["draft_tokens"]
+    assert stats.spec_decode_num_drafts == counts["drafts"]
+    assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
