@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from carpool.config import EngineConfig, generation_config_folder
+from carpool.config import EngineConfig
+from carpool.config.named_files import generation_config_folder
 from carpool.core.request import Request, RequestStatus
 from carpool.core.scheduler_output import SchedulerOutput
 from carpool.default_model_path import DEFAULT_MODEL_NAME

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 from typing import NoReturn
 
-from carpool.config import EngineConfig, model_or_default
+from carpool.config import EngineConfig
+from carpool.config.named_files import model_or_default
 
 
 def resolve_for_model(config: EngineConfig):

@@ -19,7 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from carpool.config import EngineConfig, load_model_config_of
+from carpool.config import EngineConfig
+from carpool.config.named_files import load_model_config_of
 from carpool.lora.peft_adapter import check_adapter
 from carpool.lora_request import LoRARequest
 from carpool.server.errors import APIError

@@ -16,7 +16,8 @@ import pytest
 from carpool import LLM
 from carpool.arg_utils import human_readable_int, human_readable_int_or_auto
 from carpool.bench.local_server import LocalServer, free_port
-from carpool.config import EngineConfig, read_chat_template
+from carpool.config import EngineConfig
+from carpool.config.named_files import read_chat_template
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.tokenizer import load_tokenizer
 from tests.flags import serve_parser

@@ -12,11 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import os
 import re
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from carpool.config.named_files import (
+    GENERATION_CONFIG_AUTO,
+    check_generation_config,
+    check_quantization_of,
+    load_model_config_of,
+    model_or_default,
+    read_chat_template,
+)
 from carpool.core.config import (  # noqa: F401 - the usage defaults, re-exported
     OFFLINE_CPU_MAX_NUM_BATCHED_TOKENS,
     SERVER_CPU_MAX_NUM_SEQS,
@@ -35,9 +42,6 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 # --quantization (vLLM's names; models.quant.hf_config reads them): auto (or None) is the
 # checkpoint's own.
 QUANTIZATION_METHODS = ("auto", "awq", "gptq", "compressed-tensors", "gguf")
-# Generation-config sources (vLLM's `--generation-config`), besides a folder.
-GENERATION_CONFIG_AUTO = "auto"  # the model's generation_config.json
-GENERATION_CONFIG_NONE = "vllm"  # none: SamplingParams' own defaults
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's; -1 lifts the cap to the vocabulary
 # Estimated bytes the compiled-grammar cache may hold (carpool.structured.compiler).
 DEFAULT_GRAMMAR_CACHE_MEMORY = 128 * 2**20
@@ -350,61 +354,6 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -
         raise ValueError(f"max_model_len ({requested}) is larger than the model's "
                          f"max_position_embeddings ({max_position_embeddings})")
     return requested
-
-
-def read_chat_template(value: str | None) -> str | None:
-    """The template a `chat_template` argument names: a file's text, or the argument itself when
-    it reads as a template (it holds `{` or a line break), as vLLM decides."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    if any(c in value for c in "{}\n"):
-        return value
-    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
-
-
-def check_generation_config(value: str) -> None:
-    """ValueError unless `value` is auto, vllm, or a folder holding generation_config.json."""
-    if value in (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE):
-        return
-    if not os.path.isfile(os.path.join(value, "generation_config.json")):
-        raise ValueError(f"generation_config must be {GENERATION_CONFIG_AUTO!r}, "
-                         f"{GENERATION_CONFIG_NONE!r} or a folder holding a "
-                         f"generation_config.json, got {value!r}")
-
-
-def generation_config_folder(value: str, model_path) -> str | None:
-    """Where the sampling defaults of a `generation_config` setting live: the model's folder
-    (auto), nowhere (vllm: None), or the folder given."""
-    if value == GENERATION_CONFIG_AUTO:
-        return str(model_path)
-    return None if value == GENERATION_CONFIG_NONE else value
-
-
-def load_model_config_of(model: str | None):
-    """The model's `ModelConfig`, from its config.json (None: the built-in model)."""
-    from carpool.models.config import load_model_config
-    from carpool.models.paths import resolve_model_path
-
-    return load_model_config(resolve_model_path(model_or_default(model)))
-
-
-def check_quantization_of(model: str | None, quantization: str | None) -> None:
-    """ValueError unless --quantization matches the model's checkpoint (None, auto: any)."""
-    from carpool.models.paths import resolve_model_path
-    from carpool.models.quant.hf_config import check_quantization
-
-    check_quantization(resolve_model_path(model_or_default(model)), quantization)
-
-
-def model_or_default(model: str | None) -> str:
-    """`model`, or the built-in model's folder when None."""
-    if model is not None:
-        return model
-    from carpool.default_model_path import default_model_path
-    return str(default_model_path())
 
 
 def as_flags(message: str, names) -> str:
