@@ -12,6 +12,7 @@ runs the same steps in the same order, and only rank 0 samples.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,10 @@ from carpool.utils.device import resolve_device, resolve_dtype
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelRunnerOutput:
+    """One step's results, runner to engine (per request id)."""
+
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> new token
     # Only for requests whose sampling_params.logprobs is not None.
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
@@ -242,10 +245,10 @@ class ModelRunner:
             return output
         sampled = self.sampler.sample(logits, batch.sampled, bitmask)
         ids = [req.request_id for req in batch.sampled]
-        output.sampled_token_ids = dict(zip(ids, sampled.token_ids))
-        output.logprobs = {rid: logprobs for rid, logprobs in zip(ids, sampled.logprobs)
-                           if logprobs is not None}
-        return output
+        return dataclasses.replace(
+            output, sampled_token_ids=dict(zip(ids, sampled.token_ids)),
+            logprobs={rid: logprobs for rid, logprobs in zip(ids, sampled.logprobs)
+                      if logprobs is not None})
 
     def _verify_drafts(self, logits: torch.Tensor, requests: list[ScheduledRequest], bitmask,
                        output: ModelRunnerOutput,
@@ -262,12 +265,13 @@ class ModelRunner:
         for rid, state in states.items():
             seed = next(r.sampling_params.seed for r in requests if r.request_id == rid)
             self.sampler.rewind(rid, seed, state, verified.num_rows_used[rid])
-        output.sampled_token_ids = verified.sampled_token_ids
-        output.accepted_draft_ids = verified.accepted_draft_ids
-        output.logprobs = {rid: positions[-1] for rid, positions in verified.logprobs.items()}
-        output.accepted_draft_logprobs = {rid: positions[:-1]
-                                          for rid, positions in verified.logprobs.items()}
-        return output
+        return dataclasses.replace(
+            output, sampled_token_ids=verified.sampled_token_ids,
+            accepted_draft_ids=verified.accepted_draft_ids,
+            logprobs={rid: positions[-1] for rid, positions in verified.logprobs.items()},
+            accepted_draft_logprobs={rid: positions[:-1]
+                                     for rid, positions in verified.logprobs.items()})
+
     def _step_lora(self, scheduler_output: SchedulerOutput, batch) -> StepLora | None:
         """The step's rows grouped by adapter, their weights loaded (None: all base rows)."""
         requests = [s.lora_request for s in scheduler_output.scheduled
