@@ -18,6 +18,7 @@ from torch import nn
 from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
 from carpool.models.llama import LlamaForCausalLM, StackedLinear
+from carpool.models.loader import build_model
 from carpool.models.quant.float_params import fill_float_parameters
 from carpool.models.quant.gguf_blocks import to_float, to_quantized
 from carpool.models.quant.gguf_file import GgufFile
@@ -39,7 +40,7 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype, device:
         raise ValueError(f"GGUF files run on the CPU only for now (device {device})")
     file = GgufFile(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp).to(dtype)
+        model = build_model(config, tp).to(dtype)
     with torch.no_grad():
         # the quantized modules replace their meta linears before anything is allocated, so
         # no float copy of a quantized matrix is ever made, not even an empty one
@@ -112,8 +113,15 @@ def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtyp
 
 
 def _read_float(file: GgufFile, name: str):
-    """A float tensor of the file by its Hugging Face name; ValueError for a quantized one."""
+    """A float tensor of the file by its Hugging Face name; ValueError for a quantized one.
+    One expert of a stacked tensor is read alone, so no float copy of a whole layer's
+    experts is made beside the parameter it fills."""
     if file.is_quantized(name):
+        if ".experts." in name:
+            raise ValueError(f"tensor {file.gguf_name(name)!r} in {file.path.name} holds "
+                             f"experts of type {file.type_name(name)}: a mixture of experts' "
+                             f"experts load from F32, F16 or BF16 tensors only for now "
+                             f"(convert with --outtype f16, bf16 or f32)")
         raise ValueError(f"tensor {file.gguf_name(name)!r} of type {file.type_name(name)} "
                          f"cannot fill {name} (a float parameter)")
     return to_float(*file.tensor(name))
