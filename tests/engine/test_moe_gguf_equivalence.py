@@ -25,6 +25,7 @@ from tests.engine.test_hf_equivalence import workload
 ARCHS = {"qwen3_moe": dict(mlp_only_layers=[]), "mixtral": {},
          "qwen2_moe": dict(decoder_sparse_step=1)}
 TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+UNSUPPORTED = "MXFP4"
 BACKENDS = {"cpu": {}, "cpu-pytorch": dict(cpu_kernels=False)}
 SETTINGS = {"default": dict(num_kv_blocks=256),
             "chunked_preemption": dict(num_kv_blocks=96, block_size=4,
@@ -106,11 +107,56 @@ def test_moe_gguf_config_matches_checkpoint(moe_gguf):
         assert load_model_config(file).moe == load_model_config(checkpoint).moe, arch
 
 
-def test_quantized_experts_are_refused_naming_the_tensor(moe_gguf, tmp_path):
-    """Q8_0 experts are not run yet: the error names the stacked tensor and its type."""
+def test_quantized_experts_greedy_matches_transformers_on_the_same_values(moe_gguf, tmp_path):
+    """Q8_0 and Q4_0 experts (every matrix but the router quantized, as the converter writes
+    them) stay quantized, one quantized linear per expert through the platform's kernels, and
+    give the greedy tokens of transformers on the checkpoint whose matrices are replaced by
+    the `gguf` package's own dequantization of the same blocks."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from carpool.models.quant.experts import QuantExperts
+
+    prompts = workload()[:4]
+    for arch, qtype in (("qwen3_moe", "Q8_0"), ("mixtral", "Q4_0")):
+        checkpoint, _ = moe_gguf(arch, "F32")
+        file = write_gguf(checkpoint, tmp_path / f"{arch}-{qtype}.gguf", qtype)
+        kind = gguf.GGMLQuantizationType[qtype]
+        hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if param.ndim >= 2 and not name.endswith((".gate.weight",
+                                                          "shared_expert_gate.weight")):
+                    blocks = gguf.quants.quantize(param.numpy(), kind)
+                    param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
+        references = []
+        for ids, n in prompts:
+            x = torch.tensor([ids])
+            with torch.no_grad():
+                out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                  max_new_tokens=n)
+            references.append(out[0, len(ids):].tolist())
+        for backend in BACKENDS:
+            with LLM(str(file), dtype="float32", num_kv_blocks=256, **BACKENDS[backend]) as llm:
+                experts = [m for m in llm.engine.runner.model.modules()
+                           if isinstance(m, QuantExperts)]
+                assert experts and all(e.kinds() == [qtype] for e in experts)
+                outs = llm.generate(
+                    [{"prompt_token_ids": ids} for ids, _ in prompts],
+                    [SamplingParams(max_tokens=n, temperature=0) for _, n in prompts],
+                    use_tqdm=False)
+                for (ids, _), ref, out in zip(prompts, references, outs):
+                    assert list(out.outputs[0].token_ids) == ref, (
+                        f"{arch} {qtype} {backend}: prompt of {len(ids)} tokens")
+
+
+def test_unsupported_type_is_refused_naming_the_tensor(moe_gguf, tmp_path):
+    """A file in a type carpool has no conversion for (MXFP4, which the `gguf` package
+    writes): the error names the first such tensor and the type."""
     checkpoint, _ = moe_gguf("qwen3_moe", "F32")
-    file = write_gguf(checkpoint, tmp_path / "q8.gguf", "Q8_0")
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_(gate|up|down)_exps\.weight.*Q8_0"):
+    file = write_gguf(checkpoint, tmp_path / "tq.gguf", UNSUPPORTED)
+    with pytest.raises(ValueError, match=rf"tensor 'blk\.0\.[a-z_]+\.weight' in .*{UNSUPPORTED}"):
         LLM(str(file), dtype="float32", num_kv_blocks=64)
 
 
