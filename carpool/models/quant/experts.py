@@ -10,6 +10,7 @@ experts only, so a model with these runs its sparse layers through the modules.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from carpool.models.moe import experts_loop
@@ -27,8 +28,21 @@ class QuantExperts(nn.Module):
         self.down = nn.ModuleList(down)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self._one_row(x, ids, weights)
         return experts_loop(x, ids, weights, lambda e, rows: self.gate_up[e](rows),
                             lambda e, rows: self.down[e](rows))
+
+    def _one_row(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`experts_loop` for one row (a single stream's decode) without its grouping ops:
+        the same experts in the same ascending order, each added to the sum as it adds them
+        (0 + y is y), so the same values."""
+        out = None
+        for slot, expert in sorted(enumerate(ids[0].tolist()), key=lambda pair: pair[1]):
+            gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
+            y = (self.down[expert](F.silu(gate) * up) * weights[:, slot, None]).to(x.dtype)
+            out = y if out is None else out + y
+        return out
 
     def kinds(self) -> list[str]:
         """The experts' source types, e.g. ["Q8_0"]."""
