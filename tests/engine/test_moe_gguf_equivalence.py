@@ -109,9 +109,10 @@ def test_moe_gguf_config_matches_checkpoint(moe_gguf):
 
 def test_quantized_experts_greedy_matches_transformers_on_the_same_values(moe_gguf, tmp_path):
     """Q8_0 and Q4_0 experts (every matrix but the router quantized, as the converter writes
-    them) stay quantized, one quantized linear per expert through the platform's kernels, and
-    give the greedy tokens of transformers on the checkpoint whose matrices are replaced by
-    the `gguf` package's own dequantization of the same blocks."""
+    them) stay quantized, one quantized linear per expert through the platform's kernels (the
+    layer stack calling each sparse block back), and give the greedy tokens of transformers on
+    the checkpoint whose matrices are replaced by the `gguf` package's own dequantization of
+    the same blocks."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
@@ -142,6 +143,11 @@ def test_quantized_experts_greedy_matches_transformers_on_the_same_values(moe_gg
                 experts = [m for m in llm.engine.runner.model.modules()
                            if isinstance(m, QuantExperts)]
                 assert experts and all(e.kinds() == [qtype] for e in experts)
+                # the C++ layer stack runs these layers too, calling the blocks back for
+                # their quantized experts
+                route = llm.engine.runner.platform.route
+                stack = llm.engine.runner.model.layer_stack
+                assert (stack is not None) == (backend == "cpu" and route.layer_stack)
                 outs = llm.generate(
                     [{"prompt_token_ids": ids} for ids, _ in prompts],
                     [SamplingParams(max_tokens=n, temperature=0) for _, n in prompts],
