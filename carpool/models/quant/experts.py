@@ -3,8 +3,8 @@ gate/up and one for its down, so each goes through the platform's quantized kern
 quantized linear does (`PrepareLinear`), and no float copy of an expert is ever made.
 
 `forward` is the model's loop over the experts hit (`moe.experts_loop`), each expert's
-multiplies over its own rows. The fused experts kernel and the C++ layer stack take float
-experts only, so a model with these runs its sparse layers through the modules.
+multiplies over its own rows. The fused experts kernel takes float experts only; the C++ layer
+stack calls the sparse block holding these back for its MLP (`platform/cpu_layer_stack.py`).
 """
 
 from __future__ import annotations
