@@ -60,10 +60,10 @@ def load_model(path: Path, config: ModelConfig, dtype: torch.dtype, device: torc
     each quantized linear as soon as it is read (the platform packs it then: one loaded copy
     at a time, `Platform.quant_linear_packer`)."""
     scheme = check_quantization(path, quantization)
-    if config.moe is not None and (scheme is not None or path.suffix.lower() == ".gguf"):
-        raise ValueError(f"quantized weights of a mixture-of-experts model "
-                         f"({config.architecture}) are not supported yet; serve its "
-                         f"float checkpoint")
+    if config.moe is not None and scheme is not None:
+        raise ValueError(f"{scheme.method} checkpoints of a mixture-of-experts model "
+                         f"({config.architecture}) are not supported yet; serve its float "
+                         f"checkpoint or a GGUF file")
     if path.suffix.lower() == ".gguf":
         from carpool.models.quant.gguf_loader import load_gguf_model
         return load_gguf_model(path, config, dtype, device, tp, prepare_linear)

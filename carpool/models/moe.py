@@ -22,6 +22,8 @@ With `count_router_load` set the blocks add up how many rows each expert receive
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,11 +61,20 @@ def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """sum over each row's experts e of weight * down_e(silu(gate_e(x)) * up_e(x)): rows x
     [T, H], gate_up [E, 2I, H], down [E, H, I], ids and weights [T, k] -> [T, H] in x's dtype.
     Hugging Face's loop: the experts hit in ascending order, each adding into the sum."""
+    return experts_loop(x, ids, weights, lambda e, h: F.linear(h, gate_up[e]),
+                        lambda e, h: F.linear(h, down[e]))
+
+
+def experts_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 gate_up: Callable[[int, torch.Tensor], torch.Tensor],
+                 down: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`experts_forward` with each expert's two multiplies given as `gate_up(e, rows)` and
+    `down(e, rows)` (quantized experts: `quant.experts`)."""
     out = torch.zeros_like(x)
     for expert in torch.unique(ids).tolist():
         rows, slots = torch.nonzero(ids == expert, as_tuple=True)
-        gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * weights[rows, slots, None]
+        gate, up = gate_up(expert, x[rows]).chunk(2, dim=-1)
+        y = down(expert, F.silu(gate) * up) * weights[rows, slots, None]
         out.index_add_(0, rows, y.to(out.dtype))
     return out
 
@@ -152,9 +163,13 @@ class SparseMoeBlock(nn.Module):
         this block's stacked parameters, in `targets` (`llama.checkpoint_targets`)."""
         block, (gate, up, down) = CHECKPOINT_NAMES[self.style]
         prefix = module_name.rpartition(".")[0] + "." + block
-        for name in ("experts.gate_up_proj", "experts.down_proj", "gate.weight"):
+        targets.pop(f"{module_name}.gate.weight", None)
+        if isinstance(self.gate, nn.Linear):  # else a quantized router, loaded whole
+            targets[f"{prefix}.gate.weight"] = Target(self.gate.weight)
+        if not isinstance(self.experts, Experts):
+            return  # quantized experts (`quant.experts`), loaded whole, are no parameters
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
             targets.pop(f"{module_name}.{name}")
-        targets[f"{prefix}.gate.weight"] = Target(self.gate.weight)
         shard = self.expert_shard
         rows = shard.size
         down_shard = Shard(1, shard.start, shard.size, shard.full)

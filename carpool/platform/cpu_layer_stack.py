@@ -11,7 +11,9 @@ linear's calls of more rows than its small GEMM takes go back to the module's ow
 
 A mixture of experts' sparse layer (`models.moe.SparseMoeBlock` with its fused experts and
 kernel router, `cpu_moe.py`) is a `MoeStep` there: the router's small GEMM, `moe_route`,
-`moe_experts`, the calls the block makes. The Python layers keep the steps the stack cannot
+`moe_experts`, the calls the block makes; one with quantized experts (`quant.experts`, which
+the kernel does not take) is a `MoeStep` that calls the block's own forward back for the
+whole MLP, the rest of its layer staying in C++. The Python layers keep the steps the stack cannot
 run as the modules do: a shared expert (Qwen2-MoE) builds no stack, and while the router's
 load is counted (`--moe-router-stats`, a bincount in the block) the modules run.
 
@@ -28,6 +30,7 @@ from torch import nn
 
 from carpool.attention.cpu_kernel import KernelMetadata
 from carpool.models.moe import SparseMoeBlock
+from carpool.models.quant.experts import QuantExperts
 from carpool.models.quant.linear import QuantLinear
 from carpool.platform.cpu_linear import PackedLinear
 from carpool.platform.cpu_moe import FusedExperts, KernelRouter
@@ -51,7 +54,7 @@ class KernelLayerStack:
         a small GEMM, the fused norm, RoPE and SiLU x up), or None where the model itself rules
         it out: tensor parallelism (collectives between the modules), a linear its small GEMM
         does not take (odd in_features in bfloat16), norms of differing eps, a sparse layer
-        the kernels do not run whole (a shared expert, experts or router not fused)."""
+        the kernels do not run whole (a shared expert, float experts or router not fused)."""
         if getattr(model, "tp", None) is None or model.tp.is_parallel:
             return None
         layers = list(model.model.layers)
@@ -62,8 +65,10 @@ class KernelLayerStack:
             if attn.qk_norm:
                 layer_norms += [attn.q_norm, attn.k_norm]
             is_sparse = isinstance(mlp, SparseMoeBlock)
-            if is_sparse and (mlp.shared_expert is not None or not isinstance(
-                    mlp.experts, FusedExperts) or not isinstance(mlp.router, KernelRouter)):
+            fused = is_sparse and isinstance(mlp.experts, FusedExperts) and isinstance(
+                mlp.router, KernelRouter)
+            if is_sparse and (mlp.shared_expert is not None or not (
+                    fused or isinstance(mlp.experts, QuantExperts))):
                 return None
             layer_linears = [attn.qkv_proj, attn.o_proj] + (
                 [mlp.gate] if is_sparse else [mlp.gate_up_proj, mlp.down_proj])
@@ -77,9 +82,12 @@ class KernelLayerStack:
                     attn.k_norm.weight.detach() if attn.qk_norm else None)
             if is_sparse:
                 sparse.append(mlp)
-                weights.append(kernels.DecoderWeights.sparse(*args, *small[:2], kernels.MoeStep(
+                # quantized experts: the block's own forward, called back for the whole MLP
+                step = kernels.MoeStep(
                     small[2], mlp.experts.gate_up, mlp.experts.down, mlp.top_k,
-                    mlp.norm_topk_prob, mlp.weights_in_model_dtype)))
+                    mlp.norm_topk_prob, mlp.weights_in_model_dtype) if fused else \
+                    kernels.MoeStep.module(mlp.forward)
+                weights.append(kernels.DecoderWeights.sparse(*args, *small[:2], step))
             else:
                 weights.append(kernels.DecoderWeights(*args, *small))
         if len({n.eps for n in norms}) != 1:

@@ -3,19 +3,30 @@
 The files follow what llama.cpp's converter writes for these architectures (its metadata keys,
 tensor names from `gguf`'s own name map, the q/k row order of `llama` models, a byte-level BPE
 tokenizer with its merges and chat template), in the types the `gguf` package can quantize
-itself (F32, F16, Q8_0, Q5_0, Q4_0). Files made by llama.cpp's own converter and quantizer, K-quants
+itself (F32, F16, BF16, Q8_0, Q5_0, Q4_0). A mixture of experts is written as the converter
+writes it: each layer's experts stacked into one tensor per part (`blk.N.ffn_gate_exps` ...,
+[n_expert, rows, cols]), the router `ffn_gate_inp` always F32, and the expert counts and sizes
+in the metadata. Files made by llama.cpp's own converter and quantizer, K-quants
 included, are committed under tests/fixtures/gguf with the script that made them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+        "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+        "Qwen3MoeForCausalLM": "qwen3moe"}
+# One expert's matrix in a checkpoint (Qwen's and Mixtral's spellings) -> its stacked part.
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}
 
 
 def write_gguf(model_dir: str | Path, out_file: str | Path, qtype: str = "Q8_0") -> Path:
@@ -47,32 +58,58 @@ def write_gguf(model_dir: str | Path, out_file: str | Path, qtype: str = "Q8_0")
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     _add_tokenizer(writer, model_dir, config)
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(
+                config["shared_expert_intermediate_size"])
 
     names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
     qt = gguf.GGMLQuantizationType[qtype]
-    block = gguf.GGML_QUANT_SIZES[qt][0]
     tensors = load_file(str(model_dir / "model.safetensors"))
+    experts: dict[str, dict[int, np.ndarray]] = {}
     for hf_name, value in tensors.items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         data = value.float().numpy()
+        expert = _EXPERT.match(hf_name)
+        if expert is not None:
+            layer, index, part = expert.groups()
+            experts.setdefault(f"blk.{layer}.ffn_{_EXPERT_PARTS[part]}_exps.weight",
+                               {})[int(index)] = data
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             data = _permute(data, heads if ".q_proj." in hf_name else kv_heads)
-        if data.ndim == 1:
-            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
-        elif qt in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) \
-                or data.shape[-1] % block:
-            kind = qt if qt == gguf.GGMLQuantizationType.F32 else gguf.GGMLQuantizationType.F16
-            dtype = np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16
-            writer.add_tensor(name, data.astype(dtype), raw_dtype=kind)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
+        router = name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+        _add(writer, name, data, gguf.GGMLQuantizationType.F32 if router else qt)
+    for name, stack in experts.items():
+        _add(writer, name, np.stack([stack[e] for e in range(num_experts)]), qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out_file
+
+
+def _add(writer, name: str, data: np.ndarray, qt) -> None:
+    """A tensor in type `qt`; a vector in F32, and a matrix whose row length the block does
+    not divide in F16, as the converter does."""
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    kinds = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+             gguf.GGMLQuantizationType.BF16)
+    if data.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
+    elif qt == gguf.GGMLQuantizationType.F16 or (qt not in kinds and data.shape[-1] % block):
+        writer.add_tensor(name, data.astype(np.float16), raw_dtype=gguf.GGMLQuantizationType.F16)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qt), raw_dtype=qt)
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:

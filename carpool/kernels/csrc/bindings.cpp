@@ -224,7 +224,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             renormalize, round_weights};
            }),
            py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
-           py::arg("renormalize"), py::arg("round_weights"));
+           py::arg("renormalize"), py::arg("round_weights"))
+      .def_static(
+          "module",
+          [](py::function forward) {
+            MoeStep step;  // called as StackLinear's forward is: the GIL taken for the call
+            step.forward = [forward = std::move(forward)](const at::Tensor& x) {
+              py::gil_scoped_acquire gil;
+              return forward(x).cast<at::Tensor>();
+            };
+            return step;
+          },
+          "A sparse layer whose experts the kernel does not take: its block's forward runs "
+          "the whole MLP.",
+          py::arg("forward"));
   py::class_<DecoderWeights>(m, "DecoderWeights", py::module_local(),
                              "One decoder layer's norms and linears.")
       .def(py::init([](at::Tensor input_norm, at::Tensor post_attention_norm,

@@ -12,6 +12,7 @@ independent in every block type, so that is a row gather on the integers.
 from __future__ import annotations
 
 import mmap
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +20,24 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, Keys, get_tens
 from gguf.constants import MODEL_ARCH_NAMES
 
 from carpool.models.config import ModelConfig, RopeConfig
+from carpool.models.moe_config import MoeConfig
 from carpool.models.quant.gguf_blocks import FLOAT_TYPES
 
 # GGUF's general.architecture -> the architecture carpool runs it as. Mistral's converter
-# writes "llama".
+# writes "llama", and so does Mixtral's: a "llama" file with experts is Mixtral.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
+_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM"}
+# llama.cpp renormalises the top-k router weights of these (`build_moe_ffn`'s norm_w), and
+# the file has no key for it: the file runs as llama.cpp runs it.
+_NORM_TOPK = {"llama": True, "qwen3moe": True, "qwen2moe": False}
+# One expert's matrix by its Hugging Face name (Qwen's and Mixtral's spellings); the converter
+# stacks a layer's experts into one tensor [n_expert, rows, cols] per part.
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}
 _PERMUTED_ARCHS = ("llama",)  # q/k rows reordered by the converter
 _ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 
@@ -68,7 +81,12 @@ class GgufFile:
         return field.contents()
 
     def gguf_name(self, hf_name: str) -> str | None:
-        """The file's name for a Hugging Face tensor name (None: the map has none)."""
+        """The file's name for a Hugging Face tensor name (None: the map has none); one
+        expert's matrix is named by its layer's stacked tensor."""
+        expert = _EXPERT.match(hf_name)
+        if expert is not None:
+            layer, _, part = expert.groups()
+            return f"blk.{layer}.ffn_{_EXPERT_PARTS[part]}_exps.weight"
         return self._names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
     def has(self, hf_name: str) -> bool:
@@ -87,6 +105,15 @@ class GgufFile:
         bytes per row] for block types, [N, K] for float ones), in Hugging Face's row order."""
         t = self._info(hf_name)
         data, qtype = t.data, GGMLQuantizationType(t.tensor_type)
+        expert = _EXPERT.match(hf_name)
+        if expert is not None:  # one expert of the stacked tensor (a view: nothing read yet)
+            index = int(expert.group(2))
+            if data.ndim != 3 or index >= data.shape[0]:
+                raise ValueError(f"tensor {t.name!r} in {self.path.name} has shape "
+                                 f"{tuple(data.shape)}, which holds no expert {index}")
+            data = data[index]
+        elif hf_name.endswith("shared_expert_gate.weight") and data.ndim == 1:
+            data = data[None]  # llama.cpp stores Qwen2-MoE's one-logit gate as a vector
         if self.arch in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight",
                                                               "q_proj.bias", "k_proj.bias")):
             heads = self.field("{arch}.attention.head_count")
@@ -122,8 +149,11 @@ class GgufFile:
         embed_type = GGMLQuantizationType(self.tensors["token_embd.weight"].tensor_type)
         dtype = {GGMLQuantizationType.F16: "float16",
                  GGMLQuantizationType.BF16: "bfloat16"}.get(embed_type, "float32")
+        moe = self._moe()
         return ModelConfig(
-            architecture=ARCHITECTURES[self.arch], vocab_size=vocab, hidden_size=hidden,
+            architecture=(ARCHITECTURES if moe is None else
+                          _MOE_ARCHITECTURES).get(self.arch, ARCHITECTURES[self.arch]),
+            vocab_size=vocab, hidden_size=hidden,
             intermediate_size=get("{arch}.feed_forward_length"),
             num_layers=get("{arch}.block_count"), num_heads=heads,
             num_kv_heads=get("{arch}.attention.head_count_kv", heads),
@@ -138,7 +168,30 @@ class GgufFile:
             o_proj_bias="blk.0.attn_output.bias" in self.tensors,
             mlp_bias="blk.0.ffn_down.bias" in self.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
-            rope=self._rope(), sliding_window=get("{arch}.attention.sliding_window", None))
+            rope=self._rope(), sliding_window=get("{arch}.attention.sliding_window", None),
+            moe=moe)
+
+    def _moe(self) -> MoeConfig | None:
+        """The experts' sizes from the metadata (None: a dense model); a layer is sparse where
+        the file has its router, `blk.N.ffn_gate_inp`."""
+        count = self.field("{arch}.expert_count", 0)
+        if not count:
+            return None
+        if self.arch not in _NORM_TOPK:
+            raise ValueError(f"GGUF architecture {self.arch!r} with experts is not supported")
+        get = self.field
+        layers = get("{arch}.block_count")
+        return MoeConfig(
+            num_experts=count, top_k=get("{arch}.expert_used_count"),
+            expert_intermediate_size=get("{arch}.expert_feed_forward_length",
+                                         get("{arch}.feed_forward_length")),
+            norm_topk_prob=_NORM_TOPK[self.arch],
+            sparse_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in self.tensors
+                                for i in range(layers)),
+            shared_expert_intermediate_size=get("{arch}.expert_shared_feed_forward_length",
+                                                get("{arch}.feed_forward_length"))
+            if "blk.0.ffn_gate_shexp.weight" in self.tensors else 0,
+            weights_in_model_dtype=self.arch != "llama")
 
     def _rope(self) -> RopeConfig:
         get = self.field

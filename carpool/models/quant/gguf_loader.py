@@ -18,6 +18,9 @@ from torch import nn
 from carpool.distributed import SINGLE, TensorParallelGroup
 from carpool.models.config import ModelConfig
 from carpool.models.llama import LlamaForCausalLM, StackedLinear
+from carpool.models.loader import build_model
+from carpool.models.moe import CHECKPOINT_NAMES, SparseMoeBlock
+from carpool.models.quant.experts import QuantExperts
 from carpool.models.quant.float_params import fill_float_parameters
 from carpool.models.quant.gguf_blocks import to_float, to_quantized
 from carpool.models.quant.gguf_file import GgufFile
@@ -39,7 +42,7 @@ def load_gguf_model(path: Path, config: ModelConfig, dtype: torch.dtype, device:
         raise ValueError(f"GGUF files run on the CPU only for now (device {device})")
     file = GgufFile(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp).to(dtype)
+        model = build_model(config, tp).to(dtype)
     with torch.no_grad():
         # the quantized modules replace their meta linears before anything is allocated, so
         # no float copy of a quantized matrix is ever made, not even an empty one
@@ -94,6 +97,10 @@ def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtyp
         return torch.cat([to_float(*file.tensor(n)).to(dtype) for n in found])
 
     for module_name, module in list(model.named_modules()):
+        if isinstance(module, SparseMoeBlock):
+            experts = _quantized_experts(module_name, module, file, part, prepare_linear)
+            if experts is not None:
+                module.experts = experts
         if not isinstance(module, nn.Linear) or module_name == "lm_head":
             continue
         if isinstance(module, StackedLinear):
@@ -111,8 +118,30 @@ def _quantize_modules(model: LlamaForCausalLM, file: GgufFile, dtype: torch.dtyp
         put("lm_head", QuantLinear([part(head)], None))
 
 
+def _quantized_experts(module_name: str, block: SparseMoeBlock, file: GgufFile, part,
+                       prepare_linear: PrepareLinear | None) -> QuantExperts | None:
+    """The block's experts as quantized linears, one gate/up and one down per expert, each
+    read alone from its layer's stacked tensors (`part`) and handed to `prepare_linear`
+    (None: float experts, which fill the stacked parameters)."""
+    block_name, (gate, up, down) = CHECKPOINT_NAMES[block.style]
+    prefix = f"{module_name.rpartition('.')[0]}.{block_name}.experts"
+    if not any(file.is_quantized(f"{prefix}.0.{p}.weight") for p in (gate, up, down)):
+        return None
+    gate_ups, downs = [], []
+    for e in range(block.experts.gate_up_proj.shape[0]):
+        gate_ups.append(QuantLinear([part(f"{prefix}.{e}.{gate}.weight"),
+                                     part(f"{prefix}.{e}.{up}.weight")], None))
+        downs.append(QuantLinear([part(f"{prefix}.{e}.{down}.weight")], None))
+        if prepare_linear is not None:
+            prepare_linear(gate_ups[-1])
+            prepare_linear(downs[-1])
+    return QuantExperts(gate_ups, downs)
+
+
 def _read_float(file: GgufFile, name: str):
-    """A float tensor of the file by its Hugging Face name; ValueError for a quantized one."""
+    """A float tensor of the file by its Hugging Face name; ValueError for a quantized one.
+    One expert of a stacked tensor is read alone, so no float copy of a whole layer's
+    experts is made beside the parameter it fills."""
     if file.is_quantized(name):
         raise ValueError(f"tensor {file.gguf_name(name)!r} of type {file.type_name(name)} "
                          f"cannot fill {name} (a float parameter)")

@@ -55,6 +55,7 @@ at::Tensor with_lora(at::Tensor out, const at::Tensor& x, const LoraTerm* term) 
 
 // SparseMoeBlock.forward on one rank (no shared expert): router, route, experts.
 at::Tensor sparse_mlp(const MoeStep& moe, const at::Tensor& h) {
+  if (!moe.gate_up.defined()) return moe.forward(h);
   auto [weights, ids] = carpool_moe::moe_route(multiply(moe.router, h), moe.top_k,
                                                moe.renormalize);
   if (moe.round_weights) weights = weights.to(h.scalar_type());

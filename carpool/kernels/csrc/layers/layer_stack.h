@@ -35,12 +35,15 @@ struct StackLinear {
 
 // A sparse layer's MLP (a mixture of experts), as models/moe.py's SparseMoeBlock runs it on
 // the CPU: the router's linear, moe_route, the weights cast to the hidden states' dtype where
-// the model casts them (`round_weights`), moe_experts on the packed experts.
+// the model casts them (`round_weights`), moe_experts on the packed experts. Experts the
+// kernel does not take (quantized ones) leave `gate_up` undefined and give `forward`, the
+// block's own (the Python module's, which takes the GIL), for the whole MLP.
 struct MoeStep {
   StackLinear router;
   at::Tensor gate_up, down;  // pack_moe_experts'
   int64_t top_k = 0;
   bool renormalize = false, round_weights = false;
+  std::function<at::Tensor(const at::Tensor&)> forward;
 };
 
 // One decoder layer: its two norms' weights, the q and k norms' (Qwen3) or none, and its four
