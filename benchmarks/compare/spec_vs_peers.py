@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--llama-k", type=int, default=2)
+    parser.add_argument("--engines", default="carpool,vllm,llamacpp",
+                        help="comma-separated, of carpool, vllm, llamacpp")
     parser.add_argument("--worker", choices=("carpool", "vllm", "llamacpp"), help=argparse.SUPPRESS)
     parser.add_argument("--sides", default="off,on", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,10 +135,11 @@ def main() -> None:
         worker(args)
         return
     from benchmarks.compare.vs_vllm_common import vllm_guide_preload
-    engines = [("carpool", sys.executable)]
-    if args.vllm_python:
+    wanted = args.engines.split(",")
+    engines = [("carpool", sys.executable)] if "carpool" in wanted else []
+    if args.vllm_python and "vllm" in wanted:
         engines.append(("vllm", args.vllm_python))
-    if args.gguf and args.llama_python:
+    if args.gguf and args.llama_python and "llamacpp" in wanted:
         engines.append(("llamacpp", args.llama_python))
     print(f"{args.model}, {args.threads} threads, {args.rounds} rounds, {args.max_tokens} "
           f"tokens, greedy, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}; "
