@@ -3,7 +3,7 @@
 //
 //   y[m, n] = float(sum_k qx[m, k] * qw[n, k]) * sx[m] * sw[n]  (+ bias[n])
 //
-// in float32, rounded to x's dtype once. qx and sx are int8_per_token's (elementwise/
+// in float32, rounded to x's dtype once (as it is stored: no float32 copy of y). qx and sx are int8_per_token's (elementwise/
 // int8_rows.cpp: the bits of the model's eager rounding), so the int32 sum is exact and the
 // only roundings are the conversion to float32 and the two products (kernels/reference.py's
 // w8a8_linear_reference holds the same definition).
@@ -28,12 +28,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "gemm/quant_weight.h"
@@ -63,7 +65,9 @@ struct Call {
   int64_t kp;
   const float* sx;     // [m]
   const float* bias;   // padded to whole blocks, or null
-  float* y;            // [m][blocks * 16]
+  void* y;             // [m][n] in x's dtype
+  int64_t n;
+  bool bf16;           // y bfloat16 (else float32)
 };
 
 inline int32_t load_u32(const uint8_t* p) {
@@ -72,17 +76,23 @@ inline int32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-// Row r0 + r's 16 outputs of block blk from its 16 int32 sums (biased by 128 * col_sums).
+// Row r's outputs of block blk (its columns below n) from their 16 int32 sums (biased by
+// 128 * col_sums), in y's dtype: bfloat16 rounded to nearest even, as Tensor.to rounds.
 inline void rescale16(const Call& c, int64_t r, int64_t blk, const int32_t* sums) {
   const int32_t* comp = c.w->col_sums.const_data_ptr<int32_t>() + blk * kBlock;
   const float* sw = c.w->col_scales.const_data_ptr<float>() + blk * kBlock;
   const float sx = c.sx[r];
-  float* y = c.y + r * c.w->blocks() * kBlock + blk * kBlock;
-  for (int64_t i = 0; i < kBlock; ++i) {
+  const int64_t cols = std::min(kBlock, c.n - blk * kBlock);
+  for (int64_t i = 0; i < cols; ++i) {
     float v = static_cast<float>(sums[i] - comp[i]) * sx;
     v = v * sw[i];
     if (c.bias != nullptr) v = v + c.bias[blk * kBlock + i];
-    y[i] = v;
+    const int64_t at = r * c.n + blk * kBlock + i;
+    if (c.bf16) {
+      static_cast<c10::BFloat16*>(c.y)[at] = c10::BFloat16(v);
+    } else {
+      static_cast<float*>(c.y)[at] = v;
+    }
   }
 }
 
@@ -113,11 +123,38 @@ __attribute__((noinline)) void tile(const Call& c, int64_t r0, int64_t blk) {
       for (int b = 0; b < B; ++b) acc[r * B + b] = _mm512_dpbusd_epi32(acc[r * B + b], xv, wv[b]);
     }
   }
+  // (through memory: read in the loop below, GCC would keep acc in memory throughout)
   alignas(64) int32_t sums[R * B][kBlock];
 #pragma GCC unroll 32
   for (int i = 0; i < R * B; ++i) _mm512_store_si512(sums[i], acc[i]);
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) rescale16(c, r0 + r, blk + b, sums[r * B + b]);
+  // (sum - 128 col_sums) * sx * sw (+ bias), stored as y's dtype: bfloat16 rounded to
+  // nearest even as c10::BFloat16 rounds (a NaN as 0x7fc0)
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff),
+                nan16 = _mm512_set1_epi32(0x7fc0);
+  for (int b = 0; b < B; ++b) {
+    const int64_t col0 = (blk + b) * kBlock;
+    const __mmask16 mask = col0 + kBlock <= c.n ? 0xFFFF : (1u << (c.n - col0)) - 1;
+    const __m512i comp = _mm512_loadu_si512(c.w->col_sums.const_data_ptr<int32_t>() + col0);
+    const __m512 sw = _mm512_loadu_ps(c.w->col_scales.const_data_ptr<float>() + col0);
+    const __m512 bias = c.bias == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(c.bias + col0);
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = _mm512_sub_epi32(_mm512_load_si512(sums[r * B + b]), comp);
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(c.sx[r0 + r]));
+      v = _mm512_mul_ps(v, sw);
+      if (c.bias != nullptr) v = _mm512_add_ps(v, bias);
+      const int64_t at = (r0 + r) * c.n + col0;
+      if (c.bf16) {
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+        __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, half)), 16);
+        h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan16);
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(c.y) + at, mask,
+                                 _mm512_cvtepi32_epi16(h));
+      } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(c.y) + at, mask, v);
+      }
+    }
+  }
 }
 #elif defined(CARPOOL_W8A8_MADD)
 // 16 ymm registers: 4 accumulators a row and block (4 columns x 2 pairs of k each).
@@ -285,23 +322,23 @@ at::Tensor w8a8_linear(const at::Tensor& x, const QuantWeight& w,
     bias_f = at::zeros({blocks * kBlock}, x.options().dtype(at::kFloat));
     bias_f.narrow(0, 0, n).copy_(*bias);
   }
-  at::Tensor y = at::empty({m, blocks * kBlock}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({m, n}, x.options());
   if (m > 0 && n > 0) {
     const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-    std::vector<uint8_t> xq(m * kp);
+    // every byte written by int8_per_token_u8 (its padding too): no zeroing first
+    const std::unique_ptr<uint8_t[]> xq(new uint8_t[m * kp]);
     std::vector<float> sx(m);
-    carpool_fused::int8_per_token_u8(xc, xq.data(), kp, sx.data());
-    const Call call{&w, xq.data(), kp, sx.data(),
+    carpool_fused::int8_per_token_u8(xc, xq.get(), kp, sx.data());
+    const Call call{&w, xq.get(), kp, sx.data(),
                     bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
-                    y.data_ptr<float>()};
+                    y.data_ptr(), n, x.scalar_type() == at::kBFloat16};
     if (m <= FewRows::kRows) {
       run_call<FewRows>(call, m);
     } else {
       run_call<ManyRows>(call, m);
     }
   }
-  at::Tensor out = blocks * kBlock == n ? y : y.narrow(1, 0, n);
-  return x.scalar_type() == at::kFloat ? out.contiguous() : out.to(x.scalar_type());
+  return y;
 }
 
 }  // namespace carpool_gemm
