@@ -6,7 +6,8 @@ the CPU probe that picks its build, and `reference.py`, the PyTorch oracle of ev
                       tables), prefill_attention_bf16 (bfloat16 prompt chunks, AVX512-BF16/AMX)
     csrc/gemm/        small_gemm_bf16 / small_gemm_f32 and their weight packing (few-row
                       linears on AVX512-BF16, AMX or AVX2); quant_linear, pack_quant_weight,
-                      dequantize_rows (quantized int8 / int4 weights)
+                      dequantize_rows (quantized int8 / int4 weights); w8a8_linear,
+                      pack_w8a8_weight (W8A8 per channel: int8 x int8, VNNI)
     csrc/elementwise/ rotary_, rms_norm, silu_and_mul, write_kv_; int8_per_token (W8A8's
                       activation rounding)
     csrc/layers/      LayerStack: a model's decoder layers in one call, through the ops above

@@ -78,6 +78,8 @@ def load(build_dir: str | os.PathLike | None = None,
 def build_flags(capability: str) -> list[str]:
     """The compiler flags of a build for `capability` on this CPU."""
     flags = CAPABILITY_FLAGS.get(capability, [])
+    if capability == "AVX512" and "avx512_vnni" in cpu_flags():
+        flags = [*flags, "-mavx512vnni"]  # W8A8's int8 products (vpdpbusd)
     if capability == "AVX512" and "avx512_bf16" in cpu_flags():
         flags = [*flags, "-mavx512bf16", "-DCARPOOL_AVX512_BF16"]  # vdpbf16ps on bf16 prompts
         if {"amx_bf16", "amx_tile"} <= cpu_flags():

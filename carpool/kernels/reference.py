@@ -28,7 +28,7 @@ from torch import nn
 from carpool.attention.base import write_kv
 from carpool.models.llama import RMSNorm, SiluAndMul
 from carpool.models.moe import experts_forward, route
-from carpool.models.quant.weight import int8_per_token
+from carpool.models.quant.weight import int8_per_token, int8_steps
 from carpool.models.rope import apply_rope
 
 # --- attention/ -------------------------------------------------------------------------
@@ -180,6 +180,21 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] [T, 2I] -> [T, I]: the model's `SiluAndMul`
     (the kernel gives its bits, NaNs aside: which NaN a NaN x NaN keeps is the compiler's)."""
     return SiluAndMul()(gate_up)
+
+
+def w8a8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 as vLLM defines it, for `w8a8_linear` (and `quant_linear` on a `pack_w8a8_weight`
+    weight): x [M, K] rounded per token to q_x and scale_x (`int8_steps`: compressed-tensors'
+    steps, scale_x in x's dtype), qweight int8 [N, K] with one float32 scale per column, and
+    y = float32(sum_k q_x q_w) * scale_x * scale_w (+ bias), each product and the sum rounded
+    to float32 in that order, then y in x's dtype. The int sums are exact in float64."""
+    q, scale = int8_steps(x)
+    sums = (q.double() @ qweight.double().T).float()
+    y = sums * scale.float() * scales.reshape(1, -1).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def int8_per_token_reference(x: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,15 @@
 """Quantized linears on the CPU: each part of every `QuantLinear` gets the multiply the route
 picks (`cpu_route.QuantRoute`).
 
-Few-row calls (decodes, short chunks, the sampled rows' LM head) take the compiled
-`quant_linear`, which reads each weight byte once and dequantizes in registers: decoding is
-bound by the bytes of weights read, and int8 / int4 weights are a half / a quarter of
-bfloat16's. Larger calls dequantize slices of the weight into the activations' dtype and
-multiply with `F.linear` (the reference path of `models.quant.linear`), where the arithmetic,
-not the weight's bytes, is the cost. Under batch invariance the compiled kernel takes every
-call (a row's sums never depend on the others), or without it the reference runs in the
-invariant tiles of `cpu_invariant_linear`.
+W8A8 with per-channel weight scales takes the compiled int8 x int8 product (`w8a8_linear`)
+at every row count. Otherwise few-row calls (decodes, short chunks, the sampled rows' LM
+head) take the compiled `quant_linear`, which reads each weight byte once and dequantizes
+in registers: decoding is bound by the bytes of weights read, and int8 / int4 weights are
+a half / a quarter of bfloat16's. Larger calls dequantize slices of the weight into the
+activations' dtype and multiply with `F.linear` (the reference path of
+`models.quant.linear`), where the arithmetic, not the weight's bytes, is the cost. Under
+batch invariance the compiled kernel takes every call (a row's sums never depend on the
+others), or without it the reference runs in the invariant tiles of `cpu_invariant_linear`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from carpool.kernels.quant_rows import quant_matmul
 from carpool.models.quant.linear import PartMatmul, QuantLinear, reference_matmul
 from carpool.models.quant.weight import QuantizedWeight
 from carpool.platform.cpu_invariant_linear import agreeing_tiles, in_row_tiles
-from carpool.platform.cpu_route import QuantRoute
+from carpool.platform.cpu_route import ALL_ROWS, QuantRoute
 
 
 def quant_linears(model: nn.Module) -> list[QuantLinear]:
@@ -107,6 +108,11 @@ def pack_part(part, kernels: ModuleType | None, route: QuantRoute) -> PackedPart
     float part, no kernels, or a route without the kernel)."""
     if not isinstance(part, QuantizedWeight) or kernels is None or not route.max_rows(part.bits):
         return None
+    if part.int8_product:
+        # W8A8 per channel: int8 x int8 at every row count (the kernel rounds x per token
+        # itself; exact sums, so no cut between a few-row and a many-row multiply)
+        packed = kernels.pack_w8a8_weight(part.qweight, part.scales)
+        return PackedPart(kernels, packed, ALL_ROWS, lambda x: x, True, False)
     bits = packed_bits(part)
     packed = kernels.pack_quant_weight(part.qweight, part.scales, part.mins, bits,
                                        part.group_size, f16_header(part))

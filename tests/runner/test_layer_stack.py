@@ -213,8 +213,8 @@ def test_the_stack_keeps_the_modules_for_a_backend_made_apart(make_checkpoint, m
 def test_quantized_linears_run_inside_the_stack(make_checkpoint, monkeypatch, tmp_path, source,
                                                 dtype):
     """A quantized model's linears multiply in the stack (quant_linear on each packed part,
-    then the bias: qwen2's q/k/v biases; W8A8's input rounded per token by int8_per_token
-    first), giving the modules' hidden states to the bit, and call their module back only
+    then the bias: qwen2's q/k/v biases; W8A8 per channel as w8a8_linear's int8 products),
+    giving the modules' hidden states to the bit, and call their module back only
     above their cut."""
     from pathlib import Path
 
@@ -232,7 +232,9 @@ def test_quantized_linears_run_inside_the_stack(make_checkpoint, monkeypatch, tm
     runner = make_runner(path, dtype)
     linears = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
     assert linears and all(lin.stack_parts is not None for lin in linears)
-    assert all(lin.stack_parts.int8_input == (source == "W8A8") for lin in linears)
+    # W8A8 per channel: int8 x int8 (pack_w8a8_weight), which rounds its input itself
+    assert all(all(p.w8a8 for p in lin.stack_parts.packed) == (source == "W8A8")
+               and not lin.stack_parts.int8_input for lin in linears)
     stack = Flagged(runner.model.layer_stack)
     callbacks = []
     for lin in linears:

@@ -143,6 +143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("group_size", &QuantWeight::group_size)
       .def_readonly("has_mins", &QuantWeight::has_mins)
       .def_readonly("f16_header", &QuantWeight::f16_header)
+      .def_readonly("w8a8", &QuantWeight::w8a8)
       .def_property_readonly("nbytes", [](const QuantWeight& w) { return w.data.nbytes(); });
   m.def("pack_quant_weight", &carpool_gemm::pack_quant_weight,
         "The canonical quantized weight (qweight, scales, mins or None, bits 8 or 4, "
@@ -151,6 +152,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and mins that are exact in float16 as float16.",
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("group_size"), py::arg("f16_header") = false);
+  m.def("pack_w8a8_weight", &carpool_gemm::pack_w8a8_weight,
+        "An int8 weight [N, K] with one float32 scale per column ([N] or [N, 1]: W8A8's "
+        "per-channel scales) packed once for w8a8_linear (quant_linear takes it too).",
+        py::arg("qweight"), py::arg("scales"));
+  m.def("w8a8_linear", &carpool_gemm::w8a8_linear,
+        "x [M, K] (float32 or bfloat16) rounded per token to int8 (int8_per_token's steps), "
+        "times a pack_w8a8_weight weight in int32: (sum q_x q_w) * scale_x * scale_w (+ bias) "
+        "in float32, then x's dtype. Exact sums, so each row is the same bits in any batch.",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear", &carpool_gemm::quant_linear,
         "x [M, K] (float32 or bfloat16) @ W.T (+ bias) -> [M, N] in x's dtype, W dequantized "
         "in registers from a packed quantized weight; float32 sums, each row independent of "

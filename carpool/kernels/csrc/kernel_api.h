@@ -42,6 +42,14 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
                         const c10::optional<at::Tensor>& bias, int64_t rounded_from = 0);
 }
 
+namespace carpool_gemm {  // w8a8_gemm.cpp
+QuantWeight pack_w8a8_weight(const at::Tensor& qweight, const at::Tensor& scales);
+// x rounded per token to int8 (int8_per_token's q and scales), times the int8 weight in int32,
+// each output (sum q_x q_w) * scale_x * scale_w (+ bias) in float32, then x's dtype
+at::Tensor w8a8_linear(const at::Tensor& x, const QuantWeight& w,
+                       const c10::optional<at::Tensor>& bias);
+}
+
 namespace carpool_gemm {  // lora_gemm.cpp
 void lora_add_(at::Tensor& out, const at::Tensor& x, const std::vector<int64_t>& starts,
                const std::vector<int64_t>& ends, const std::vector<at::Tensor>& a,
@@ -65,6 +73,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void write_kv_(at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k,
                const at::Tensor& v);
 at::Tensor int8_per_token(const at::Tensor& x);  // int8_rows.cpp
+// int8_per_token's q of each row as q + 128 at out + r * out_stride (padded with 128 to
+// out_stride), its scale at scales[r] (float32)
+void int8_per_token_u8(const at::Tensor& x, uint8_t* out, int64_t out_stride, float* scales);
 }
 
 namespace carpool_moe {  // moe/moe_experts.cpp

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from carpool.models.quant.weight import QuantizedWeight, stack_rows
+from carpool.models.quant.weight import QuantizedWeight, stack_rows, w8a8_product
 
 Part = QuantizedWeight | torch.Tensor  # a float part is a plain [N, K] tensor
 PartMatmul = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> [M, N] in x's dtype
@@ -28,13 +28,18 @@ REFERENCE_ROWS = 1024
 
 def reference_matmul(part: Part) -> PartMatmul:
     """x @ part.T computed from the dequantized part, REFERENCE_ROWS output rows at a time
-    (x first as the part takes it: `QuantizedWeight.prepare_input`)."""
+    (x first as the part takes it: `QuantizedWeight.prepare_input`); W8A8 with per-column
+    scales as integer products (`w8a8_product`)."""
     if isinstance(part, torch.Tensor):
         return lambda x: F.linear(x, part.to(x.dtype))
 
     def matmul(x: torch.Tensor) -> torch.Tensor:
-        x = part.prepare_input(x)
         n = part.shape[0]
+        if part.int8_product:
+            return torch.cat([w8a8_product(x, part.qweight[start:start + REFERENCE_ROWS],
+                                           part.scales[start:start + REFERENCE_ROWS])
+                              for start in range(0, n, REFERENCE_ROWS)], dim=-1)
+        x = part.prepare_input(x)
         pieces = [F.linear(x, part.rows(slice(start, start + REFERENCE_ROWS)).dequantize(x.dtype))
                   for start in range(0, n, REFERENCE_ROWS)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)

@@ -91,6 +91,13 @@ class QuantizedWeight:
         return replace(self, qweight=pick(self.qweight), scales=pick(self.scales),
                        mins=pick(self.mins))
 
+    @property
+    def int8_product(self) -> bool:
+        """W8A8 with one scale per output column (compressed-tensors' channel strategy, no
+        zero points): multiplied int8 x int8 (`w8a8_product`), as vLLM does."""
+        return (self.input_int8 and self.bits == 8 and self.mins is None
+                and self.group_size == self.shape[1] and self.input_perm is None)
+
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] as the stored matrix multiplies it: columns gathered by `input_perm`,
         then int8-rounded per token where `input_int8` (identity for most weights)."""
@@ -163,11 +170,34 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
     return w.reshape(n, k)
 
 
-def int8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to int8 steps per row (token) and scaled back, as compressed-tensors quantizes
-    activations with dynamic per-token scales: scale = max|x| / 127.5 (0 -> the dtype's eps),
-    q = clamp(round(x / scale), -128, 127), x' = q * scale, in x's dtype."""
+def int8_steps(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as compressed-tensors rounds them with dynamic per-token scales: (q, scale),
+    scale = max|x| / 127.5 per row [M, 1] (0 -> the dtype's eps), q = clamp(round(x / scale),
+    -128, 127), both in x's dtype (q integral)."""
     scale = x.abs().amax(dim=-1, keepdim=True).div_(INT8_HALF_RANGE)
     scale.masked_fill_(scale == 0, torch.finfo(x.dtype).eps)
     # in place after the division: the same values, without a new [M, K] tensor per step
-    return torch.div(x, scale).round_().clamp_(-128, 127).mul_(scale)
+    return torch.div(x, scale).round_().clamp_(-128, 127), scale
+
+
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 steps per row (token) and scaled back, as compressed-tensors quantizes
+    activations with dynamic per-token scales: x' = q * scale in x's dtype (`int8_steps`)."""
+    q, scale = int8_steps(x)
+    return q.mul_(scale)
+
+
+# int8 x int8 products of up to this many k sum exactly in float32 (|sum| <= 128 * 128 * K
+# <= 2 ** 24); longer rows sum in float64
+FLOAT32_EXACT_K = 1024
+
+
+def w8a8_product(x: torch.Tensor, qweight: torch.Tensor, col_scales: torch.Tensor) -> torch.Tensor:
+    """W8A8 as vLLM multiplies it: x [M, K] rounded per token (`int8_steps`), then
+    (sum_k q_x q_w) * scale_x * scale_w per output, in float32, rounded to x's dtype once.
+    The sums are integers that float32 (float64 for long rows) holds exactly, so any order
+    of summation gives the same value. col_scales: float32 [N] (one scale per column)."""
+    q, scale = int8_steps(x)
+    wide = torch.float32 if x.shape[-1] <= FLOAT32_EXACT_K else torch.float64
+    sums = (q.to(wide) @ qweight.to(wide).T).float()
+    return (sums * scale.float() * col_scales.reshape(1, -1)).to(x.dtype)

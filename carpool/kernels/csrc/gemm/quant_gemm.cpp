@@ -36,6 +36,7 @@
 
 #include "gemm/quant_isa.h"
 #include "gemm/quant_weight.h"
+#include "kernel_api.h"
 
 namespace carpool_gemm {
 
@@ -224,6 +225,7 @@ void run_call(const Call& call, int64_t m) {
 
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
                         const c10::optional<at::Tensor>& bias, int64_t rounded_from) {
+  if (w.w8a8) return w8a8_linear(x, w, bias);  // the input rounded per token, int8 x int8
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be a float32 or bfloat16 CPU [M, K] tensor, got ",

@@ -231,6 +231,8 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
 at::Tensor dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, at::ScalarType dtype) {
   TORCH_CHECK(0 <= n0 && n0 <= n1 && n1 <= w.n, "dequantize_rows: rows [n0, n1) = [", n0, ", ",
               n1, ") must lie in [0, N = ", w.n, "]");
+  TORCH_CHECK(!w.w8a8, "dequantize_rows: a W8A8 weight (pack_w8a8_weight) multiplies by "
+              "w8a8_linear only");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "dequantize_rows: dtype must be float32 or bfloat16, got ", dtype);
   at::Tensor out = at::empty({n1 - n0, w.k}, w.data.options().dtype(dtype));

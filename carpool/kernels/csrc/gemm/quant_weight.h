@@ -30,6 +30,13 @@
 // (bits 4), or, with one masked add on their words, the five bits `vpermw` indexes by (bits
 // 5). A group's scales and mins sit in the cache line before its q. Its size is the
 // canonical bytes plus the padding of N.
+//
+// W8A8 (`w8a8`, pack_w8a8_weight in w8a8_gemm.cpp): an int8 weight with one scale per column
+// (compressed-tensors' per-channel int8) multiplied int8 x int8 by rows rounded per token.
+// `data` is uint8 [blocks, kp * 16], kp = K rounded up to 4 (zeros after K): per 4 k (a quad)
+// 64 bytes, column c's q[k0..k0 + 3] in bytes 4c..4c + 3 (one dword a column, the operand
+// `vpdpbusd` sums 4 products of); `col_scales` float32 and `col_sums` int32 [blocks * 16]:
+// each column's scale and 128 * sum_k q (what activations shifted by 128 to unsigned add).
 
 #pragma once
 
@@ -44,6 +51,8 @@ struct QuantWeight {
   int64_t n = 0, k = 0, bits = 8, group_size = 0;
   bool has_mins = false;
   bool f16_header = false;  // the groups' scales and mins as float16
+  bool w8a8 = false;         // the W8A8 layout above (w8a8_gemm.cpp), not the groups'
+  at::Tensor col_scales, col_sums;  // W8A8 only
 
   static constexpr int64_t kBlock = 16;  // output columns per block
   int64_t blocks() const { return (n + kBlock - 1) / kBlock; }
@@ -52,7 +61,8 @@ struct QuantWeight {
   int64_t group_bytes() const {
     return header_bytes() + group_size * kBlock * bits / 8;
   }
-  int64_t block_bytes() const { return groups() * group_bytes(); }
+  int64_t block_bytes() const { return w8a8 ? kp() * kBlock : groups() * group_bytes(); }
+  int64_t kp() const { return (k + 3) / 4 * 4; }  // W8A8's K padded to whole quads
 };
 
 }  // namespace carpool_gemm

@@ -19,7 +19,8 @@ namespace carpool_layers {
 // forward, which takes the GIL: oneDNN's calls, whose row counts it buckets). A quantized
 // layer (`quant` not empty) multiplies by quant_linear on each stacked part instead, their
 // outputs side by side, then adds the bias: what its QuantLinear module computes (with its
-// input rounded per row by int8_per_token first where the parts take W8A8's int8 input).
+// input rounded per row by int8_per_token first where the parts take W8A8's int8 input;
+// W8A8 parts packed by pack_w8a8_weight take x as it is: quant_linear rounds it itself).
 struct StackLinear {
   at::Tensor packed;
   int64_t out_features = 0;
