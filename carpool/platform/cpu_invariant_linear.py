@@ -21,7 +21,7 @@ docs/lab/16-batch-invariant-mode.md). Whether linears take tiles is the route's
 
 A layer the compiled vector small GEMM takes needs no tiles: its kernel sums a row's
 products in one order whatever the call's rows, so under batch invariance the route gives it
-every call (`cpu_route.EVERY_ROW`), and `tile_linears` leaves it be once `rows_independent`
+every call (`cpu_route.ALL_ROWS`), and `tile_linears` leaves it be once `rows_independent`
 has checked its shape.
 """
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from carpool.platform.cpu_linear import PackedLinear
-from carpool.platform.cpu_route import EVERY_ROW
+from carpool.platform.cpu_route import ALL_ROWS
 
 REFERENCE_ROWS = 16  # the call size every other one must agree with (always used)
 TILES = (256, 64, 16, 8, 4, 2)  # the candidates, largest first
@@ -113,7 +113,7 @@ def tile_linears(model: nn.Module) -> int:
     """Replace every `PackedLinear` (oneDNN on exactly the rows given) and `nn.Linear`
     (`F.linear`) inside `model` with a `RowTiledLinear`, its tiles checked once per layer
     shape; returns how many. A `PackedLinear` whose small GEMM takes every call
-    (`cpu_route.EVERY_ROW`) and whose rows are independent stays as it is."""
+    (`cpu_route.ALL_ROWS`) and whose rows are independent stays as it is."""
     tiles_of: dict[tuple, tuple[int, ...]] = {}
     independent: dict[tuple, bool] = {}
     targets = [(parent, name, child) for parent in model.modules()
@@ -125,7 +125,7 @@ def tile_linears(model: nn.Module) -> int:
             key = (type(child), child.in_features, child.out_features, child.weight.dtype,
                    child.bias is None)
             if isinstance(child, PackedLinear) and child.small is not None and \
-                    child.small.max_rows >= EVERY_ROW:
+                    child.small.max_rows >= ALL_ROWS:
                 if key not in independent:
                     independent[key] = rows_independent(child)
                 if independent[key]:

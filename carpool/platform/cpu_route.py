@@ -23,7 +23,7 @@ and dtype (tests/platform/test_cpu_route.py holds this table):
     no kernels   any       none (oneDNN only)                  PyTorch
 
 With the kernels, decodes take paged_attention and the layer stack runs the decoder layers
-(not under batch invariance, whose linears take fixed tiles and no small GEMM). A sliding
+(under batch invariance too: the vector small GEMM then takes every call). A sliding
 window or a head_dim the prefill kernel does not take sends bfloat16 prompts to
 paged_attention; a head_dim above the build's `max_head_dim` sends attention to PyTorch.
 Measurements behind each cut live in docs/lab/ (linked at the table); the code gives reasons.
@@ -31,87 +31,12 @@ Measurements behind each cut live in docs/lab/ (linked at the table); the code g
 
 from __future__ import annotations
 
-import enum
-import functools
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 from carpool.attention.paths import AttentionRoute, decide_attention
-from carpool.kernels.cpu_info import cpu_flags, is_zen4
-
-
-class CpuClass(enum.Enum):
-    """What moves a cut: the vector ISA torch and the kernels dispatch to, AMX tiles, and Zen 4's
-    half-width AVX-512 units."""
-
-    AMX = "AMX"
-    AVX512_BF16 = "AVX512-BF16"
-    ZEN4 = "Zen 4"
-    AVX512 = "AVX512"
-    AVX2 = "AVX2"
-    OTHER = "no AVX2"
-
-
-@dataclass(frozen=True)
-class CpuFacts:
-    """This CPU as the route sees it (`probe()`; tests build their own)."""
-
-    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX512", "AVX2", "DEFAULT"
-    amx: bool  # oneDNN runs AMX tiles (torch.cpu._is_amx_tile_supported)
-    zen4: bool  # an AMD Zen 4 core (carpool.kernels.is_zen4)
-    avx512_bf16: bool  # the avx512_bf16 flag
-    onednn: bool = True  # torch.backends.mkldnn.is_available()
-    onednn_bf16: bool = True  # oneDNN's matmul has a bfloat16 kernel (AVX512BW/VL/DQ or newer)
-
-    @property
-    def cpu_class(self) -> CpuClass:
-        """AVX2 first (its builds run 256-bit code whatever the flags), then AMX, Zen 4."""
-        if self.capability == "AVX2":
-            return CpuClass.AVX2
-        if self.amx:
-            return CpuClass.AMX
-        if self.zen4:
-            return CpuClass.ZEN4
-        if self.capability != "AVX512":
-            return CpuClass.OTHER
-        return CpuClass.AVX512_BF16 if self.avx512_bf16 else CpuClass.AVX512
-
-    @staticmethod
-    @functools.cache
-    def probe() -> CpuFacts:
-        """This machine's facts, read once per process."""
-        return CpuFacts(capability=torch.backends.cpu.get_cpu_capability(),
-                        amx=torch.cpu._is_amx_tile_supported(), zen4=is_zen4(),
-                        avx512_bf16="avx512_bf16" in cpu_flags(),
-                        onednn=torch.backends.mkldnn.is_available(),
-                        onednn_bf16=torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-@dataclass(frozen=True)
-class KernelFacts:
-    """What the loaded kernels build runs here (`of(module, head_dim)`; tests build their own)."""
-
-    max_head_dim: int  # paged_attention keeps a query row in registers up to this
-    small_gemm_bf16: bool  # has_small_gemm_bf16: AVX512-BF16, or AVX2 builds in float32 FMAs
-    small_gemm_f32: bool  # has_f32_gemm: AVX-512 or AVX2 builds
-    bf16_gemm: bool  # has_bf16_gemm: AVX512-BF16 (prefill_attention_bf16 runs)
-    amx: bool  # has_amx: the build and CPU run AMX tiles
-    prefill_head_dim_ok: bool  # prefill_attention_bf16 takes the model's head_dim
-    quant_gemm: bool = False  # quant_linear: int8 / int4 weights multiplied in registers
-    moe_experts: bool = False  # moe_experts: a mixture of experts' experts in one call
-
-    @staticmethod
-    def of(kernels: ModuleType, head_dim: int) -> KernelFacts:
-        return KernelFacts(max_head_dim=kernels.max_head_dim(),
-                           small_gemm_bf16=kernels.has_small_gemm_bf16(),
-                           small_gemm_f32=kernels.has_f32_gemm(),
-                           bf16_gemm=kernels.has_bf16_gemm(), amx=kernels.has_amx(),
-                           prefill_head_dim_ok=kernels.prefill_head_dim_ok(head_dim),
-                           quant_gemm=hasattr(kernels, "quant_linear"),
-                           moe_experts=hasattr(kernels, "moe_experts"))
-
+from carpool.platform.cpu_facts import CpuClass, CpuFacts, KernelFacts
 
 # The small-GEMM cut: a call of at most this many rows takes the compiled small GEMM, a larger
 # one oneDNN. One row per CPU class; each is where the two cross on the 135M model's layers.
@@ -138,10 +63,10 @@ SMALL_GEMM_MAX_ROWS: dict[CpuClass, dict[torch.dtype, int]] = {
 # them and in_features is a multiple of 32: it stays ahead of oneDNN's 512-row pieces that far
 # (2 x cpu_linear.MAX_ROWS; docs/lab/43-the-amx-small-gemm.md).
 SMALL_GEMM_AMX_TILE_MAX_ROWS = 1024
-# Under batch invariance the vector small GEMM takes calls of every size: a row's sums run in
-# the same order whatever the call's rows (csrc/gemm/small_gemm.cpp), so the fast path is
-# the invariant one, and the layer stack runs on it.
-EVERY_ROW = 1 << 40
+# A cut that takes every call. Under batch invariance the vector small GEMM and quant_linear
+# take calls of every size: a row's sums run in the same order whatever the call's rows
+# (csrc/gemm/small_gemm.cpp, quant_gemm.cpp), so the fast path is the invariant one.
+ALL_ROWS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -171,7 +96,7 @@ class SmallGemmRoute:
         return SmallGemmCut(self.max_rows, amx=False)
 
     def describe(self) -> str:
-        if self.max_rows >= EVERY_ROW:
+        if self.max_rows >= ALL_ROWS:
             return f"{self.kernel} for every call (batch-invariant)"
         vector = f"{self.kernel} up to {self.max_rows} rows"
         if self.amx_tile_max_rows:
@@ -239,7 +164,6 @@ class QuantRoute:
                 f"(int4){rounded}, else dequantize_rows into F.linear")
 
 
-ALL_ROWS = 1 << 30
 # Quantized calls of up to these many rows take the compiled quant_linear, which reads each
 # weight byte once and dequantizes in registers; above, the product is bound by multiply-adds
 # and oneDNN's GEMM on the weight dequantized once per call wins. By CPU class and x's dtype:
@@ -384,7 +308,7 @@ def decide_linears(cpu: CpuFacts, dtype: torch.dtype, kernels: KernelFacts | Non
         # the layers it does not take through oneDNN in fixed row counts
         small = decide_small_gemm(cpu, dtype, kernels)
         if small is not None:
-            small = SmallGemmRoute(small.kernel, EVERY_ROW, 0)
+            small = SmallGemmRoute(small.kernel, ALL_ROWS, 0)
         return LinearRoute(packed=True, tiles=True, onednn_dtype=onednn, full_step_rows=0,
                            one_padded_call=False, small_gemm=small)
     return LinearRoute(packed=True, tiles=False, onednn_dtype=onednn,

@@ -28,11 +28,11 @@ TOP_CANDIDATES = 1024
 def apply_top_k_top_p(logits: torch.Tensor, params) -> torch.Tensor:
     """Keep each row's top_k tokens (0: all), then the smallest prefix whose mass reaches top_p.
 
-    Sorting the whole vocabulary took 390 ms for 100 rows of 49,152 on 2 threads (more than
-    a 135M model's decode step), so the cut is made among each row's best logits: the largest
-    top_k of the batch, or TOP_CANDIDATES if a row has top_p alone. They hold every kept
-    token when the row's top_k is within them or its top_p prefix ends inside them; only
-    the other rows are sorted whole."""
+    Sorting the whole vocabulary costs more than a small model's decode step
+    (docs/lab/26-prefix-blocks-shared-within-the-step-that.md), so the cut is made among each
+    row's best logits: the largest top_k of the batch, or TOP_CANDIDATES if a row has top_p
+    alone. They hold every kept token when the row's top_k is within them or its top_p
+    prefix ends inside them; only the other rows are sorted whole."""
     vocab_size = logits.shape[-1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
                          device=logits.device)

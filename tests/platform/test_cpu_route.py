@@ -12,7 +12,7 @@ import torch
 
 from carpool.attention.paths import DecodePath, PromptPath
 from carpool.platform.cpu_route import (
-    EVERY_ROW,
+    ALL_ROWS,
     SMALL_GEMM_AMX_TILE_MAX_ROWS,
     CpuClass,
     CpuFacts,
@@ -115,7 +115,7 @@ def test_the_switches_move_the_route():
     invariant = route_of(CpuClass.AMX, BF16, batch_invariant=True, full_step_rows=2048)
     assert invariant.linears.tiles and invariant.linears.packed
     # the vector small GEMM for every call, never the AMX tiles, and the stack on it
-    assert invariant.linears.small_gemm == SmallGemmRoute("small_gemm_bf16", EVERY_ROW, 0)
+    assert invariant.linears.small_gemm == SmallGemmRoute("small_gemm_bf16", ALL_ROWS, 0)
     assert invariant.linears.full_step_rows == 0
     assert invariant.attention.batch_invariant and invariant.layer_stack
     no_small = dataclasses.replace(KERNELS[CpuClass.AMX], small_gemm_bf16=False)

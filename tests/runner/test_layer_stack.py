@@ -166,7 +166,7 @@ def test_batch_invariant_mode_runs_on_the_stack_with_every_call_on_the_small_gem
     route = runner.platform.route
     if route.linears.small_gemm is None:
         pytest.skip(f"no {dtype} small GEMM on this CPU: the linears take oneDNN tiles")
-    assert route.linears.small_gemm.max_rows == cpu_route.EVERY_ROW
+    assert route.linears.small_gemm.max_rows == cpu_route.ALL_ROWS
     assert route.attention.batch_invariant
     assert isinstance(runner.model.layer_stack, KernelLayerStack)
     linears = [m for m in runner.model.modules() if isinstance(m, cpu_linear.PackedLinear)]
