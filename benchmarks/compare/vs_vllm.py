@@ -66,7 +66,9 @@ ENGINES = ("carpool", "vllm")
 # Each worker runs as a module from the repository root (`python -m`), in its engine's Python.
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = {"carpool": "benchmarks.compare.vs_vllm_worker_carpool",
-           "vllm": "benchmarks.compare.vs_vllm_worker_vllm"}
+           "vllm": "benchmarks.compare.vs_vllm_worker_vllm",
+           # GGUF files only, for benchmarks.quant.vs_llama_cpp --num-requests
+           "llama.cpp": "benchmarks.compare.vs_vllm_worker_llama_cpp"}
 DEFAULT_VLLM_PYTHON = "/work/venv-vllm/bin/python"
 PROMPT_LEN = (16, 512)
 SHORT_OUTPUT_LEN = (16, 32)

@@ -14,6 +14,15 @@ prefill on both sides: carpool's is (tokens - 1) / (last token - first token).
     python3 -m benchmarks.quant.vs_llama_cpp /tmp/moe-bf16.gguf /tmp/moe-f16.gguf --repeats 3
 
 prints each repeat, then per file the median rates and the median of the per-repeat ratios.
+
+With `--num-requests N` it runs issue 8's batch workload instead (`vs_vllm.build_requests`: N
+requests added at once, prompts of 16-512 tokens, outputs of 16-32 or 128-256), both engines
+through `benchmarks.compare`'s step loop: carpool's worker, and llama.cpp's
+(`vs_vllm_worker_llama_cpp`, the server's slot loop over the library: every request a
+sequence, one `llama_decode` a step of up to 4,096 tokens, decodes first). Output tok/s over
+the whole workload (prefill included) and TTFT p50, per repeat:
+
+    python3 -m benchmarks.quant.vs_llama_cpp 0.5b-lc-Q8_0.gguf --num-requests 200 --repeats 2
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.compare.vs_vllm import run_worker
+from benchmarks.compare.vs_vllm import build_requests, run_worker, summarize_run
 from benchmarks.compare.vs_vllm_common import Job
 from carpool.utils.cpu_threads import openmp_wait_environment
 
@@ -52,6 +61,18 @@ def carpool_decode(file: str, dtype: str, threads: int, spin_count: int, workdir
     return (request["num_output_tokens"] - 1) / (request["end_s"] - request["first_token_s"])
 
 
+def batch_run(engine: str, file: str, requests: list, threads: int, spin_count: int,
+              python: str, workdir: Path, tag: str) -> dict:
+    """One engine's run of the batch workload: `vs_vllm.summarize_run`'s figures."""
+    job = Job(engine=engine, model=file, dtype="bfloat16", num_threads=threads,
+              workloads={"batch": requests}, keep_token_ids=False)
+    env = (openmp_wait_environment(spin_count, {}) if engine == "carpool"
+           else {"OMP_WAIT_POLICY": "PASSIVE"})
+    result = run_worker(engine, job, sys.executable if engine == "carpool" else python,
+                        workdir, tag, 3600, extra_env=env)
+    return summarize_run(result["workloads"]["batch"])
+
+
 def llama_cpp_decode(file: str, threads: int, python: str) -> float:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     out = subprocess.run(
@@ -71,7 +92,11 @@ def main() -> int:
     parser.add_argument("--spin-count", type=int, default=0,
                         help="carpool's OpenMP spins before sleeping (GOMP_SPINCOUNT)")
     parser.add_argument("--llama-python", default=LLAMA_PYTHON)
+    parser.add_argument("--num-requests", type=int, default=0,
+                        help="run issue 8's batch workload of this many requests instead")
     args = parser.parse_args()
+    if args.num_requests:
+        return batch_main(args)
     arms = [(file, engine) for file in args.gguf for engine in ("carpool", "llama.cpp")]
     rates: dict[tuple[str, str], list[float]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as workdir:
@@ -94,6 +119,36 @@ def main() -> int:
         print(f"{Path(file).name:40s} {statistics.median(ours):9.1f} "
               f"{statistics.median(theirs):10.1f}  median {statistics.median(pairs):.2f} "
               f"({', '.join(f'{r:.2f}' for r in pairs)})")
+    return 0
+
+
+def batch_main(args) -> int:
+    from carpool.models.config import load_model_config
+
+    arms = [(file, engine) for file in args.gguf for engine in ("carpool", "llama.cpp")]
+    runs: dict[tuple[str, str], list[dict]] = {arm: [] for arm in arms}
+    with tempfile.TemporaryDirectory() as workdir:
+        for repeat in range(args.repeats):
+            for i, (file, engine) in enumerate(arms if repeat % 2 == 0 else arms[::-1]):
+                requests = build_requests(args.num_requests,
+                                          load_model_config(Path(file)).vocab_size)
+                run = batch_run(engine, file, requests, args.threads, args.spin_count,
+                                args.llama_python, Path(workdir), f"r{repeat}-{i}")
+                runs[file, engine].append(run)
+                print(f"repeat {repeat}: {engine:9s} {Path(file).name}: "
+                      f"{run['output_tok_s']:.1f} out tok/s, TTFT p50 "
+                      f"{run['ttft_p50_ms']:.0f} ms", flush=True)
+    print(f"\nthreads {args.threads}, {args.num_requests} requests (issue 8's workload), "
+          f"carpool spin count {args.spin_count}, llama.cpp OMP_WAIT_POLICY=PASSIVE")
+    print(f"{'file':32s} {'carpool':>9s} {'llama.cpp':>10s}  tok/s ratio per repeat; "
+          f"TTFT p50 ratio per repeat")
+    for file in args.gguf:
+        ours, theirs = runs[file, "carpool"], runs[file, "llama.cpp"]
+        tok = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(ours, theirs)]
+        ttft = [a["ttft_p50_ms"] / b["ttft_p50_ms"] for a, b in zip(ours, theirs)]
+        print(f"{Path(file).name:32s} {statistics.median(r['output_tok_s'] for r in ours):9.1f} "
+              f"{statistics.median(r['output_tok_s'] for r in theirs):10.1f}  "
+              f"{', '.join(f'{r:.2f}' for r in tok)}; {', '.join(f'{r:.2f}' for r in ttft)}")
     return 0
 
 
