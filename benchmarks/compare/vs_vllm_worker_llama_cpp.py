@@ -5,9 +5,10 @@ llama-cpp-python's low-level API, in the Python that has `llama_cpp`.
 llama.cpp's own continuous batching lives in its server (slots, one `llama_decode` a step);
 the library has no engine to step, so this worker is that loop, as the server runs it:
 - every request gets its own sequence id at once (`n_seq_max` = the job's requests, at most
-  llama.cpp's 256, as `max_num_seqs` 256 admits them all in the other engines), in one KV
-  pool shared by all sequences (`kv_unified`, the server's setting when it sizes its slots
-  itself) large enough for every request's prompt and outputs;
+  llama.cpp's 256, as `max_num_seqs` 256 admits them all in the other engines), each
+  sequence its own KV stream of the longest request's length (the server's `-np N` without
+  `--kv-unified`: in one unified pool a token's attention spans the cells of every
+  sequence, masked, so a step's attention grows with all the requests' tokens);
 - a step is one `llama_decode`: first one token for each request that is generating, then
   prompt tokens of the requests still prefilling, in arrival order, until the step holds
   `MAX_NUM_BATCHED_TOKENS` tokens (the budget the other engines get: the server's `n_batch`);
@@ -50,17 +51,17 @@ def build(job: Job):
     import llama_cpp as lib
 
     requests_per_workload = max(len(reqs) for reqs in job.workloads.values())
-    kv_tokens = max(sum(len(ids) + n for ids, n in reqs) for reqs in job.workloads.values())
+    longest = max(len(ids) + n for reqs in job.workloads.values() for ids, n in reqs)
     num_seqs = min(LLAMA_MAX_SEQ, max(requests_per_workload, 2))
     lib.llama_backend_init()
     model = lib.llama_model_load_from_file(job.model.encode(), lib.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {job.model}")
     params = lib.llama_context_default_params()
-    params.n_ctx = -(-kv_tokens // KV_ROUND) * KV_ROUND
+    params.n_ctx = num_seqs * (-(-longest // KV_ROUND) * KV_ROUND)  # split per sequence
     params.n_batch = MAX_NUM_BATCHED_TOKENS
     params.n_seq_max = num_seqs
-    params.kv_unified = True
+    params.kv_unified = False
     params.n_threads = params.n_threads_batch = job.num_threads
     ctx = lib.llama_init_from_model(model, params)
     if not ctx:
