@@ -149,7 +149,7 @@ class CpuPlatform(Platform):
                     if type(child) in fused:
                         setattr(module, name, fused[type(child)](child))
         if route.moe is not None and route.moe.fused:
-            fuse_experts(model, kernels)
+            fuse_experts(model, kernels, route.quant)
         if route.layer_stack and hasattr(model, "layer_stack"):
             model.layer_stack = KernelLayerStack.of(model, kernels, route)
             if model.layer_stack is None:

@@ -11,9 +11,10 @@ linear's calls of more rows than its small GEMM takes go back to the module's ow
 
 A mixture of experts' sparse layer (`models.moe.SparseMoeBlock` with its fused experts and
 kernel router, `cpu_moe.py`) is a `MoeStep` there: the router's small GEMM, `moe_route`,
-`moe_experts`, the calls the block makes; one with quantized experts (`quant.experts`, which
-the kernel does not take) is a `MoeStep` that calls the block's own forward back for the
-whole MLP, the rest of its layer staying in C++. The Python layers keep the steps the stack cannot
+`moe_experts`, the calls the block makes; one with quantized experts (`quant.experts`) the
+same with `quant_moe_experts` (`KernelQuantExperts`), or, where the kernel does not take them
+(a part not packed for it), a `MoeStep` that calls the block's own forward back for the whole MLP,
+the rest of its layer staying in C++. The Python layers keep the steps the stack cannot
 run as the modules do: a shared expert (Qwen2-MoE) builds no stack, and while the router's
 load is counted (`--moe-router-stats`, a bincount in the block) the modules run.
 
@@ -33,7 +34,7 @@ from carpool.models.moe import SparseMoeBlock
 from carpool.models.quant.experts import QuantExperts
 from carpool.models.quant.linear import QuantLinear
 from carpool.platform.cpu_linear import PackedLinear
-from carpool.platform.cpu_moe import FusedExperts, KernelRouter
+from carpool.platform.cpu_moe import FusedExperts, KernelQuantExperts, KernelRouter
 from carpool.platform.cpu_route import CpuRoute
 
 
@@ -65,8 +66,8 @@ class KernelLayerStack:
             if attn.qk_norm:
                 layer_norms += [attn.q_norm, attn.k_norm]
             is_sparse = isinstance(mlp, SparseMoeBlock)
-            fused = is_sparse and isinstance(mlp.experts, FusedExperts) and isinstance(
-                mlp.router, KernelRouter)
+            fused = is_sparse and isinstance(mlp.experts, (FusedExperts, KernelQuantExperts)) \
+                and isinstance(mlp.router, KernelRouter)
             if is_sparse and (mlp.shared_expert is not None or not (
                     fused or isinstance(mlp.experts, QuantExperts))):
                 return None
@@ -82,11 +83,14 @@ class KernelLayerStack:
                     attn.k_norm.weight.detach() if attn.qk_norm else None)
             if is_sparse:
                 sparse.append(mlp)
-                # quantized experts: the block's own forward, called back for the whole MLP
-                step = kernels.MoeStep(
-                    small[2], mlp.experts.gate_up, mlp.experts.down, mlp.top_k,
-                    mlp.norm_topk_prob, mlp.weights_in_model_dtype) if fused else \
-                    kernels.MoeStep.module(mlp.forward)
+                routing = (mlp.top_k, mlp.norm_topk_prob, mlp.weights_in_model_dtype)
+                if not fused:  # quantized experts the kernel does not take: called back
+                    step = kernels.MoeStep.module(mlp.forward)
+                elif isinstance(mlp.experts, KernelQuantExperts):
+                    step = kernels.MoeStep.quantized(small[2], mlp.experts.packed, *routing)
+                else:
+                    step = kernels.MoeStep(small[2], mlp.experts.gate_up, mlp.experts.down,
+                                           *routing)
                 weights.append(kernels.DecoderWeights.sparse(*args, *small[:2], step))
             else:
                 weights.append(kernels.DecoderWeights(*args, *small))

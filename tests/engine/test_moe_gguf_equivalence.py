@@ -109,15 +109,16 @@ def test_moe_gguf_config_matches_checkpoint(moe_gguf):
 
 def test_quantized_experts_greedy_matches_transformers_on_the_same_values(moe_gguf, tmp_path):
     """Q8_0 and Q4_0 experts (every matrix but the router quantized, as the converter writes
-    them) stay quantized, one quantized linear per expert through the platform's kernels (the
-    layer stack calling each sparse block back), and give the greedy tokens of transformers on
-    the checkpoint whose matrices are replaced by the `gguf` package's own dequantization of
-    the same blocks."""
+    them) stay quantized, one quantized linear per expert (with the kernels all of a layer's
+    in one `quant_moe_experts` call, which the layer stack makes itself), and give the greedy
+    tokens of transformers on the checkpoint whose matrices are replaced by the `gguf`
+    package's own dequantization of the same blocks."""
     import gguf
     import torch
     from transformers import AutoModelForCausalLM
 
     from carpool.models.quant.experts import QuantExperts
+    from carpool.platform.cpu_moe import KernelQuantExperts
 
     prompts = workload()[:4]
     for arch, qtype in (("qwen3_moe", "Q8_0"), ("mixtral", "Q4_0")):
@@ -143,8 +144,10 @@ def test_quantized_experts_greedy_matches_transformers_on_the_same_values(moe_gg
                 experts = [m for m in llm.engine.runner.model.modules()
                            if isinstance(m, QuantExperts)]
                 assert experts and all(e.kinds() == [qtype] for e in experts)
-                # the C++ layer stack runs these layers too, calling the blocks back for
-                # their quantized experts
+                fused = [m for m in llm.engine.runner.model.modules()
+                         if isinstance(m, KernelQuantExperts)]
+                assert len(fused) == (len(experts) if backend == "cpu" else 0)
+                # the C++ layer stack runs these layers too, their experts by the same call
                 route = llm.engine.runner.platform.route
                 stack = llm.engine.runner.model.layer_stack
                 assert (stack is not None) == (backend == "cpu" and route.layer_stack)

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -175,6 +176,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tensor (dequantize_ref within a rounding: one fused multiply-add each).",
         py::arg("packed"), py::arg("n0"), py::arg("n1"), py::arg("dtype"),
         py::call_guard<py::gil_scoped_release>());
+  using carpool_moe::QuantExperts;
+  using QuantParts = std::vector<std::vector<QuantWeight>>;
+  py::class_<QuantExperts, std::shared_ptr<QuantExperts>>(
+      m, "QuantExperts", py::module_local(),
+      "A mixture of experts' quantized experts for quant_moe_experts: per expert its gate/up "
+      "parts (gate's rows then up's) and its down parts, packed by pack_quant_weight; each "
+      "part by quant_linear up to its cut (int8_max_rows for 8 bits, else int4_max_rows), "
+      "above it dequantized into a linear, as cpu_quant multiplies a part.")
+      .def(py::init<QuantParts, QuantParts, int64_t, int64_t, int64_t>(), py::arg("gate_up"),
+           py::arg("down"), py::arg("int8_max_rows"), py::arg("int4_max_rows"),
+           py::arg("rounded_from") = 0)
+      .def_readonly("hidden", &QuantExperts::hidden)
+      .def_readonly("inner", &QuantExperts::inner)
+      .def_property_readonly("num_experts", &QuantExperts::experts);
+  m.def("quant_moe_experts", &carpool_moe::quant_moe_experts,
+        "sum over each row's experts (ascending) of weight * down(silu(gate(x)) * up(x)) for "
+        "x [T, H] (float32 or bfloat16), QuantExperts, ids [T, k] int64 and weights [T, k]: "
+        "the per-expert loop over quantized linears to the bit, in one call.",
+        py::arg("x"), py::arg("experts"), py::arg("ids"), py::arg("weights"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_head_dim_ok", &carpool_prefill::prefill_head_dim_ok,
         "Whether prefill_attention_bf16 takes this head_dim (a multiple of 16 up to 256).");
   m.def("prefill_attention_bf16", &carpool_prefill::prefill_attention_bf16,
@@ -236,6 +257,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
            py::arg("renormalize"), py::arg("round_weights"))
+      .def_static(
+          "quantized",
+          [](StackLinear router, std::shared_ptr<QuantExperts> experts, int64_t top_k,
+             bool renormalize, bool round_weights) {
+            MoeStep step{std::move(router), at::Tensor(), at::Tensor(), top_k, renormalize,
+                         round_weights};
+            step.quant = std::move(experts);
+            return step;
+          },
+          "A sparse layer of quantized experts: the router's linear, moe_route, "
+          "quant_moe_experts.",
+          py::arg("router"), py::arg("experts"), py::arg("top_k"), py::arg("renormalize"),
+          py::arg("round_weights"))
       .def_static(
           "module",
           [](py::function forward) {

@@ -3,8 +3,9 @@ gate/up and one for its down, so each goes through the platform's quantized kern
 quantized linear does (`PrepareLinear`), and no float copy of an expert is ever made.
 
 `forward` is the model's loop over the experts hit (`moe.experts_loop`), each expert's
-multiplies over its own rows. The fused experts kernel takes float experts only; the C++ layer
-stack calls the sparse block holding these back for its MLP (`platform/cpu_layer_stack.py`).
+multiplies over its own rows. With the CPU kernels the platform runs the same loop in one call
+on the same packed parts (`platform/cpu_moe.KernelQuantExperts`, `quant_moe_experts`), which
+the C++ layer stack makes itself; this loop is its reference.
 """
 
 from __future__ import annotations

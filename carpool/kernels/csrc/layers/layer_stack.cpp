@@ -55,10 +55,11 @@ at::Tensor with_lora(at::Tensor out, const at::Tensor& x, const LoraTerm* term) 
 
 // SparseMoeBlock.forward on one rank (no shared expert): router, route, experts.
 at::Tensor sparse_mlp(const MoeStep& moe, const at::Tensor& h) {
-  if (!moe.gate_up.defined()) return moe.forward(h);
+  if (!moe.gate_up.defined() && moe.quant == nullptr) return moe.forward(h);
   auto [weights, ids] = carpool_moe::moe_route(multiply(moe.router, h), moe.top_k,
                                                moe.renormalize);
   if (moe.round_weights) weights = weights.to(h.scalar_type());
+  if (moe.quant != nullptr) return carpool_moe::quant_moe_experts(h, *moe.quant, ids, weights);
   return carpool_moe::moe_experts(h, moe.gate_up, moe.down, ids, weights);
 }
 

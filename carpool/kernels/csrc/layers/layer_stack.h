@@ -8,9 +8,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "gemm/quant_weight.h"
+#include "moe/quant_experts.h"
 
 namespace carpool_layers {
 
@@ -36,15 +38,17 @@ struct StackLinear {
 
 // A sparse layer's MLP (a mixture of experts), as models/moe.py's SparseMoeBlock runs it on
 // the CPU: the router's linear, moe_route, the weights cast to the hidden states' dtype where
-// the model casts them (`round_weights`), moe_experts on the packed experts. Experts the
-// kernel does not take (quantized ones) leave `gate_up` undefined and give `forward`, the
-// block's own (the Python module's, which takes the GIL), for the whole MLP.
+// the model casts them (`round_weights`), moe_experts on the packed experts, or
+// quant_moe_experts on quantized ones (`quant`). Experts neither takes leave both unset and
+// give `forward`, the block's own (the Python module's, which takes the GIL), for the whole
+// MLP.
 struct MoeStep {
   StackLinear router;
   at::Tensor gate_up, down;  // pack_moe_experts'
   int64_t top_k = 0;
   bool renormalize = false, round_weights = false;
   std::function<at::Tensor(const at::Tensor&)> forward;
+  std::shared_ptr<const carpool_moe::QuantExperts> quant;
 };
 
 // One decoder layer: its two norms' weights, the q and k norms' (Qwen3) or none, and its four
