@@ -48,7 +48,8 @@ SHAPES = {
 VARIANTS = ["bf16-small", "bf16-onednn", "int8", "int4", "int8-dq", "int4-dq", "int8-r",
             "int4-r", "q5_0", "q4_k", "q6_k"]
 # GGUF's types as carpool packs them (carpool/platform/cpu_quant.py): (bits, group, mins,
-# float16 header); the q and scales random, of the type's ranges
+# float16 header) of the canonical form (q6_k's int8 q packed in bits 6 where the build has
+# them); the q and scales random, of the type's ranges
 GGUF_TYPES = {"q5_0": (5, 32, False, True), "q4_k": (4, 32, True, False),
               "q6_k": (8, 16, False, False)}
 
@@ -98,7 +99,11 @@ class Variant:
                 qweight = qweight.clamp(-32, 31)
             if f16:
                 scale = scale.half().float()
-            packed = kernels.pack_quant_weight(qweight, scale, offset, bits, group, f16)
+            try:  # Q6_K's q in bits 6 (its pairs one lookup); a build before them: bits 8
+                packed = kernels.pack_quant_weight(qweight, scale, offset,
+                                                   6 if name == "q6_k" else bits, group, f16)
+            except RuntimeError:
+                packed = kernels.pack_quant_weight(qweight, scale, offset, bits, group, f16)
             self.bytes = packed.nbytes
             self.run = lambda x: kernels.quant_linear(x, packed)
             return

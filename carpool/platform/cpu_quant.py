@@ -155,11 +155,16 @@ def stack_parts(parts: list[PackedPart | None], route: QuantRoute) -> StackParts
 def packed_bits(part: QuantizedWeight) -> int:
     """The bits a weight is packed in: an int8 weight whose values fit five bits (GGUF's Q5_0,
     the type llama.cpp's Q4_K_M files fall back to where a row is not a multiple of 256) in
-    five, which the kernel reads as 5/8 of the bytes; else the canonical bits."""
-    if part.bits == 8 and part.group_size % 32 == 0 and part.qweight.numel():
+    five, which the kernel reads as 5/8 of the bytes; one whose values fit six (GGUF's Q6_K)
+    in bits 6, still a byte a weight but in pairs that one table lookup turns into bfloat16
+    (the same sums as bits 8); else the canonical bits."""
+    if part.bits == 8 and part.qweight.numel():
         q = part.qweight
-        if int(q.min()) >= -16 and int(q.max()) <= 15:
+        low, high = int(q.min()), int(q.max())
+        if part.group_size % 32 == 0 and low >= -16 and high <= 15:
             return 5
+        if part.group_size % 2 == 0 and low >= -32 and high <= 31:
+            return 6
     return part.bits
 
 

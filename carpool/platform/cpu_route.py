@@ -149,8 +149,9 @@ class QuantRoute:
     rounded_from: int = 0  # bfloat16 calls from this many rows: the weight rounded (0: never)
 
     def max_rows(self, bits: int) -> int:
-        """The cut for a weight packed in `bits` (5 bits, unpacked like 4, takes int4's)."""
-        return self.int8_max_rows if bits == 8 else self.int4_max_rows
+        """The cut for a weight packed in `bits` (5 bits, unpacked like 4, takes int4's; 6
+        bits, a byte a weight, int8's)."""
+        return self.int8_max_rows if bits in (6, 8) else self.int4_max_rows
 
     def describe(self) -> str:
         if not self.int8_max_rows:

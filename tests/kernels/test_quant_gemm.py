@@ -17,9 +17,10 @@ K = 256
 N = 67  # odd: a partial last block of 16 columns
 # (bits, group_size, mins): int8 in groups of 16 and 32 and per channel (g = K), int4 in 32s
 # (Q4_0, Q4_K, AWQ) and 128s (GPTQ), with mins and without; int8 q in -16..15 packed in five
-# bits (Q5_0)
+# bits (Q5_0), in -32..31 packed as bits 6 (Q6_K)
 FORMATS = [(8, 16, False), (8, 32, True), (8, K, False), (4, 32, True), (4, 128, False),
-           (4, 32, False), (8, 16, True), (5, 32, False), (5, 64, True)]
+           (4, 32, False), (8, 16, True), (5, 32, False), (5, 64, True), (6, 16, False),
+           (6, 32, True)]
 ROWS = [1, 2, 3, 7, 16, 33, 300]
 
 
@@ -33,6 +34,8 @@ def canonical(n: int, k: int, bits: int, group: int, mins: bool, seed: int):
     gen = torch.Generator().manual_seed(seed)
     if bits == 5:
         qweight = torch.randint(-16, 16, (n, k), dtype=torch.int8, generator=gen)
+    elif bits == 6:
+        qweight = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen)
     elif bits == 8:
         qweight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     else:
@@ -43,9 +46,10 @@ def canonical(n: int, k: int, bits: int, group: int, mins: bool, seed: int):
 
 
 def reference_args(operands):
-    """The canonical weight the reference takes: a five-bit packing's q is the int8 one."""
+    """The canonical weight the reference takes: a five- or six-bit packing's q is the int8
+    one."""
     qweight, scales, offsets, bits, group = operands
-    return qweight, scales, offsets, 8 if bits == 5 else bits, group
+    return qweight, scales, offsets, 8 if bits in (5, 6) else bits, group
 
 
 # --- the reference against gguf -------------------------------------------------------------
@@ -158,10 +162,14 @@ def test_packed_weight_is_no_bigger_than_the_canonical_one(kernels):
 def test_bad_arguments_name_the_argument(kernels):
     qweight, scales, offsets, _, _ = canonical(N, K, 8, 32, True, seed=0)
     pack = kernels.pack_quant_weight
-    with pytest.raises(RuntimeError, match="bits must be 8, 5 or 4, got 3"):
+    with pytest.raises(RuntimeError, match="bits must be 8, 6, 5 or 4, got 3"):
         pack(qweight, scales, offsets, 3, 32)
     with pytest.raises(RuntimeError, match="bits 5 takes q in -16..15 only"):
         pack(qweight, scales, offsets, 5, 32)
+    with pytest.raises(RuntimeError, match="bits 6 takes q in -32..31 only"):
+        pack(qweight, scales, offsets, 6, 32)
+    with pytest.raises(RuntimeError, match="group_size must be even for bits 6"):
+        pack(qweight.clamp(-32, 31), torch.rand(N, K), None, 6, 1)
     with pytest.raises(RuntimeError, match="group_size .48. must divide K .256."):
         pack(qweight, torch.rand(N, 5), None, 8, 48)
     with pytest.raises(RuntimeError, match="qweight must be a CPU int8"):
@@ -185,6 +193,24 @@ def test_bad_arguments_name_the_argument(kernels):
         kernels.dequantize_rows(packed, 10, N + 1, torch.float32)
     with pytest.raises(RuntimeError, match="dequantize_rows: dtype must be"):
         kernels.dequantize_rows(packed, 0, N, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_six_bit_packing_gives_the_eight_bit_packings_bits(kernels, dtype):
+    """Q6_K's q (-32..31) packed as bits 6 (pairs, a table lookup) sums the same products in
+    the same order as bits 8: the same bits at every row count and path, rounded included."""
+    qweight, scales, offsets, _, group = canonical(N, K, 6, 16, True, seed=11)
+    six = kernels.pack_quant_weight(qweight, scales, offsets, 6, group)
+    eight = kernels.pack_quant_weight(qweight, scales, offsets, 8, group)
+    assert six.nbytes == eight.nbytes
+    for rows in (1, 2, 3, 300):
+        x = torch.randn(rows, K).to(dtype)
+        assert torch.equal(kernels.quant_linear(x, six), kernels.quant_linear(x, eight)), rows
+        if dtype == torch.bfloat16:
+            assert torch.equal(kernels.quant_linear(x, six, None, 1),
+                               kernels.quant_linear(x, eight, None, 1)), rows
+    assert torch.equal(kernels.dequantize_rows(six, 3, 40, torch.float32),
+                       kernels.dequantize_rows(eight, 3, 40, torch.float32))
 
 
 def test_reference_rejects_other_bits():

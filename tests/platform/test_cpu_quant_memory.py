@@ -91,6 +91,15 @@ def test_packing_reads_the_fewest_bytes_that_hold_the_weight(make_checkpoint, tm
     assert all(f16_header(part) for part in parts)
 
 
+def test_q6_k_packs_as_six_bits_and_q4_k_as_four():
+    """Q6_K's q lies in -32..31: packed as bits 6 (its pairs one table lookup each), Q4_K's
+    nibbles in 4."""
+    from carpool.platform.cpu_quant import packed_bits
+
+    kinds = {part.kind: packed_bits(part) for part in _parts(_load(FIXTURE))}
+    assert kinds.get("Q6_K") == 6 and kinds.get("Q4_K") == 4
+
+
 def test_k_quant_scales_keep_float32_headers():
     """Q4_K's and Q6_K's scales are a float16 times a 6- or 8-bit integer: not float16 in
     general, so they stay float32 (exact) in the packed header."""

@@ -41,7 +41,9 @@ CARPOOL_BF16_TARGET void fill_rounded_pairs(const QuantWeight& w, const uint8_t*
     const F mn = Mins ? header_load(group, kBlock, w.f16_header) : Isa::zero();
     for (int64_t p = 0; p < pairs; ++p) {
       F first, second;
-      if constexpr (Bits == 8) {
+      if constexpr (Bits == 6) {
+        Isa::i8_pair(q, p, 0, first, second);
+      } else if constexpr (Bits == 8) {
         first = Isa::i8(q + 2 * p * kBlock);
         second = Isa::i8(q + (2 * p + 1) * kBlock);
       } else if constexpr (Bits == 5) {

@@ -20,14 +20,14 @@
 #if defined(CPU_CAPABILITY_AVX512)
 #include "gemm/bf16_dot.h"
 
-// Pair j of a 4- or 5-bit unit (quant_weight.h): each column's dword shifted right by 4 (j % 4)
-// holds the pair's nibbles in bits 0-3 and 16-19, the indices `vpermw` reads (its 5 index
-// bits a word: bit 4 is the next nibble's, so the 4-bit table holds 0..15 twice); 5 bits
-// flip bit 4 by the pair's flip mask into u's, in a table of -16..15. One shift, at most one
-// masked add, one lookup a pair (inlined with a constant j, the shift is an immediate).
+// Pair j of a 4- or 5-bit unit (quant_weight.h) as the indices `vpermw` reads (5 bits a
+// word): 4 bits, each column's dword shifted right by 4 (j % 4) holds the pair's nibbles in
+// bits 0-3 and 16-19 (bit 4 is the next nibble's, so the 4-bit table holds 0..15 twice); 5
+// bits, pairs 0..14 are whole five-bit fields of a chunk's dwords, one shift (Isa::u5_dwords
+// gathers pair 15), into a table of -16..15. Inlined with a constant j, the shift is an
+// immediate: one shift and one lookup a pair.
 template <int Bits>
 CARPOOL_BF16_TARGET inline __m512i unit_pairs(const uint8_t* unit, int j) {
-  const __m512i d = _mm512_srli_epi32(_mm512_loadu_si512(unit + (j >> 2) * 64), 4 * (j & 3));
   if constexpr (Bits == 5) {
     // bfloat16 of -16..15, indexed by u = q + 16
     const __m512i table = _mm512_set_epi16(
@@ -35,14 +35,13 @@ CARPOOL_BF16_TARGET inline __m512i unit_pairs(const uint8_t* unit, int j) {
         0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
         0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
         0xc110, 0xc120, 0xc130, 0xc140, 0xc150, 0xc160, 0xc170, 0xc180);
-    // bit 4 of each word is the next nibble's bit 0: flipped to u's bit 4 where the pair's
-    // flip mask says (adding 16 flips it; the carry lands in bits vpermw ignores)
-    uint32_t mask;
-    std::memcpy(&mask, unit + 256 + j * 4, 4);
-    const __mmask32 flips = _cvtu32_mask32(mask);
-    const __m512i index = _mm512_mask_add_epi16(d, flips, d, _mm512_set1_epi16(16));
+    const __m512i index =
+        j < kPairsIn5Fields
+            ? _mm512_srli_epi32(_mm512_loadu_si512(unit + pair5_chunk(j) * 64), pair5_shift(j))
+            : Isa::u5_dwords(unit, j, 0);
     return _mm512_permutexvar_epi16(index, table);
   } else {
+    const __m512i d = _mm512_srli_epi32(_mm512_loadu_si512(unit + (j >> 2) * 64), 4 * (j & 3));
     // bfloat16 of 0..15, twice
     const __m512i table = _mm512_set_epi16(
         0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
@@ -54,10 +53,26 @@ CARPOOL_BF16_TARGET inline __m512i unit_pairs(const uint8_t* unit, int j) {
 
 // Pair p of a group's q (p < g / 2) for 16 columns: one dword a column, the first element's
 // bfloat16 in its low half. 8 bits: two widened float32 vectors, their high halves kept
-// (exact for these integers); 4 and 5 bits: unit_pairs, no conversions.
+// (exact for these integers); 6 bits: the pair's bytes widened to words, their low six bits
+// indexing a table of -32..31 (q mod 64); 4 and 5 bits: unit_pairs, no conversions.
 template <int Bits>
 CARPOOL_BF16_TARGET inline __m512i q_pairs(const uint8_t* q, int64_t p) {
-  if constexpr (Bits == 8) {
+  if constexpr (Bits == 6) {
+    // bfloat16 of 0..31, then of -32..-1
+    const __m512i low = _mm512_set_epi16(
+        0x41f8, 0x41f0, 0x41e8, 0x41e0, 0x41d8, 0x41d0, 0x41c8, 0x41c0,
+        0x41b8, 0x41b0, 0x41a8, 0x41a0, 0x4198, 0x4190, 0x4188, 0x4180,
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i high = _mm512_set_epi16(
+        0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0, 0xc100,
+        0xc110, 0xc120, 0xc130, 0xc140, 0xc150, 0xc160, 0xc170, 0xc180,
+        0xc188, 0xc190, 0xc198, 0xc1a0, 0xc1a8, 0xc1b0, 0xc1b8, 0xc1c0,
+        0xc1c8, 0xc1d0, 0xc1d8, 0xc1e0, 0xc1e8, 0xc1f0, 0xc1f8, 0xc200);
+    const __m512i words =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 32)));
+    return _mm512_permutex2var_epi16(low, words, high);
+  } else if constexpr (Bits == 8) {
     const __m512 first = Isa::i8(q + 2 * p * kBlock), second = Isa::i8(q + (2 * p + 1) * kBlock);
     // (first >> 16) | (second & 0xffff0000)
     return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(first), 16),
@@ -116,7 +131,7 @@ CARPOOL_BF16_TARGET __attribute__((noinline)) void tile_bf16(const Call& call, i
     F part[R][B];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) part[r][b] = Isa::zero();
-    if (Bits != 8 && buffer == nullptr) {
+    if ((Bits == 4 || Bits == 5) && buffer == nullptr) {
       // a unit's 16 pairs unrolled, so that each pair's shifts are immediates
       constexpr int64_t unit_bytes = Bits == 5 ? kUnit5 : kUnit4;
       for (int64_t u = 0; u < pairs / 16; ++u) {

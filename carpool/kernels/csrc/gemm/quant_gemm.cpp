@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "gemm/quant_isa.h"
@@ -143,6 +144,21 @@ __attribute__((noinline)) void tile(const Call& call, int64_t r0, int64_t blk) {
           for (int v = 0; v < V; ++v) part[r][v] = Isa::fma(xv, wv[v], part[r][v]);
         }
       }
+    } else if constexpr (Bits == 6) {
+      // bits 8's sums in its order, k then k + 1
+      for (int64_t p = 0; p < g / 2; ++p) {
+        F lo[V], hi[V];
+        for (int b = 0; b < B; ++b)
+          for (int h = 0; h < kVecs; ++h)
+            Isa::i8_pair(q + b * block_bytes, p, h * Isa::kLanes, lo[b * kVecs + h],
+                         hi[b * kVecs + h]);
+        for (int r = 0; r < R; ++r) {
+          const F xl = Isa::bcast(xg + r * xs + 2 * p);
+          const F xh = Isa::bcast(xg + r * xs + 2 * p + 1);
+          for (int v = 0; v < V; ++v)
+            part[r][v] = Isa::fma(xh, hi[v], Isa::fma(xl, lo[v], part[r][v]));
+        }
+      }
     } else {
       for (int64_t u = 0; u < g / 32; ++u) {
         for (int64_t j = 0; j < 16; ++j) {
@@ -221,6 +237,32 @@ void run_call(const Call& call, int64_t m) {
   }
 }
 
+// The three paths as types, for by_bits.
+struct Float {
+  template <int Bits, bool Mins> static void run(const Call& c, int64_t m) { run_call<Bits, Mins>(c, m); }
+};
+struct Pairs {
+  template <int Bits, bool Mins> static void run(const Call& c, int64_t m) { run_call_bf16<Bits, Mins>(c, m); }
+};
+struct Rounded {
+  template <int Bits, bool Mins> static void run(const Call& c, int64_t m) { run_call_rounded<Bits, Mins>(c, m); }
+};
+
+// Path::run for the weight's packing and mins.
+template <typename Path>
+void by_bits(const QuantWeight& w, const Call& call, int64_t m) {
+  const auto go = [&](auto bits) {
+    constexpr int Bits = decltype(bits)::value;
+    w.has_mins ? Path::template run<Bits, true>(call, m) : Path::template run<Bits, false>(call, m);
+  };
+  switch (w.bits) {
+    case 8: return go(std::integral_constant<int, 8>{});
+    case 6: return go(std::integral_constant<int, 6>{});
+    case 5: return go(std::integral_constant<int, 5>{});
+    default: return go(std::integral_constant<int, 4>{});
+  }
+}
+
 }  // namespace
 
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
@@ -277,7 +319,7 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
       const uint16_t* xb = reinterpret_cast<const uint16_t*>(x32.const_data_ptr());
       call.xb = xb;
       call.xb_stride = x_stride;
-      if (w.bits != 8) {
+      if (w.bits == 4 || w.bits == 5) {
         x_pairs.resize(m * w.k);
         for (int64_t r = 0; r < m; ++r) {
           for (int64_t k0 = 0; k0 < w.k; k0 += 32) {
@@ -293,26 +335,12 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w,
         call.xb_stride = w.k;
       }
       if (rounded_from > 0 && m >= rounded_from) {
-        const auto run = w.bits == 8   ? (w.has_mins ? run_call_rounded<8, true>
-                                                     : run_call_rounded<8, false>)
-                         : w.bits == 5 ? (w.has_mins ? run_call_rounded<5, true>
-                                                     : run_call_rounded<5, false>)
-                                       : (w.has_mins ? run_call_rounded<4, true>
-                                                     : run_call_rounded<4, false>);
-        run(call, m);
-      } else if (w.bits == 8) {
-        w.has_mins ? run_call_bf16<8, true>(call, m) : run_call_bf16<8, false>(call, m);
-      } else if (w.bits == 5) {
-        w.has_mins ? run_call_bf16<5, true>(call, m) : run_call_bf16<5, false>(call, m);
+        by_bits<Rounded>(w, call, m);
       } else {
-        w.has_mins ? run_call_bf16<4, true>(call, m) : run_call_bf16<4, false>(call, m);
+        by_bits<Pairs>(w, call, m);
       }
-    } else if (w.bits == 8) {
-      w.has_mins ? run_call<8, true>(call, m) : run_call<8, false>(call, m);
-    } else if (w.bits == 5) {
-      w.has_mins ? run_call<5, true>(call, m) : run_call<5, false>(call, m);
     } else {
-      w.has_mins ? run_call<4, true>(call, m) : run_call<4, false>(call, m);
+      by_bits<Float>(w, call, m);
     }
   }
   at::Tensor out = blocks * kBlock == n ? y : y.narrow(1, 0, n);

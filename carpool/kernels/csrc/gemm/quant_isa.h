@@ -16,12 +16,12 @@
 
 namespace {
 
-// A 5-bit unit's flip mask of pair j (quant_weight.h), from column c0's bits on.
-inline uint32_t flip_mask(const uint8_t* unit, int64_t j, int64_t c0) {
-  uint32_t m;
-  std::memcpy(&m, unit + 256 + j * 4, 4);
-  return m >> (2 * c0);
-}
+// 5 bits (quant_weight.h): where pair j of a unit sits. Pairs 0..14 are field j % 3 (bits 5 f..
+// and 16 + 5 f..) of chunk j / 3's dwords; pair 15 is spread over the spare bits 15 and 31 of
+// the five chunks' dwords, chunk i holding bit i of its two u.
+constexpr int kPairsIn5Fields = 15;
+inline int pair5_chunk(int64_t j) { return static_cast<int>(j / 3); }
+inline int pair5_shift(int64_t j) { return static_cast<int>(5 * (j % 3)); }
 
 #if defined(CPU_CAPABILITY_AVX512)
 struct Isa {
@@ -39,9 +39,16 @@ struct Isa {
     return _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  // 6 bits (quant_weight.h): pair p's k (lo) and k + 1 (hi) for the columns [c0, c0 + kLanes)
+  static void i8_pair(const uint8_t* q, int64_t p, int64_t c0, F& lo, F& hi) {
+    const __m512i d = _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + p * 32 + c0 * 2)));
+    lo = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(d, 16), 16));
+    hi = _mm512_cvtepi32_ps(_mm512_srai_epi32(d, 16));
+  }
   // 4 and 5 bits (quant_weight.h): pair j (k0 + j, k0 + 16 + j) of a 32-k unit, for the
-  // columns [c0, c0 + kLanes): each column's dword of chunk j / 4, shifted to nibble j % 4;
-  // 5 bits take five bits there, bit 4 flipped where the pair's flip mask says, minus 16.
+  // columns [c0, c0 + kLanes): 4 bits, each column's dword of chunk j / 4 shifted to nibble
+  // j % 4; 5 bits, u5_dwords' five bits minus 16.
   static __m512i unit_dwords(const uint8_t* unit, int64_t j, int64_t c0) {
     const __m512i d = _mm512_loadu_si512(unit + (j >> 2) * 64 + c0 * 4);
     return _mm512_srl_epi32(d, _mm_cvtsi32_si128(static_cast<int>(4 * (j & 3))));
@@ -51,19 +58,24 @@ struct Isa {
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, fifteen));
     hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(d, 16), fifteen));
   }
+  // Each column's dword with pair j's two u in bits 0-4 and 16-20 (bits above are other
+  // pairs' and are masked off or ignored by the reader).
+  static __m512i u5_dwords(const uint8_t* unit, int64_t j, int64_t c0) {
+    const auto chunk = [&](int i) { return _mm512_loadu_si512(unit + i * 64 + c0 * 4); };
+    if (j < kPairsIn5Fields)
+      return _mm512_srl_epi32(chunk(pair5_chunk(j)), _mm_cvtsi32_si128(pair5_shift(j)));
+    __m512i d = _mm512_setzero_si512();
+    for (int i = 0; i < 5; ++i)  // d |= (chunk i >> (15 - i)) & bit i of each half
+      d = _mm512_ternarylogic_epi32(_mm512_srli_epi32(chunk(i), 15 - i),
+                                    _mm512_set1_epi32(0x00010001 << i), d, 0xea);
+    return d;
+  }
   static void u5(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
-    const __m512i d = unit_dwords(unit, j, c0), five = _mm512_set1_epi32(31),
+    const __m512i d = u5_dwords(unit, j, c0), five = _mm512_set1_epi32(31),
                   sixteen = _mm512_set1_epi32(16);
-    // column c's two flip bits (bits 2c, 2c + 1 of the pair's mask) in bits 0 and 1
-    const __m512i flips = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(flip_mask(unit, j, c0))),
-                                            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16,
-                                                              18, 20, 22, 24, 26, 28, 30));
-    const __m512i l = _mm512_xor_si512(_mm512_and_si512(d, five),
-                                       _mm512_and_si512(_mm512_slli_epi32(flips, 4), sixteen));
-    const __m512i h = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi32(d, 16), five),
-                                       _mm512_and_si512(_mm512_slli_epi32(flips, 3), sixteen));
-    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(l, sixteen));
-    hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(h, sixteen));
+    lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(d, five), sixteen));
+    hi = _mm512_cvtepi32_ps(
+        _mm512_sub_epi32(_mm512_and_si512(_mm512_srli_epi32(d, 16), five), sixteen));
   }
 };
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -82,6 +94,12 @@ struct Isa {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  static void i8_pair(const uint8_t* q, int64_t p, int64_t c0, F& lo, F& hi) {
+    const __m256i d = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + p * 32 + c0 * 2)));
+    lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(d, 16), 16));
+    hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(d, 16));
+  }
   static __m256i unit_dwords(const uint8_t* unit, int64_t j, int64_t c0) {
     const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + (j >> 2) * 64 + c0 * 4));
     return _mm256_srl_epi32(d, _mm_cvtsi32_si128(static_cast<int>(4 * (j & 3))));
@@ -91,17 +109,24 @@ struct Isa {
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, fifteen));
     hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(d, 16), fifteen));
   }
+  static __m256i u5_dwords(const uint8_t* unit, int64_t j, int64_t c0) {
+    const auto chunk = [&](int i) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unit + i * 64 + c0 * 4));
+    };
+    if (j < kPairsIn5Fields)
+      return _mm256_srl_epi32(chunk(pair5_chunk(j)), _mm_cvtsi32_si128(pair5_shift(j)));
+    __m256i d = _mm256_setzero_si256();
+    for (int i = 0; i < 5; ++i)
+      d = _mm256_or_si256(d, _mm256_and_si256(_mm256_srli_epi32(chunk(i), 15 - i),
+                                              _mm256_set1_epi32(0x00010001 << i)));
+    return d;
+  }
   static void u5(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
-    const __m256i d = unit_dwords(unit, j, c0), five = _mm256_set1_epi32(31),
+    const __m256i d = u5_dwords(unit, j, c0), five = _mm256_set1_epi32(31),
                   sixteen = _mm256_set1_epi32(16);
-    const __m256i flips = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(flip_mask(unit, j, c0))),
-                                            _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-    const __m256i l = _mm256_xor_si256(_mm256_and_si256(d, five),
-                                       _mm256_and_si256(_mm256_slli_epi32(flips, 4), sixteen));
-    const __m256i h = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(d, 16), five),
-                                       _mm256_and_si256(_mm256_slli_epi32(flips, 3), sixteen));
-    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(l, sixteen));
-    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(h, sixteen));
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d, five), sixteen));
+    hi = _mm256_cvtepi32_ps(
+        _mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(d, 16), five), sixteen));
   }
 };
 #else
@@ -120,16 +145,25 @@ struct Isa {
     std::memcpy(&d, p, 4);
     return d;
   }
+  static void i8_pair(const uint8_t* q, int64_t p, int64_t c0, F& lo, F& hi) {
+    lo = static_cast<float>(static_cast<int8_t>(q[p * 32 + c0 * 2]));
+    hi = static_cast<float>(static_cast<int8_t>(q[p * 32 + c0 * 2 + 1]));
+  }
   static void u4(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
     const uint32_t d = dword(unit + (j >> 2) * 64 + c0 * 4) >> (4 * (j & 3));
     lo = static_cast<float>(d & 15);
     hi = static_cast<float>((d >> 16) & 15);
   }
   static void u5(const uint8_t* unit, int64_t j, int64_t c0, F& lo, F& hi) {
-    const uint32_t d = dword(unit + (j >> 2) * 64 + c0 * 4) >> (4 * (j & 3));
-    const uint32_t flips = flip_mask(unit, j, c0);
-    lo = static_cast<float>(static_cast<int>((d & 31) ^ ((flips & 1) << 4)) - 16);
-    hi = static_cast<float>(static_cast<int>(((d >> 16) & 31) ^ ((flips & 2) << 3)) - 16);
+    uint32_t d = 0;
+    if (j < kPairsIn5Fields) {
+      d = dword(unit + pair5_chunk(j) * 64 + c0 * 4) >> pair5_shift(j);
+    } else {
+      for (int i = 0; i < 5; ++i)
+        d |= (dword(unit + i * 64 + c0 * 4) >> (15 - i)) & (0x00010001u << i);
+    }
+    lo = static_cast<float>(static_cast<int>(d & 31) - 16);
+    hi = static_cast<float>(static_cast<int>((d >> 16) & 31) - 16);
   }
 };
 #endif

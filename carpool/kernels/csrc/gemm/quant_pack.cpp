@@ -60,6 +60,13 @@ void dequantize_block(const QuantWeight& w, int64_t blk, int64_t c0, int64_t c1,
         if constexpr (Bits == 8) {
           for (int64_t i = 0; i < count; ++i)
             Isa::store(tile[i] + c, Isa::fma(Isa::i8(q + (k0 + i) * kBlock + c), s[h], m[h]));
+        } else if constexpr (Bits == 6) {
+          for (int64_t i = 0; i < count; i += 2) {
+            F lo, hi;
+            Isa::i8_pair(q, (k0 + i) / 2, c, lo, hi);
+            Isa::store(tile[i] + c, Isa::fma(lo, s[h], m[h]));
+            Isa::store(tile[i + 1] + c, Isa::fma(hi, s[h], m[h]));
+          }
         } else {
           const uint8_t* unit = q + (k0 / 32) * (Bits == 5 ? kUnit5 : kUnit4);
           for (int64_t j = 0; j < 16; ++j) {
@@ -86,6 +93,8 @@ template <typename Out>
 void dequantize_into(const QuantWeight& w, int64_t n0, int64_t n1, Out* out) {
   auto* fill = w.bits == 8   ? (w.has_mins ? dequantize_block<8, true, Out>
                                            : dequantize_block<8, false, Out>)
+               : w.bits == 6 ? (w.has_mins ? dequantize_block<6, true, Out>
+                                           : dequantize_block<6, false, Out>)
                : w.bits == 5 ? (w.has_mins ? dequantize_block<5, true, Out>
                                            : dequantize_block<5, false, Out>)
                              : (w.has_mins ? dequantize_block<4, true, Out>
@@ -126,25 +135,23 @@ void pack_group4(const uint8_t* src, int64_t g, int64_t c, uint8_t* dst) {
 }
 
 // Column c's g q (-16..15) of one group into its 5-bit units at `dst` (quant_weight.h): u =
-// q + 16's nibbles as 4 bits' are, and flip bits that turn the bit after each pair's
-// nibble (what the readers' 5 bits hold there) into u's bit 4.
+// q + 16 of pairs 0..14 as five-bit fields of the chunks' dwords, pair 15's bits spread over
+// the five dwords' spare bits 15 and 31.
 void pack_group5(const int8_t* q, int64_t g, int64_t c, uint8_t* dst) {
   for (int64_t k0 = 0; k0 < g; k0 += 32) {
     uint8_t* unit = dst + (k0 / 32) * kUnit5;
-    const auto u = [&](int64_t k) { return q[k0 + k] + 16; };  // k < 32
-    for (int64_t j = 0; j < 16; ++j) put_pair(unit, j, c, u(j), u(16 + j));
-    for (int64_t j = 0; j < 16; ++j) {
-      // bit 4 of the column's dword shifted right by 4 (j % 4): the next pair's nibbles' bit
-      // 0 within the chunk, for its last pair (k0 + 16 + 4 (j / 4))'s (low half) and 0
-      const bool last = (j & 3) == 3;
-      const int after_lo = last ? u(16 + (j & ~3)) & 1 : u(j + 1) & 1;
-      const int after_hi = last ? 0 : u(16 + j + 1) & 1;
-      uint32_t m;
-      std::memcpy(&m, unit + 256 + j * 4, 4);
-      m |= static_cast<uint32_t>(((u(j) >> 4) ^ after_lo) & 1) << (2 * c);
-      m |= static_cast<uint32_t>(((u(16 + j) >> 4) ^ after_hi) & 1) << (2 * c + 1);
-      std::memcpy(unit + 256 + j * 4, &m, 4);
-    }
+    const auto u = [&](int64_t k) { return static_cast<uint32_t>(q[k0 + k] + 16); };  // k < 32
+    const auto put = [&](int chunk, uint32_t bits) {
+      uint8_t* at = unit + chunk * 64 + c * 4;
+      uint32_t d;
+      std::memcpy(&d, at, 4);
+      d |= bits;
+      std::memcpy(at, &d, 4);
+    };
+    for (int64_t j = 0; j < kPairsIn5Fields; ++j)
+      put(pair5_chunk(j), (u(j) << pair5_shift(j)) | (u(16 + j) << (16 + pair5_shift(j))));
+    for (int i = 0; i < 5; ++i)
+      put(i, (((u(15) >> i) & 1) << 15) | (((u(31) >> i) & 1) << 31));
   }
 }
 
@@ -153,9 +160,9 @@ void pack_group5(const int8_t* q, int64_t g, int64_t c, uint8_t* dst) {
 QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& mins, int64_t bits,
                               int64_t group_size, bool f16_header) {
-  TORCH_CHECK(bits == 8 || bits == 5 || bits == 4,
-              "pack_quant_weight: bits must be 8, 5 or 4, got ", bits);
-  const bool int8 = bits != 4;  // bits 5 packs an int8 canonical q in -16..15
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 5 || bits == 4,
+              "pack_quant_weight: bits must be 8, 6, 5 or 4, got ", bits);
+  const bool int8 = bits != 4;  // bits 5 and 6 pack an int8 canonical q in -16..15, -32..31
   const auto want = int8 ? at::kChar : at::kByte;
   TORCH_CHECK(qweight.device().is_cpu() && qweight.dim() == 2 && qweight.scalar_type() == want,
               "pack_quant_weight: qweight must be a CPU ",
@@ -164,12 +171,17 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
   const int64_t n = qweight.size(0), k = qweight.size(1) * (int8 ? 1 : 2);
   TORCH_CHECK(group_size > 0 && k % group_size == 0,
               "pack_quant_weight: group_size (", group_size, ") must divide K (", k, ")");
-  TORCH_CHECK(bits == 8 || group_size % 32 == 0,
+  TORCH_CHECK(bits == 8 || bits == 6 || group_size % 32 == 0,
               "pack_quant_weight: group_size must be a multiple of 32 for bits ", bits, ", got ",
               group_size);
   TORCH_CHECK(bits != 5 || qweight.numel() == 0 ||
                   (qweight.min().item<int8_t>() >= -16 && qweight.max().item<int8_t>() <= 15),
               "pack_quant_weight: bits 5 takes q in -16..15 only");
+  TORCH_CHECK(bits != 6 || qweight.numel() == 0 ||
+                  (qweight.min().item<int8_t>() >= -32 && qweight.max().item<int8_t>() <= 31),
+              "pack_quant_weight: bits 6 takes q in -32..31 only");
+  TORCH_CHECK(bits != 6 || group_size % 2 == 0,
+              "pack_quant_weight: group_size must be even for bits 6, got ", group_size);
   const int64_t groups = k / group_size;
   const auto check_per_group = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 &&
@@ -218,6 +230,11 @@ QuantWeight pack_quant_weight(const at::Tensor& qweight, const at::Tensor& scale
           }
           if (bits == 4) {
             pack_group4(src, group_size, c, dst + header);
+            continue;
+          }
+          if (bits == 6) {  // byte 2c + e of pair p: q[k0 + 2p + e]
+            for (int64_t i = 0; i < group_q_bytes; ++i)
+              dst[header + (i / 2) * 32 + 2 * c + (i % 2)] = src[i];
             continue;
           }
           for (int64_t i = 0; i < group_q_bytes; ++i) dst[header + i * kBlock + c] = src[i];

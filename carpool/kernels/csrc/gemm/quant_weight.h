@@ -21,14 +21,18 @@
 //           chunk j / 4's dword c holding q[c][k0 + j] in bits 4 (j % 4).., q[c][k0 + 16 + j]
 //           in bits 16 + 4 (j % 4).. (the pair the readers take together, j < 16);
 //   bits 5 (packed from bits-8 q in -16..15, e.g. GGUF's Q5_0, with g % 32 == 0): per 32 k,
-//           a unit of 320 bytes: bits 4's 256 bytes of u = q + 16's low nibbles, then 16
-//           uint32 flip masks, pair j's bit 2c (2c + 1) flipping bit 4 of column c's dword
-//           shifted right by 4 (j % 4) (of its high half) into u[c][k0 + j]'s (k0 + 16 + j's)
-//           bit 4. Five bits a weight instead of eight.
+//           a unit of 320 bytes, 5 chunks of 16 dwords of u = q + 16: pair j < 15 (u[c][k0 +
+//           j], u[c][k0 + 16 + j]) in bits 5 (j % 3).. and 16 + 5 (j % 3).. of chunk j / 3's
+//           dword c; pair 15's in the spare bits, chunk i's bit 15 (31) holding bit i of
+//           u[c][k0 + 15] (u[c][k0 + 31]). Five bits a weight instead of eight.
+//   bits 6 (packed from bits-8 q in -32..31, e.g. GGUF's Q6_K, with g even): still a byte a
+//           weight, in pairs of k: g / 2 x 32 bytes, byte 2c + e of pair p = q[c][k0 + 2p + e]
+//           (each column's pair one word of two bytes: widened to words, one 64-entry
+//           `vpermt2w` lookup gives the pair as bfloat16, where bits 8 widen and convert
+//           twice). The same sums as bits 8, in the same order.
 // So a block streams front to back once: 16 columns' q for one k are one 16-byte load (bits
 // 8); one 64-byte load and one shift give 16 columns' pair j, each in a dword's two halves
-// (bits 4), or, with one masked add on their words, the five bits `vpermw` indexes by (bits
-// 5). A group's scales and mins sit in the cache line before its q. Its size is the
+// (bits 4), or the five bits `vpermw` indexes by (bits 5, but for pair 15's five loads). A group's scales and mins sit in the cache line before its q. Its size is the
 // canonical bytes plus the padding of N.
 //
 // W8A8 (`w8a8`, pack_w8a8_weight in w8a8_gemm.cpp): an int8 weight with one scale per column
@@ -59,7 +63,7 @@ struct QuantWeight {
   int64_t groups() const { return k / group_size; }
   int64_t header_bytes() const { return (has_mins ? 2 : 1) * kBlock * (f16_header ? 2 : 4); }
   int64_t group_bytes() const {
-    return header_bytes() + group_size * kBlock * bits / 8;
+    return header_bytes() + group_size * kBlock * (bits == 6 ? 8 : bits) / 8;
   }
   int64_t block_bytes() const { return w8a8 ? kp() * kBlock : groups() * group_bytes(); }
   int64_t kp() const { return (k + 3) / 4 * 4; }  // W8A8's K padded to whole quads
