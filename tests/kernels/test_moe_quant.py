@@ -17,7 +17,7 @@ from carpool.models.quant.experts import QuantExperts
 from carpool.models.quant.linear import QuantLinear
 from carpool.models.quant.weight import QuantizedWeight
 from carpool.platform.cpu_moe import KernelQuantExperts
-from carpool.platform.cpu_quant import QuantLinearPacker
+from carpool.platform.cpu_quant import QuantLinearPacker, packed_bits
 from carpool.platform.cpu_route import ALL_ROWS, QuantRoute
 from tests.kernels.test_moe import routing
 
@@ -27,9 +27,11 @@ CASES = [(1, 64, 32, 8, 2, "random"), (3, 64, 32, 16, 4, "random"),  # more expe
          (20, 64, 32, 8, 1, "one"),  # every row on expert 0
          (29, 64, 96, 6, 2, "skip")]  # an expert with no rows
 # gate, up, down: (bits, group, mins); Q8_0, Q4_0, Q4_K-like (mins), Q5_0 (int8 q in -16..15,
-# packed in five bits), and gate / up of different types (two parts)
+# packed in five bits), Q6_K-like (int8 q in -32..31, packed as bits 6), and gate / up of
+# different types (two parts)
 FORMATS = {"q8_0": [(8, 32, False)] * 3, "q4_0": [(4, 32, False)] * 3,
            "q4_k": [(4, 32, True)] * 3, "q5_0": [(5, 32, False)] * 3,
+           "q6_k": [(6, 16, False)] * 3,
            "mixed": [(8, 32, False), (4, 32, True), (5, 32, False)]}
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -53,7 +55,7 @@ def dense(w: QuantizedWeight) -> torch.Tensor:
 
 
 def span_of(bits: int) -> int:
-    return {4: 8, 5: 16, 8: 128}[bits]
+    return {4: 8, 5: 16, 6: 32, 8: 128}[bits]
 
 
 def problem(case, fmt_name: str, dtype: torch.dtype, weights_dtype: torch.dtype | None = None):
@@ -112,6 +114,16 @@ def test_weights_in_the_model_dtype_and_calls_above_the_cut(kernels, dtype):
     for route in (QuantRoute(4, 4, tiles=False), QuantRoute(64, 64, tiles=False, rounded_from=2)):
         module, fused = prepared(kernels, parts, dtype, route)
         assert torch.equal(fused(x, ids, weights), module(x, ids, weights))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_six_bit_parts_take_the_int8_cut(kernels, dtype):
+    """Q6_K's bits-6 parts are a byte a weight: their cut is int8's, as the module's parts
+    take it (`QuantRoute.max_rows`), not int4's."""
+    x, parts, ids, weights = problem((37, 96, 64, 8, 2, "random"), "q6_k", dtype)
+    assert {packed_bits(w) for expert in parts for w in expert} == {6}
+    module, fused = prepared(kernels, parts, dtype, QuantRoute(64, 2, tiles=False))
+    assert torch.equal(fused(x, ids, weights), module(x, ids, weights))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

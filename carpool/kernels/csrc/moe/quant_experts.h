@@ -16,8 +16,8 @@ namespace carpool_moe {
 // Every expert's gate/up (its parts stacked by output rows, as QuantLinear stacks them:
 // gate's I rows then up's, one part where both are one type) and its down, each part packed
 // by pack_quant_weight; each part multiplied as cpu_quant's part_matmul multiplies it:
-// quant_linear up to its cut (int8_max_rows for bits 8, int4_max_rows for 4 and 5), above it
-// the weight dequantized into at::linear.
+// quant_linear up to its cut (int8_max_rows for bits 8 and 6, a byte a weight; int4_max_rows
+// for 4 and 5, as QuantRoute.max_rows), above it the weight dequantized into at::linear.
 struct QuantExperts {
   std::vector<std::vector<carpool_gemm::QuantWeight>> gate_up, down;  // [E][parts]
   int64_t hidden = 0, inner = 0;
@@ -28,7 +28,7 @@ struct QuantExperts {
                int64_t int4_max_rows, int64_t rounded_from);
   int64_t experts() const { return static_cast<int64_t>(gate_up.size()); }
   int64_t max_rows(const carpool_gemm::QuantWeight& w) const {
-    return w.bits == 8 ? int8_max_rows : int4_max_rows;
+    return w.bits == 8 || w.bits == 6 ? int8_max_rows : int4_max_rows;
   }
 };
 
