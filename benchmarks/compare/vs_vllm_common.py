@@ -140,3 +140,9 @@ def run_job(job: Job, build: Callable[[Job], tuple[Callable, Callable]], out_pat
         results["workloads"][name] = run_workload(requests, add, step, job.keep_token_ids)
     with open(out_path, "w") as f:
         json.dump(results, f)
+
+
+def worker_main(build: Callable[[Job], tuple[Callable, Callable]], argv: list[str]) -> int:
+    """A worker's entry point: `python -m WORKER JOB.json OUT.json` runs the job file."""
+    run_job(Job.load(argv[1]), build, argv[2])
+    return 0

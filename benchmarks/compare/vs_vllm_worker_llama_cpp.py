@@ -30,7 +30,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.compare.vs_vllm_common import MAX_NUM_BATCHED_TOKENS, Delta, Job, run_job
+from benchmarks.compare.vs_vllm_common import MAX_NUM_BATCHED_TOKENS, Delta, Job, worker_main
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's compile-time limit on sequence ids (llama-cparams.h)
 KV_ROUND = 256
@@ -136,11 +136,5 @@ def build(job: Job):
     return add, step
 
 
-def main() -> int:
-    job = Job.load(sys.argv[1])
-    run_job(job, build, sys.argv[2])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(build, sys.argv))

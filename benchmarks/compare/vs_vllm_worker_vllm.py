@@ -26,7 +26,7 @@ from benchmarks.compare.vs_vllm_common import (
     MAX_NUM_SEQS,
     Delta,
     Job,
-    run_job,
+    worker_main,
 )
 
 
@@ -60,11 +60,5 @@ def build(job: Job):
     return add, step
 
 
-def main() -> int:
-    job = Job.load(sys.argv[1])
-    run_job(job, build, sys.argv[2])
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_main(build, sys.argv))

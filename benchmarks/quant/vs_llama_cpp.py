@@ -61,10 +61,10 @@ def carpool_decode(file: str, dtype: str, threads: int, spin_count: int, workdir
     return (request["num_output_tokens"] - 1) / (request["end_s"] - request["first_token_s"])
 
 
-def batch_run(engine: str, file: str, requests: list, threads: int, spin_count: int,
-              python: str, workdir: Path, tag: str) -> dict:
+def batch_run(engine: str, file: str, requests: list, dtype: str, threads: int,
+              spin_count: int, python: str, workdir: Path, tag: str) -> dict:
     """One engine's run of the batch workload: `vs_vllm.summarize_run`'s figures."""
-    job = Job(engine=engine, model=file, dtype="bfloat16", num_threads=threads,
+    job = Job(engine=engine, model=file, dtype=dtype, num_threads=threads,
               workloads={"batch": requests}, keep_token_ids=False)
     env = (openmp_wait_environment(spin_count, {}) if engine == "carpool"
            else {"OMP_WAIT_POLICY": "PASSIVE"})
@@ -127,13 +127,14 @@ def batch_main(args) -> int:
 
     arms = [(file, engine) for file in args.gguf for engine in ("carpool", "llama.cpp")]
     runs: dict[tuple[str, str], list[dict]] = {arm: [] for arm in arms}
+    requests = {file: build_requests(args.num_requests, load_model_config(Path(file)).vocab_size)
+                for file in args.gguf}
     with tempfile.TemporaryDirectory() as workdir:
         for repeat in range(args.repeats):
             for i, (file, engine) in enumerate(arms if repeat % 2 == 0 else arms[::-1]):
-                requests = build_requests(args.num_requests,
-                                          load_model_config(Path(file)).vocab_size)
-                run = batch_run(engine, file, requests, args.threads, args.spin_count,
-                                args.llama_python, Path(workdir), f"r{repeat}-{i}")
+                run = batch_run(engine, file, requests[file], args.dtype, args.threads,
+                                args.spin_count, args.llama_python, Path(workdir),
+                                f"r{repeat}-{i}")
                 runs[file, engine].append(run)
                 print(f"repeat {repeat}: {engine:9s} {Path(file).name}: "
                       f"{run['output_tok_s']:.1f} out tok/s, TTFT p50 "
