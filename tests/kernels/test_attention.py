@@ -243,15 +243,17 @@ def test_rejects_bad_inputs(kernels):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (4, 1)])
+@pytest.mark.parametrize("head_dim,window", [(64, 0), (16, 0), (128, 0), (64, 40)])
 def test_batch_invariant_rows_do_not_depend_on_the_chunking(kernels, dtype, num_heads,
-                                                           num_kv_heads):
+                                                           num_kv_heads, head_dim, window):
     """One prompt of 150 queries (keys over three of the kernel's 64-key chunks) attended
     whole, in chunks of 7 (so tiles of 7 and 2 queries), and one query at a time, beside
     another request: with batch_invariant every row is bitwise the same however its prompt
     was cut (without it, tiles of 4+ rows score transposed keys on AVX-512 and AVX2 builds,
-    another summation order; and the one-query tiles of bfloat16 read keys in place, the
-    others through a float32 copy)."""
-    seq_len, head_dim = 150, 64
+    another summation order; one-query items take the decode loops, and the other tiles of
+    bfloat16 read keys through a float32 copy). Head dims the decode loops take (64, 128;
+    16 by pairs on AVX512-BF16) and a sliding window."""
+    seq_len = 150
     case = make_case([seq_len, 5], [seq_len, 20], num_heads, num_kv_heads, head_dim, dtype)
     q, cache, tables = case["q"], case["kv_cache"], case["block_tables"]
     start = int(case["query_starts"][0])
@@ -267,7 +269,7 @@ def test_batch_invariant_rows_do_not_depend_on_the_chunking(kernels, dtype, num_
             kernels.paged_attention(chunk_out, chunk, cache, tables,
                                     torch.tensor([0, end - begin], **as_int),
                                     torch.tensor([end - begin, 5], **as_int),
-                                    torch.tensor([end, 20], **as_int), 0.125, 0,
+                                    torch.tensor([end, 20], **as_int), 0.125, window,
                                     batch_invariant=True)
             out[begin:end] = chunk_out[:end - begin]
         return out

@@ -31,13 +31,16 @@
 // caches of head_dim 16 on AVX512-BF16 builds; decode_one_pass_avx2.h's of float32 and
 // bfloat16 caches on AVX2 builds (a multiple of 16).
 //
-// batch_invariant: every row is scored by row (chunk_scores_by_row), never from transposed
-// keys, whose sums over head_dim run in another order: the transposed path is taken by items
-// of 4+ rows, so without this a query's scores would depend on how many queries share its
-// tile (its chunk) and on the number of query heads per kv head. Every other step is already
-// per row: the chunks (fixed positions) and their order, the lanes a row masks, the online
-// softmax, the value sums (another row's keys outside a row's range get probability 0 and
-// add exactly 0).
+// batch_invariant: where the decode loops take the dtype and head_dim, every query row is its
+// own single-query item on them, so a prompt or verify row is attended exactly as the same
+// position decoded alone (and a row's keys are read once per row, not once per tile: the
+// loops' rate per key is what pays for it). Elsewhere every row is scored by row
+// (chunk_scores_by_row), never from transposed keys, whose sums over head_dim run in another
+// order: the transposed path is taken by items of 4+ rows, so without this a query's scores
+// would depend on how many queries share its tile (its chunk) and on the number of query
+// heads per kv head. Every other step is already per row: the chunks (fixed positions) and
+// their order, the lanes a row masks, the online softmax, the value sums (another row's keys
+// outside a row's range get probability 0 and add exactly 0).
 
 // Narrow headers on purpose: <torch/extension.h> takes about 3x longer to compile.
 // The Python binding is in bindings.cpp.
@@ -483,8 +486,9 @@ DecodeArgs<decode_elem_t<scalar_t>> decode_args(const Shapes& s, const WorkItem&
 }
 #endif
 
+// query_tile: kQueryTile, or 1 where every query row is to be its own single-query item.
 std::vector<WorkItem> plan(const Shapes& s, const int32_t* query_lens, const int32_t* seq_lens,
-                           int64_t num_seqs) {
+                           int64_t num_seqs, int64_t query_tile) {
   std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t q_len = query_lens[i], seq_len = seq_lens[i];
@@ -493,8 +497,8 @@ std::vector<WorkItem> plan(const Shapes& s, const int32_t* query_lens, const int
     TORCH_CHECK(seq_len <= s.max_blocks * s.block_size, "paged_attention: request ", i,
                 " has seq_len ", seq_len, " beyond its block table (", s.max_blocks, " blocks of ",
                 s.block_size, ")");
-    for (int64_t begin = 0; begin < q_len; begin += kQueryTile) {
-      const int64_t end = std::min(q_len, begin + kQueryTile);
+    for (int64_t begin = 0; begin < q_len; begin += query_tile) {
+      const int64_t end = std::min(q_len, begin + query_tile);
       const int64_t last_pos = seq_len - q_len + end - 1;
       int64_t num_keys = last_pos + 1;
       if (s.sliding_window > 0) num_keys = std::min(num_keys, s.sliding_window + end - begin);
@@ -578,23 +582,25 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     TORCH_CHECK(starts[i] >= 0 && starts[i] + q_lens[i] <= q.size(0), "paged_attention: request ",
                 i, "'s query rows fall outside q");
   }
-  const std::vector<WorkItem> items = plan(s, q_lens, s_lens, num_seqs);
-  if (items.empty()) return;
   auto run = [&](auto dtype_tag) {
     using scalar_t = decltype(dtype_tag);
     const scalar_t* q_ptr = q.const_data_ptr<scalar_t>();
     const scalar_t* cache_ptr = kv_cache.const_data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     // Single-query items (decodes) take the decode loops where they take the dtype and
-    // head_dim, except in the batch-invariant mode: there a position's arithmetic may not
-    // depend on whether it was scheduled alone or in a chunk.
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    // head_dim. In the batch-invariant mode a position's arithmetic may not depend on whether
+    // it was scheduled alone or in a chunk, so there every query row is then its own
+    // single-query item, on the decode loops too; where they do not apply, every row takes
+    // attend_item's tiles, scored by row.
     bool decode_loops = false;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if constexpr (kDecodeLoops<scalar_t>) {
-      decode_loops = !batch_invariant &&
-                     single_query_head_dim_ok<decode_elem_t<scalar_t>>(s.head_dim);
+      decode_loops = single_query_head_dim_ok<decode_elem_t<scalar_t>>(s.head_dim);
     }
 #endif
+    const std::vector<WorkItem> items =
+        plan(s, q_lens, s_lens, num_seqs, batch_invariant && decode_loops ? 1 : kQueryTile);
+    if (items.empty()) return;
     std::atomic<int64_t> next{0};
     const int64_t num_items = static_cast<int64_t>(items.size());
     const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
