@@ -57,9 +57,14 @@ class KernelQuantExperts(nn.Module):
         if any(lin.stack_parts is None or lin.stack_parts.int8_input or lin.bias is not None
                or any(part.w8a8 for part in lin.stack_parts.packed) for lin in linears):
             return None
-        packed = kernels.QuantExperts([lin.stack_parts.packed for lin in experts.gate_up],
-                                      [lin.stack_parts.packed for lin in experts.down],
-                                      route.int8_max_rows, route.int4_max_rows,
+        def parts(group):
+            return [lin.stack_parts.packed for lin in group]
+
+        def cuts(group):  # each part's, as its own multiply takes it (`part_matmul`)
+            return [[route.max_rows(p.bits) for p in lin.stack_parts.packed] for lin in group]
+
+        packed = kernels.QuantExperts(parts(experts.gate_up), parts(experts.down),
+                                      cuts(experts.gate_up), cuts(experts.down),
                                       route.rounded_from)
         return cls(experts, packed, kernels)
 

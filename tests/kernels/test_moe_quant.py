@@ -155,7 +155,12 @@ def test_no_rows_and_bad_arguments(kernels):
         fused(x[:, :32], ids, weights)
     packed = [lin.stack_parts.packed for lin in fused.reference.gate_up]
     downs = [lin.stack_parts.packed for lin in fused.reference.down]
+    def cuts(experts, extra=0):
+        return [[8] * (len(parts) + extra) for parts in experts]
+
     with pytest.raises(RuntimeError, match="gate/up experts for"):
-        kernels.QuantExperts(packed, downs[:-1], 8, 8)
+        kernels.QuantExperts(packed, downs[:-1], cuts(packed), cuts(downs[:-1]))
+    with pytest.raises(RuntimeError, match="one cut a part"):
+        kernels.QuantExperts(packed, downs, cuts(packed, extra=1), cuts(downs))
     with pytest.raises(RuntimeError, match="down part is not a grouped quantized weight"):
-        kernels.QuantExperts(downs, packed, 8, 8)
+        kernels.QuantExperts(downs, packed, cuts(downs), cuts(packed))

@@ -177,15 +177,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("n0"), py::arg("n1"), py::arg("dtype"),
         py::call_guard<py::gil_scoped_release>());
   using carpool_moe::QuantExperts;
-  using QuantParts = std::vector<std::vector<QuantWeight>>;
   py::class_<QuantExperts, std::shared_ptr<QuantExperts>>(
       m, "QuantExperts", py::module_local(),
       "A mixture of experts' quantized experts for quant_moe_experts: per expert its gate/up "
       "parts (gate's rows then up's) and its down parts, packed by pack_quant_weight; each "
-      "part by quant_linear up to its cut (int8_max_rows for 8 bits, else int4_max_rows), "
-      "above it dequantized into a linear, as cpu_quant multiplies a part.")
-      .def(py::init<QuantParts, QuantParts, int64_t, int64_t, int64_t>(), py::arg("gate_up"),
-           py::arg("down"), py::arg("int8_max_rows"), py::arg("int4_max_rows"),
+      "part by quant_linear up to its cut (gate_up_rows / down_rows, one a part), above it "
+      "dequantized into a linear, as cpu_quant multiplies a part.")
+      .def(py::init<QuantExperts::Parts, QuantExperts::Parts, QuantExperts::Cuts,
+                    QuantExperts::Cuts, int64_t>(),
+           py::arg("gate_up"), py::arg("down"), py::arg("gate_up_rows"), py::arg("down_rows"),
            py::arg("rounded_from") = 0)
       .def_readonly("hidden", &QuantExperts::hidden)
       .def_readonly("inner", &QuantExperts::inner)

@@ -589,7 +589,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     // Single-query items (decodes) take the decode loops where they take the dtype and
     // head_dim. In the batch-invariant mode a position's arithmetic may not depend on whether
-    // it was scheduled alone or in a chunk, so there every query row is then its own
+    // it was scheduled alone or in a chunk, so there every query row is its own
     // single-query item, on the decode loops too; where they do not apply, every row takes
     // attend_item's tiles, scored by row.
     bool decode_loops = false;

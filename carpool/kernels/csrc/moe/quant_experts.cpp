@@ -39,16 +39,22 @@ namespace carpool_moe {
 
 using carpool_gemm::QuantWeight;
 
-QuantExperts::QuantExperts(std::vector<std::vector<QuantWeight>> gate_up_parts,
-                           std::vector<std::vector<QuantWeight>> down_parts,
-                           int64_t int8_rows, int64_t int4_rows, int64_t rounded)
+QuantExperts::QuantExperts(Parts gate_up_parts, Parts down_parts, Cuts gate_up_cuts,
+                           Cuts down_cuts, int64_t rounded)
     : gate_up(std::move(gate_up_parts)),
       down(std::move(down_parts)),
-      int8_max_rows(int8_rows),
-      int4_max_rows(int4_rows),
+      gate_up_rows(std::move(gate_up_cuts)),
+      down_rows(std::move(down_cuts)),
       rounded_from(rounded) {
   TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), "QuantExperts: ",
               gate_up.size(), " gate/up experts for ", down.size(), " downs");
+  TORCH_CHECK(gate_up_rows.size() == gate_up.size() && down_rows.size() == down.size(),
+              "QuantExperts: one list of cuts an expert");
+  for (size_t e = 0; e < gate_up.size(); ++e) {
+    TORCH_CHECK(gate_up_rows[e].size() == gate_up[e].size() &&
+                    down_rows[e].size() == down[e].size(),
+                "QuantExperts: expert ", e, " needs one cut a part");
+  }
   auto width = [](const std::vector<QuantWeight>& parts, const char* what, int64_t k) {
     TORCH_CHECK(!parts.empty(), "QuantExperts: an expert's ", what, " has no parts");
     int64_t n = 0;
@@ -72,13 +78,14 @@ QuantExperts::QuantExperts(std::vector<std::vector<QuantWeight>> gate_up_parts,
 namespace {
 
 // x @ parts.T, the parts' outputs side by side: QuantLinear.forward with cpu_quant's
-// part_matmul (quant_rows.quant_matmul) for each part.
+// part_matmul (quant_rows.quant_matmul) for each part, up to its cut.
 at::Tensor multiply(const QuantExperts& experts, const std::vector<QuantWeight>& parts,
-                    const at::Tensor& x) {
+                    const std::vector<int64_t>& cuts, const at::Tensor& x) {
   std::vector<at::Tensor> outs;
   outs.reserve(parts.size());
-  for (const QuantWeight& w : parts) {
-    outs.push_back(x.size(0) <= experts.max_rows(w)
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const QuantWeight& w = parts[p];
+    outs.push_back(x.size(0) <= cuts[p]
                        ? carpool_gemm::quant_linear(x, w, c10::nullopt, experts.rounded_from)
                        : at::linear(x, carpool_gemm::dequantize_rows(w, 0, w.n,
                                                                       x.scalar_type())));
@@ -97,10 +104,10 @@ at::Tensor expert_output(const QuantExperts& experts, int64_t e, const at::Tenso
     std::copy(rows, rows + n, index.data_ptr<int64_t>());
     xe = x.index_select(0, index);
   }
-  const at::Tensor gate_up = multiply(experts, experts.gate_up[e], xe);
+  const at::Tensor gate_up = multiply(experts, experts.gate_up[e], experts.gate_up_rows[e], xe);
   const int64_t I = experts.inner;
   const at::Tensor act = at::silu(gate_up.narrow(1, 0, I)).mul_(gate_up.narrow(1, I, I));
-  return multiply(experts, experts.down[e], act);
+  return multiply(experts, experts.down[e], experts.down_rows[e], act);
 }
 
 // v rounded to S, as a tensor op's result in S is: float32 results are kept as they are, and
@@ -176,8 +183,8 @@ at::Tensor quant_moe_experts(const at::Tensor& x, const QuantExperts& experts,
   for (int64_t e : r.active) {
     const int64_t n = r.starts[e + 1] - r.starts[e];
     side_by_side = side_by_side && n * 2 * experts.inner < at::internal::GRAIN_SIZE;
-    for (const auto* parts : {&experts.gate_up[e], &experts.down[e]})
-      for (const QuantWeight& w : *parts) side_by_side = side_by_side && n <= experts.max_rows(w);
+    for (const auto* cuts : {&experts.gate_up_rows[e], &experts.down_rows[e]})
+      for (int64_t cut : *cuts) side_by_side = side_by_side && n <= cut;
   }
   std::vector<at::Tensor> outs(E);
   auto run = [&](int64_t begin, int64_t end) {
