@@ -21,14 +21,17 @@ Prints each variant's time a pass, its speed over bf16-small's, and its weight b
     python3 -m benchmarks.kernels.quant_gemm --rows 1 2 --variants q5_0 q4_k q6_k \
         --baseline ~/.cache/torch_extensions/py311_cpu/<an older build>/<its name>.so
 
-`--baseline` times the quantized variants of another build of the kernels too (its own
-packing), alternated with this one's as "<variant>@base": before / after in one run.
+`--baseline` times the variants of another build of the kernels too (its own packing; all but
+bf16-onednn), alternated with this one's as "<variant>@base": before / after in one run.
+`--stat median` reports each variant's median pass instead of its best: a change to how the
+threads split a call shows in the typical pass, which a quiet moment's best hides.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -141,7 +144,9 @@ def main() -> None:
     parser.add_argument("--capability", choices=("AVX512", "AVX2"),
                         help="time this build of the kernels (default: this CPU's)")
     parser.add_argument("--baseline", type=Path,
-                        help="a built kernels module (.so) whose quantized variants run too")
+                        help="a built kernels module (.so) whose variants run too")
+    parser.add_argument("--stat", choices=["best", "median"], default="best",
+                        help="each variant's best pass, or its median")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -156,7 +161,7 @@ def main() -> None:
     if args.baseline is not None:
         base_kernels = import_module_file(args.baseline)
         for name in names:
-            if not name.startswith("bf16"):
+            if name != "bf16-onednn":
                 variants[f"{name}@base"] = [Variant(name, linear, base_kernels)
                                             for linear in linears]
     print(f"{args.shapes} x {args.copies}: {len(linears)} layers, {args.dtype} rows, "
@@ -166,13 +171,15 @@ def main() -> None:
         for rows in args.rows:
             inputs = [torch.randn(rows, k, dtype=dtype) for k, _ in shapes]
             repeats = max(2, args.repeats if rows <= 64 else args.repeats // 3)
-            best = {name: float("inf") for name in variants}
-            for _ in range(repeats + 1):  # the first round warms up
+            passes = {name: [] for name in variants}
+            for _ in range(repeats + 1):
                 for name, layers in variants.items():
                     start = time.perf_counter()
                     for layer, x in zip(layers, inputs):
                         layer.run(x)
-                    best[name] = min(best[name], time.perf_counter() - start)
+                    passes[name].append(time.perf_counter() - start)
+            pick = min if args.stat == "best" else statistics.median
+            best = {name: pick(times[1:]) for name, times in passes.items()}  # the first warms up
             base = best.get("bf16-small")
             print(f"rows {rows:5d}  " + "  ".join(
                 f"{name} {t * 1e3:8.2f} ms" + (f" ({base / t:4.2f}x)" if base else "")

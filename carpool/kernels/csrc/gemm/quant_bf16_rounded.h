@@ -101,27 +101,28 @@ void run_tile_rounded(const Call& call, int64_t rows, int64_t nb, int64_t r0, in
   tile_rounded<MaxR, MaxB>(call, r0, blk, buffer);
 }
 
-// Threads split the column blocks; each fills a block group's pairs once for the whole call
-// and runs every row tile over them (6 rows x 4 blocks, as the pairs path's wide tile).
+// Threads split the column blocks (for_each_column_unit, all rows a unit); each fills a unit's
+// pairs once for the whole call and runs every row tile over them (6 rows x 4 blocks, as the
+// pairs path's wide tile).
 template <int Bits, bool Mins>
 void run_call_rounded(const Call& call, int64_t m) {
   const QuantWeight& w = *call.w;
   using Shape = WideRows;
-  at::parallel_for(0, w.blocks(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> buffer(Shape::kBlocks * w.k / 2 * kBlock);
-    const int64_t row_tiles = (m + Shape::kRows - 1) / Shape::kRows;
-    for (int64_t blk = begin; blk < end; blk += Shape::kBlocks) {
-      const int64_t nb = std::min<int64_t>(Shape::kBlocks, end - blk);
-      for (int64_t b = 0; b < nb; ++b)
+  const int64_t unit_blocks = unit_blocks_for(w.blocks(), Shape::kBlocks);
+  for_each_column_unit(w.blocks(), unit_blocks, m, m, [&] {
+    std::vector<uint32_t> buffer(unit_blocks * w.k / 2 * kBlock);
+    return [&, buffer = std::move(buffer)](const ColumnUnit& u) mutable {
+      for (int64_t b = 0; b < u.nb; ++b)
         fill_rounded_pairs<Bits, Mins>(
-            w, w.data.const_data_ptr<uint8_t>() + (blk + b) * w.block_bytes(),
+            w, w.data.const_data_ptr<uint8_t>() + (u.blk + b) * w.block_bytes(),
             buffer.data() + b * (w.k / 2) * kBlock);
+      const int64_t row_tiles = (m + Shape::kRows - 1) / Shape::kRows;
       for (int64_t t = 0; t < row_tiles; ++t) {
         const int64_t r0 = m * t / row_tiles, r1 = m * (t + 1) / row_tiles;
-        run_tile_rounded<Shape::kRows, Shape::kBlocks>(call, r1 - r0, nb, r0, blk,
+        run_tile_rounded<Shape::kRows, Shape::kBlocks>(call, r1 - r0, u.nb, r0, u.blk,
                                                        buffer.data());
       }
-    }
+    };
   });
 }
 

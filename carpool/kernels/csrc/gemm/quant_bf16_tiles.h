@@ -185,30 +185,28 @@ void run_tile_bf16(const Call& call, int64_t rows, int64_t nb, int64_t r0, int64
 struct FewPairRows { static constexpr int kRows = 2, kBlocks = 8; };
 struct WideRows { static constexpr int kRows = 6, kBlocks = 4; };
 
-// run_call's split of rows and columns, on pairs; buffered above FewPairRows::kRows rows.
+// run_call's split of rows and columns, on pairs (for_each_column_unit); buffered above
+// FewPairRows::kRows rows.
 template <typename Shape, int Bits, bool Mins>
 void run_call_bf16(const Call& call, int64_t m) {
   const QuantWeight& w = *call.w;
   const bool buffered = m > FewPairRows::kRows;
-  at::parallel_for(0, w.blocks(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> buffer(buffered ? Shape::kBlocks * w.k / 2 * kBlock : 0);
-    for (int64_t rb = 0; rb < m; rb += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, m - rb);
-      const int64_t row_tiles = (rows + Shape::kRows - 1) / Shape::kRows;
-      for (int64_t blk = begin; blk < end; blk += Shape::kBlocks) {
-        const int64_t nb = std::min<int64_t>(Shape::kBlocks, end - blk);
-        if (buffered) {
-          for (int64_t b = 0; b < nb; ++b)
-            fill_pairs<Bits>(w, w.data.const_data_ptr<uint8_t>() + (blk + b) * w.block_bytes(),
-                             buffer.data() + b * (w.k / 2) * kBlock);
-        }
-        for (int64_t t = 0; t < row_tiles; ++t) {
-          const int64_t r0 = rows * t / row_tiles, r1 = rows * (t + 1) / row_tiles;
-          run_tile_bf16<Shape::kRows, Shape::kBlocks, Bits, Mins>(
-              call, r1 - r0, nb, rb + r0, blk, buffered ? buffer.data() : nullptr);
-        }
+  const int64_t unit_blocks = unit_blocks_for(w.blocks(), Shape::kBlocks);
+  for_each_column_unit(w.blocks(), unit_blocks, m, kRowBlock, [&] {
+    std::vector<uint32_t> buffer(buffered ? unit_blocks * w.k / 2 * kBlock : 0);
+    return [&, buffer = std::move(buffer)](const ColumnUnit& u) mutable {
+      if (buffered) {
+        for (int64_t b = 0; b < u.nb; ++b)
+          fill_pairs<Bits>(w, w.data.const_data_ptr<uint8_t>() + (u.blk + b) * w.block_bytes(),
+                           buffer.data() + b * (w.k / 2) * kBlock);
       }
-    }
+      const int64_t row_tiles = (u.rows + Shape::kRows - 1) / Shape::kRows;
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        const int64_t r0 = u.rows * t / row_tiles, r1 = u.rows * (t + 1) / row_tiles;
+        run_tile_bf16<Shape::kRows, Shape::kBlocks, Bits, Mins>(
+            call, r1 - r0, u.nb, u.r0 + r0, u.blk, buffered ? buffer.data() : nullptr);
+      }
+    };
   });
 }
 

@@ -37,6 +37,7 @@
 
 #include "gemm/quant_isa.h"
 #include "gemm/quant_weight.h"
+#include "gemm/stealable_shares.h"
 #include "kernel_api.h"
 
 namespace carpool_gemm {
@@ -207,24 +208,20 @@ constexpr int64_t kRowBlock = 64;
 #include "gemm/quant_bf16_tiles.h"
 #include "gemm/quant_bf16_rounded.h"
 
-// The whole product: threads split the column blocks evenly; each runs its share in groups
-// of Shape::kBlocks blocks, each group over the rows in tiles of at most Shape::kRows, as even
-// as they can be (7 rows as 4 + 3 rather than 6 + 1).
+// The whole product, split by for_each_column_unit: units of up to Shape::kBlocks blocks,
+// each over a row block in tiles of at most Shape::kRows, as even as they can be (7 rows as
+// 4 + 3 rather than 6 + 1).
 template <typename Shape, int Bits, bool Mins>
 void run_call(const Call& call, int64_t m) {
   const int64_t blocks = call.w->blocks();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rb = 0; rb < m; rb += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, m - rb);
-      const int64_t row_tiles = (rows + Shape::kRows - 1) / Shape::kRows;
-      for (int64_t blk = begin; blk < end; blk += Shape::kBlocks) {
-        const int64_t nb = std::min<int64_t>(Shape::kBlocks, end - blk);
-        for (int64_t t = 0; t < row_tiles; ++t) {
-          const int64_t r0 = rows * t / row_tiles, r1 = rows * (t + 1) / row_tiles;
-          run_tile<Shape::kRows, Shape::kBlocks, Bits, Mins>(call, r1 - r0, nb, rb + r0, blk);
-        }
+  for_each_column_unit(blocks, unit_blocks_for(blocks, Shape::kBlocks), m, kRowBlock, [&] {
+    return [&](const ColumnUnit& u) {
+      const int64_t row_tiles = (u.rows + Shape::kRows - 1) / Shape::kRows;
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        const int64_t r0 = u.rows * t / row_tiles, r1 = u.rows * (t + 1) / row_tiles;
+        run_tile<Shape::kRows, Shape::kBlocks, Bits, Mins>(call, r1 - r0, u.nb, u.r0 + r0, u.blk);
       }
-    }
+    };
   });
 }
 

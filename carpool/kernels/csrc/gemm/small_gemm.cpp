@@ -293,32 +293,34 @@ __attribute__((noinline)) void tile_avx2_f32(const float* x, int64_t x_stride, c
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // Calls tile.template operator()<R, B>(blk, r0, next) over an m-row output of `blocks`
 // column blocks of `block_bytes` each (packed contiguously from `w`) for every tile of R rows
-// from r0 and B blocks from blk: the threads split the blocks evenly (columns only, so a
-// row's sums never depend on its batch), each runs its share in groups of up to
-// Shape::kBlocks blocks, rows in tiles of at most Shape::kRows rows, as even as they can be
-// (7 rows as 4 + 3 rather than 6 + 1). A group's row tiles share the prefetching of the
-// thread's next group's weight (`next`): the first row tile would otherwise stall on memory
-// for the whole group's weight (docs/lab/30-the-small-gemms-prefetch-their-next-weight.md).
+// from r0 and B blocks from blk, split by for_each_column_unit (units of up to
+// Shape::kBlocks, stealable: a call waits for no slow thread; columns only). Rows go in
+// tiles of at most Shape::kRows, as even as they can be (7 rows as 4 + 3 rather than
+// 6 + 1). A unit's row tiles share the prefetching of the owner's next unit's weight
+// (`next`): the first row tile would otherwise stall on memory for the whole unit's weight
+// (docs/lab/30-the-small-gemms-prefetch-their-next-weight.md).
 template <typename Shape, typename Tile>
 void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes,
                    const Tile& tile) {
-  constexpr int64_t kRows = Shape::kRows, kBlocks = Shape::kBlocks;
+  constexpr int64_t kRows = Shape::kRows;
   const int64_t row_tiles = (m + kRows - 1) / kRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; blk += kBlocks) {
-      const int64_t nb = std::min(kBlocks, end - blk);
-      const int64_t next_blocks = m >= kMinPrefetchRows ? std::min(kBlocks, end - blk - nb) : 0;
-      const char* next = static_cast<const char*>(w) + (blk + nb) * block_bytes;
+  const int64_t unit_blocks = unit_blocks_for(blocks, Shape::kBlocks);
+  for_each_column_unit(blocks, unit_blocks, m, m, [&] {
+    return [&](const ColumnUnit& u) {
+      const int64_t next_blocks = m >= kMinPrefetchRows && u.next_blk >= 0
+                                      ? std::min(unit_blocks, blocks - u.next_blk)
+                                      : 0;
+      const char* next = static_cast<const char*>(w) + std::max<int64_t>(u.next_blk, 0) * block_bytes;
       const int64_t lines = next_blocks * block_bytes / 64;
       for (int64_t t = 0; t < row_tiles; ++t) {
         const int64_t first = lines * t / row_tiles, count = lines * (t + 1) / row_tiles - first;
         const int64_t r0 = m * t / row_tiles;
         dispatch_tile<Shape::kRows, Shape::kBlocks>(
-            m * (t + 1) / row_tiles - r0, nb, [&]<int R, int B>() {
-              tile.template operator()<R, B>(blk, r0, NextWeight{next + first * 64, count});
+            m * (t + 1) / row_tiles - r0, u.nb, [&]<int R, int B>() {
+              tile.template operator()<R, B>(u.blk, r0, NextWeight{next + first * 64, count});
             });
       }
-    }
+    };
   });
 }
 

@@ -13,8 +13,10 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -75,5 +77,55 @@ class StealableShares {
   int64_t shares_;
   std::unique_ptr<Range[]> ranges_;
 };
+
+// One unit of a product's output: column blocks [blk, blk + nb) of rows [r0, r0 + rows).
+// next_blk: the first block of the unit its thread runs next from its own share (-1 where it
+// has none or does not know): what a tile may prefetch.
+struct ColumnUnit {
+  int64_t blk, nb, r0, rows, next_blk;
+};
+
+// The GEMMs' split: column blocks [0, blocks) in units of up to `unit_blocks`, rows [0, m) in
+// blocks of up to `row_block`, each thread owning a contiguous share of units (row block by
+// row block, so that a row block's activations stay in cache while the weight streams past),
+// stealable. Columns only: a row's sums never depend on its batch or on who ran its unit.
+// `make_worker()` runs once on each thread (where a thread's buffers are made) and returns
+// the callable that takes that thread's ColumnUnits.
+template <typename MakeWorker>
+void for_each_column_unit(int64_t blocks, int64_t unit_blocks, int64_t m, int64_t row_block,
+                          const MakeWorker& make_worker) {
+  if (blocks <= 0 || m <= 0) return;
+  const int64_t units = (blocks + unit_blocks - 1) / unit_blocks;
+  const int64_t row_blocks = (m + row_block - 1) / row_block;
+  const int64_t threads = std::min<int64_t>(std::max(1, at::get_num_threads()), units);
+  // Share s: row block by row block, its units [first_unit(s), first_unit(s + 1)).
+  const auto first_unit = [&](int64_t s) { return units * s / threads; };
+  StealableShares shares(threads, [&](int64_t s) { return row_blocks * first_unit(s); });
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    auto work = make_worker();
+    for (int64_t own = begin; own < end; ++own) {
+      for (auto claim = shares.next(own); claim.unit >= 0; claim = shares.next(own)) {
+        const int64_t u0 = first_unit(claim.share), share_units = first_unit(claim.share + 1) - u0;
+        const int64_t index = claim.unit - row_blocks * u0;
+        const int64_t unit = u0 + index % share_units, rb = index / share_units;
+        const int64_t blk = unit * unit_blocks, r0 = rb * row_block;
+        const bool owns_next = claim.share == own && index % share_units + 1 < share_units;
+        work(ColumnUnit{blk, std::min(unit_blocks, blocks - blk), r0, std::min(row_block, m - r0),
+                        owns_next ? blk + unit_blocks : -1});
+      }
+    }
+  });
+}
+
+// Units of up to `max_blocks` blocks, as even as they can be, at least two a thread (a k or v
+// projection of 8 blocks is still split four ways) and a whole number of them a thread where
+// the call allows it: 56 blocks in units of 8 would be shares of 3 and 4 units, which no
+// stealing evens out, so they go as 8 units of 7.
+inline int64_t unit_blocks_for(int64_t blocks, int64_t max_blocks) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  int64_t units = std::max((blocks + max_blocks - 1) / max_blocks, 2 * threads);
+  units = (units + threads - 1) / threads * threads;
+  return std::clamp<int64_t>((blocks + units - 1) / units, 1, max_blocks);
+}
 
 }  // namespace

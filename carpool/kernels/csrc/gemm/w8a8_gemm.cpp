@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "gemm/quant_weight.h"
+#include "gemm/stealable_shares.h"
 #include "kernel_api.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -239,22 +240,19 @@ void run_tile(const Call& c, int64_t rows, int64_t nb, int64_t r0, int64_t blk) 
   tile<MaxR, MaxB>(c, r0, blk);
 }
 
-// Threads split the column blocks; each runs its share a row block at a time, in groups of
-// Shape::kBlocks blocks, each over the row block in tiles as even as they can be.
+// The split of for_each_column_unit: units of up to Shape::kBlocks blocks, each over a row
+// block in tiles as even as they can be.
 template <typename Shape>
 void run_call(const Call& c, int64_t m) {
-  at::parallel_for(0, c.w->blocks(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rb = 0; rb < m; rb += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, m - rb);
-      const int64_t row_tiles = (rows + Shape::kRows - 1) / Shape::kRows;
-      for (int64_t blk = begin; blk < end; blk += Shape::kBlocks) {
-        const int64_t nb = std::min<int64_t>(Shape::kBlocks, end - blk);
-        for (int64_t t = 0; t < row_tiles; ++t) {
-          const int64_t r0 = rows * t / row_tiles, r1 = rows * (t + 1) / row_tiles;
-          run_tile<Shape::kRows, Shape::kBlocks>(c, r1 - r0, nb, rb + r0, blk);
-        }
+  const int64_t blocks = c.w->blocks();
+  for_each_column_unit(blocks, unit_blocks_for(blocks, Shape::kBlocks), m, kRowBlock, [&] {
+    return [&](const ColumnUnit& u) {
+      const int64_t row_tiles = (u.rows + Shape::kRows - 1) / Shape::kRows;
+      for (int64_t t = 0; t < row_tiles; ++t) {
+        const int64_t r0 = u.rows * t / row_tiles, r1 = u.rows * (t + 1) / row_tiles;
+        run_tile<Shape::kRows, Shape::kBlocks>(c, r1 - r0, u.nb, u.r0 + r0, u.blk);
       }
-    }
+    };
   });
 }
 
