@@ -310,7 +310,8 @@ void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes
       const int64_t next_blocks = m >= kMinPrefetchRows && u.next_blk >= 0
                                       ? std::min(unit_blocks, blocks - u.next_blk)
                                       : 0;
-      const char* next = static_cast<const char*>(w) + std::max<int64_t>(u.next_blk, 0) * block_bytes;
+      const char* next =
+          static_cast<const char*>(w) + std::max<int64_t>(u.next_blk, 0) * block_bytes;
       const int64_t lines = next_blocks * block_bytes / 64;
       for (int64_t t = 0; t < row_tiles; ++t) {
         const int64_t first = lines * t / row_tiles, count = lines * (t + 1) / row_tiles - first;
