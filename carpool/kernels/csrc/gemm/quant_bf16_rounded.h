@@ -108,20 +108,17 @@ template <int Bits, bool Mins>
 void run_call_rounded(const Call& call, int64_t m) {
   const QuantWeight& w = *call.w;
   using Shape = WideRows;
-  const int64_t unit_blocks = unit_blocks_for(w.blocks(), Shape::kBlocks);
-  for_each_column_unit(w.blocks(), unit_blocks, m, m, [&] {
-    std::vector<uint32_t> buffer(unit_blocks * w.k / 2 * kBlock);
+  for_each_column_unit(w.blocks(), Shape::kBlocks, m, m, [&] {
+    std::vector<uint32_t> buffer(Shape::kBlocks * w.k / 2 * kBlock);
     return [&, buffer = std::move(buffer)](const ColumnUnit& u) mutable {
       for (int64_t b = 0; b < u.nb; ++b)
         fill_rounded_pairs<Bits, Mins>(
             w, w.data.const_data_ptr<uint8_t>() + (u.blk + b) * w.block_bytes(),
             buffer.data() + b * (w.k / 2) * kBlock);
-      const int64_t row_tiles = (m + Shape::kRows - 1) / Shape::kRows;
-      for (int64_t t = 0; t < row_tiles; ++t) {
-        const int64_t r0 = m * t / row_tiles, r1 = m * (t + 1) / row_tiles;
-        run_tile_rounded<Shape::kRows, Shape::kBlocks>(call, r1 - r0, u.nb, r0, u.blk,
+      for_each_row_tile(u.rows, Shape::kRows, [&](int64_t r0, int64_t rows) {
+        run_tile_rounded<Shape::kRows, Shape::kBlocks>(call, rows, u.nb, u.r0 + r0, u.blk,
                                                        buffer.data());
-      }
+      });
     };
   });
 }

@@ -191,21 +191,18 @@ template <typename Shape, int Bits, bool Mins>
 void run_call_bf16(const Call& call, int64_t m) {
   const QuantWeight& w = *call.w;
   const bool buffered = m > FewPairRows::kRows;
-  const int64_t unit_blocks = unit_blocks_for(w.blocks(), Shape::kBlocks);
-  for_each_column_unit(w.blocks(), unit_blocks, m, kRowBlock, [&] {
-    std::vector<uint32_t> buffer(buffered ? unit_blocks * w.k / 2 * kBlock : 0);
+  for_each_column_unit(w.blocks(), Shape::kBlocks, m, kRowBlock, [&] {
+    std::vector<uint32_t> buffer(buffered ? Shape::kBlocks * w.k / 2 * kBlock : 0);
     return [&, buffer = std::move(buffer)](const ColumnUnit& u) mutable {
       if (buffered) {
         for (int64_t b = 0; b < u.nb; ++b)
           fill_pairs<Bits>(w, w.data.const_data_ptr<uint8_t>() + (u.blk + b) * w.block_bytes(),
                            buffer.data() + b * (w.k / 2) * kBlock);
       }
-      const int64_t row_tiles = (u.rows + Shape::kRows - 1) / Shape::kRows;
-      for (int64_t t = 0; t < row_tiles; ++t) {
-        const int64_t r0 = u.rows * t / row_tiles, r1 = u.rows * (t + 1) / row_tiles;
+      for_each_row_tile(u.rows, Shape::kRows, [&](int64_t r0, int64_t rows) {
         run_tile_bf16<Shape::kRows, Shape::kBlocks, Bits, Mins>(
-            call, r1 - r0, u.nb, u.r0 + r0, u.blk, buffered ? buffer.data() : nullptr);
-      }
+            call, rows, u.nb, u.r0 + r0, u.blk, buffered ? buffer.data() : nullptr);
+      });
     };
   });
 }

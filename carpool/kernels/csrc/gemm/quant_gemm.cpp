@@ -213,14 +213,11 @@ constexpr int64_t kRowBlock = 64;
 // 4 + 3 rather than 6 + 1).
 template <typename Shape, int Bits, bool Mins>
 void run_call(const Call& call, int64_t m) {
-  const int64_t blocks = call.w->blocks();
-  for_each_column_unit(blocks, unit_blocks_for(blocks, Shape::kBlocks), m, kRowBlock, [&] {
+  for_each_column_unit(call.w->blocks(), Shape::kBlocks, m, kRowBlock, [&] {
     return [&](const ColumnUnit& u) {
-      const int64_t row_tiles = (u.rows + Shape::kRows - 1) / Shape::kRows;
-      for (int64_t t = 0; t < row_tiles; ++t) {
-        const int64_t r0 = u.rows * t / row_tiles, r1 = u.rows * (t + 1) / row_tiles;
-        run_tile<Shape::kRows, Shape::kBlocks, Bits, Mins>(call, r1 - r0, u.nb, u.r0 + r0, u.blk);
-      }
+      for_each_row_tile(u.rows, Shape::kRows, [&](int64_t r0, int64_t rows) {
+        run_tile<Shape::kRows, Shape::kBlocks, Bits, Mins>(call, rows, u.nb, u.r0 + r0, u.blk);
+      });
     };
   });
 }

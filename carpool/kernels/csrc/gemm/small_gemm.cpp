@@ -304,15 +304,10 @@ void for_each_tile(int64_t m, int64_t blocks, const void* w, int64_t block_bytes
                    const Tile& tile) {
   constexpr int64_t kRows = Shape::kRows;
   const int64_t row_tiles = (m + kRows - 1) / kRows;
-  const int64_t unit_blocks = unit_blocks_for(blocks, Shape::kBlocks);
-  for_each_column_unit(blocks, unit_blocks, m, m, [&] {
+  for_each_column_unit(blocks, Shape::kBlocks, m, m, [&] {
     return [&](const ColumnUnit& u) {
-      const int64_t next_blocks = m >= kMinPrefetchRows && u.next_blk >= 0
-                                      ? std::min(unit_blocks, blocks - u.next_blk)
-                                      : 0;
-      const char* next =
-          static_cast<const char*>(w) + std::max<int64_t>(u.next_blk, 0) * block_bytes;
-      const int64_t lines = next_blocks * block_bytes / 64;
+      const char* next = static_cast<const char*>(w) + (u.blk + u.nb) * block_bytes;
+      const int64_t lines = m >= kMinPrefetchRows ? u.next_nb * block_bytes / 64 : 0;
       for (int64_t t = 0; t < row_tiles; ++t) {
         const int64_t first = lines * t / row_tiles, count = lines * (t + 1) / row_tiles - first;
         const int64_t r0 = m * t / row_tiles;

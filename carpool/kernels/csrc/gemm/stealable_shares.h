@@ -78,23 +78,35 @@ class StealableShares {
   std::unique_ptr<Range[]> ranges_;
 };
 
+// Units of up to `max_blocks` blocks, as even as they can be, at least two a thread (a k or v
+// projection of 8 blocks is still split four ways) and a whole number of them a thread where
+// the call allows it: 56 blocks in units of 8 would be shares of 3 and 4 units, which no
+// stealing evens out, so they go as 8 units of 7.
+inline int64_t unit_blocks_for(int64_t blocks, int64_t max_blocks) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  int64_t units = std::max((blocks + max_blocks - 1) / max_blocks, 2 * threads);
+  units = (units + threads - 1) / threads * threads;
+  return std::clamp<int64_t>((blocks + units - 1) / units, 1, max_blocks);
+}
+
 // One unit of a product's output: column blocks [blk, blk + nb) of rows [r0, r0 + rows).
-// next_blk: the first block of the unit its thread runs next from its own share (-1 where it
-// has none or does not know): what a tile may prefetch.
+// next_nb: the blocks of the unit its thread runs next from its own share, which start at
+// blk + nb (0 where it has none or does not know): what a tile may prefetch.
 struct ColumnUnit {
-  int64_t blk, nb, r0, rows, next_blk;
+  int64_t blk, nb, r0, rows, next_nb;
 };
 
-// The GEMMs' split: column blocks [0, blocks) in units of up to `unit_blocks`, rows [0, m) in
-// blocks of up to `row_block`, each thread owning a contiguous share of units (row block by
-// row block, so that a row block's activations stay in cache while the weight streams past),
-// stealable. Columns only: a row's sums never depend on its batch or on who ran its unit.
-// `make_worker()` runs once on each thread (where a thread's buffers are made) and returns
-// the callable that takes that thread's ColumnUnits.
+// The GEMMs' split: column blocks [0, blocks) in units of up to `max_blocks` (unit_blocks_for),
+// rows [0, m) in blocks of up to `row_block`, each thread owning a contiguous share of units
+// (row block by row block, so that a row block's activations stay in cache while the weight
+// streams past), stealable. Columns only: a row's sums never depend on its batch or on who
+// ran its unit. `make_worker()` runs once on each thread (where a thread's buffers are made)
+// and returns the callable that takes that thread's ColumnUnits.
 template <typename MakeWorker>
-void for_each_column_unit(int64_t blocks, int64_t unit_blocks, int64_t m, int64_t row_block,
+void for_each_column_unit(int64_t blocks, int64_t max_blocks, int64_t m, int64_t row_block,
                           const MakeWorker& make_worker) {
   if (blocks <= 0 || m <= 0) return;
+  const int64_t unit_blocks = unit_blocks_for(blocks, max_blocks);
   const int64_t units = (blocks + unit_blocks - 1) / unit_blocks;
   const int64_t row_blocks = (m + row_block - 1) / row_block;
   const int64_t threads = std::min<int64_t>(std::max(1, at::get_num_threads()), units);
@@ -110,22 +122,23 @@ void for_each_column_unit(int64_t blocks, int64_t unit_blocks, int64_t m, int64_
         const int64_t unit = u0 + index % share_units, rb = index / share_units;
         const int64_t blk = unit * unit_blocks, r0 = rb * row_block;
         const bool owns_next = claim.share == own && index % share_units + 1 < share_units;
+        const int64_t next_blk = blk + unit_blocks;
         work(ColumnUnit{blk, std::min(unit_blocks, blocks - blk), r0, std::min(row_block, m - r0),
-                        owns_next ? blk + unit_blocks : -1});
+                        owns_next ? std::min(unit_blocks, blocks - next_blk) : 0});
       }
     }
   });
 }
 
-// Units of up to `max_blocks` blocks, as even as they can be, at least two a thread (a k or v
-// projection of 8 blocks is still split four ways) and a whole number of them a thread where
-// the call allows it: 56 blocks in units of 8 would be shares of 3 and 4 units, which no
-// stealing evens out, so they go as 8 units of 7.
-inline int64_t unit_blocks_for(int64_t blocks, int64_t max_blocks) {
-  const int64_t threads = std::max(1, at::get_num_threads());
-  int64_t units = std::max((blocks + max_blocks - 1) / max_blocks, 2 * threads);
-  units = (units + threads - 1) / threads * threads;
-  return std::clamp<int64_t>((blocks + units - 1) / units, 1, max_blocks);
+// Rows [0, rows) in tiles of at most `max_rows`, as even as they can be (7 rows as 4 + 3
+// rather than 6 + 1): fn(first, count) for each tile.
+template <typename Fn>
+void for_each_row_tile(int64_t rows, int64_t max_rows, const Fn& fn) {
+  const int64_t tiles = (rows + max_rows - 1) / max_rows;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t first = rows * t / tiles;
+    fn(first, rows * (t + 1) / tiles - first);
+  }
 }
 
 }  // namespace

@@ -244,14 +244,11 @@ void run_tile(const Call& c, int64_t rows, int64_t nb, int64_t r0, int64_t blk) 
 // block in tiles as even as they can be.
 template <typename Shape>
 void run_call(const Call& c, int64_t m) {
-  const int64_t blocks = c.w->blocks();
-  for_each_column_unit(blocks, unit_blocks_for(blocks, Shape::kBlocks), m, kRowBlock, [&] {
+  for_each_column_unit(c.w->blocks(), Shape::kBlocks, m, kRowBlock, [&] {
     return [&](const ColumnUnit& u) {
-      const int64_t row_tiles = (u.rows + Shape::kRows - 1) / Shape::kRows;
-      for (int64_t t = 0; t < row_tiles; ++t) {
-        const int64_t r0 = u.rows * t / row_tiles, r1 = u.rows * (t + 1) / row_tiles;
-        run_tile<Shape::kRows, Shape::kBlocks>(c, r1 - r0, u.nb, u.r0 + r0, u.blk);
-      }
+      for_each_row_tile(u.rows, Shape::kRows, [&](int64_t r0, int64_t rows) {
+        run_tile<Shape::kRows, Shape::kBlocks>(c, rows, u.nb, u.r0 + r0, u.blk);
+      });
     };
   });
 }
