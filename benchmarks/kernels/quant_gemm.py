@@ -4,7 +4,7 @@ matmul, on a model's linear shapes.
 Each variant gets its own copies of the model's four layer shapes (qkv, o, gate_up, down),
 `--copies` times over so that their weights stream from memory as a whole model's do, with
 the same random weight; one pass over all of them is timed at each row count, the variants
-alternated pass by pass, best pass each. Variants (bfloat16 rows):
+alternated pass by pass, best pass each (`--stat median`: the median). Variants (bfloat16 rows):
   bf16-small   `small_gemm_bf16` on the bfloat16 weight (`PackedLinear`'s packed copy)
   bf16-onednn  `PackedLinear._matmul` (oneDNN, bucketed rows)
   int8 / int4  `quant_linear` on `pack_quant_weight` (int8: g 32, no mins, as GGUF Q8_0;
@@ -179,13 +179,13 @@ def main() -> None:
                         layer.run(x)
                     passes[name].append(time.perf_counter() - start)
             pick = min if args.stat == "best" else statistics.median
-            best = {name: pick(times[1:]) for name, times in passes.items()}  # the first warms up
-            base = best.get("bf16-small")
+            per_pass = {name: pick(times[1:]) for name, times in passes.items()}  # 1st: warm-up
+            base = per_pass.get("bf16-small")
             print(f"rows {rows:5d}  " + "  ".join(
                 f"{name} {t * 1e3:8.2f} ms" + (f" ({base / t:4.2f}x)" if base else "")
                 + (f" {sum(v.bytes for v in variants[name]) / t / 1e9:4.1f} GB/s"
                    if rows == 1 else "")
-                for name, t in best.items()), flush=True)
+                for name, t in per_pass.items()), flush=True)
 
 
 if __name__ == "__main__":
