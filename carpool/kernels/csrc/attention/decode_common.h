@@ -9,6 +9,7 @@
 #pragma once
 
 #include "attention/block_ops.h"
+#include "runtime/prefetch.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <c10/util/BFloat16.h>
@@ -65,14 +66,8 @@ struct DecodeScratch {
   }
 };
 
-// Every function here that only prefetches is forced inline. GCC (12, -O3) finds a function
-// that does nothing but prefetch free of side effects and drops the calls it does not inline:
-// prefetch_first_block (and paged_attention.cpp's prefetch_keys) had never run, objdump
-// showing no prefetch of theirs in the loops that call them.
-__attribute__((always_inline)) inline void prefetch_block_l1(const void* p, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
+// Every function here that only prefetches is forced inline, as prefetch_block_l1 is
+// (runtime/prefetch.h).
 
 // Whether attend_decode also prefetches the block after next into L2. On AMD's Zen 4 the
 // one-block-ahead L1 prefetches alone leave the reads and the arithmetic nearly serial; on

@@ -36,6 +36,7 @@ CARPOOL_BF16_TARGET void fill_rounded_pairs(const QuantWeight& w, const uint8_t*
   const int64_t pairs = w.group_size / 2;
   for (int64_t grp = 0; grp < w.groups(); ++grp) {
     const uint8_t* group = block + grp * w.group_bytes();
+    if constexpr (kPrefetchStreams<Bits>) prefetch_streams<1>(group, 0, w.group_bytes());
     const uint8_t* q = group + w.header_bytes();
     const F s = header_load(group, 0, w.f16_header);
     const F mn = Mins ? header_load(group, kBlock, w.f16_header) : Isa::zero();

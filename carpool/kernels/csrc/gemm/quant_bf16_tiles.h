@@ -89,6 +89,8 @@ CARPOOL_BF16_TARGET void fill_pairs(const QuantWeight& w, const uint8_t* block, 
   const int64_t pairs = w.group_size / 2;
   for (int64_t grp = 0; grp < w.groups(); ++grp) {
     const uint8_t* q = block + grp * w.group_bytes() + w.header_bytes();
+    if constexpr (kPrefetchStreams<Bits>)
+      prefetch_streams<1>(q - w.header_bytes(), 0, w.group_bytes());
     for (int64_t p = 0; p < pairs; ++p)
       _mm512_storeu_si512(out + (grp * pairs + p) * kBlock, q_pairs<Bits>(q, p));
   }
@@ -128,6 +130,8 @@ CARPOOL_BF16_TARGET __attribute__((noinline)) void tile_bf16(const Call& call, i
   }
   for (int64_t grp = 0; grp < groups; ++grp) {
     const uint8_t* group = base + grp * group_bytes;
+    if (kPrefetchStreams<Bits> && buffer == nullptr)
+      prefetch_streams<B>(group, block_bytes, group_bytes);
     F part[R][B];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) part[r][b] = Isa::zero();

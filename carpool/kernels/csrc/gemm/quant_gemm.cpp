@@ -39,6 +39,7 @@
 #include "gemm/quant_weight.h"
 #include "gemm/stealable_shares.h"
 #include "kernel_api.h"
+#include "runtime/prefetch.h"
 
 namespace carpool_gemm {
 
@@ -61,6 +62,12 @@ struct ManyRows { static constexpr int kRows = 3, kBlocks = 1; };
 struct FewRows { static constexpr int kRows = 1, kBlocks = 1; };
 struct ManyRows { static constexpr int kRows = 1, kBlocks = 1; };
 #endif
+
+// Whether tiles of this packing prefetch their weight streams (runtime/prefetch.h): 4 and 5
+// bits, whose unpacking spaces the reads out; 8- and 6-bit passes, nearer the memory's rate,
+// lost time to the extra instructions at two threads (docs/lab/61-prefetched-weight-streams.md).
+template <int Bits>
+constexpr bool kPrefetchStreams = Bits == 4 || Bits == 5;
 
 using F = Isa::F;
 constexpr int kVecs = kBlock / Isa::kLanes;  // registers a block of 16 columns takes
@@ -129,6 +136,7 @@ __attribute__((noinline)) void tile(const Call& call, int64_t r0, int64_t blk) {
   }
   for (int64_t grp = 0; grp < groups; ++grp) {
     const uint8_t* group = base + grp * group_bytes;
+    if constexpr (kPrefetchStreams<Bits>) prefetch_streams<B>(group, block_bytes, group_bytes);
     const uint8_t* q = group + header;
     const float* xg = x + grp * g;
     F part[R][V];
