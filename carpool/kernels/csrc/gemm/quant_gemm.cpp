@@ -65,7 +65,7 @@ struct ManyRows { static constexpr int kRows = 1, kBlocks = 1; };
 
 // Whether tiles of this packing prefetch their weight streams (runtime/prefetch.h): 4 and 5
 // bits, whose unpacking spaces the reads out; 8- and 6-bit passes, nearer the memory's rate,
-// lost time to the extra instructions at two threads (docs/lab/61-prefetched-weight-streams.md).
+// gained nothing at two threads (docs/lab/61-prefetched-weight-streams.md).
 template <int Bits>
 constexpr bool kPrefetchStreams = Bits == 4 || Bits == 5;
 
