@@ -157,19 +157,17 @@ def main() -> None:
     shapes = SHAPES[args.shapes] * args.copies
     linears = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for k, n in shapes]
     names = [v for v in args.variants if dtype == torch.bfloat16 or not v.startswith("bf16")]
-    builds = [("", kernels)]
+    builds = {"": kernels}
     if args.baseline is not None:
-        builds.append(("@base", import_module_file(args.baseline)))
-    variants = {f"{name}{tag}": [] for tag, _ in builds for name in names
-                if not (tag and name == "bf16-onednn")}
-    # Packed layer by layer, the builds in turn: the copies packed later ran 2-6% faster
-    # than the same code packed earlier (where their weights land), so packing one build's
-    # copies after the other's favoured the baseline.
+        builds["@base"] = import_module_file(args.baseline)
+    # Packed layer by layer, the builds in turn: copies packed later ran 2-6% faster than the
+    # same code packed earlier, so packing one build's copies after the other's favoured it.
+    variants: dict[str, list[Variant]] = {}
     for linear in linears:
         for name in names:
-            for tag, build in builds:
-                if f"{name}{tag}" in variants:
-                    variants[f"{name}{tag}"].append(Variant(name, linear, build))
+            for tag, build in builds.items():
+                if not (tag and name == "bf16-onednn"):
+                    variants.setdefault(f"{name}{tag}", []).append(Variant(name, linear, build))
     print(f"{args.shapes} x {args.copies}: {len(linears)} layers, {args.dtype} rows, "
           f"{args.threads} threads; weight MB a pass: " + ", ".join(
               f"{name} {sum(v.bytes for v in vs) / 1e6:.0f}" for name, vs in variants.items()))

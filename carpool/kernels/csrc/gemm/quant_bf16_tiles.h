@@ -88,9 +88,9 @@ template <int Bits>
 CARPOOL_BF16_TARGET void fill_pairs(const QuantWeight& w, const uint8_t* block, uint32_t* out) {
   const int64_t pairs = w.group_size / 2;
   for (int64_t grp = 0; grp < w.groups(); ++grp) {
-    const uint8_t* q = block + grp * w.group_bytes() + w.header_bytes();
-    if constexpr (kPrefetchStreams<Bits>)
-      prefetch_streams<1>(q - w.header_bytes(), 0, w.group_bytes());
+    const uint8_t* group = block + grp * w.group_bytes();
+    if constexpr (kPrefetchStreams<Bits>) prefetch_streams<1>(group, 0, w.group_bytes());
+    const uint8_t* q = group + w.header_bytes();
     for (int64_t p = 0; p < pairs; ++p)
       _mm512_storeu_si512(out + (grp * pairs + p) * kBlock, q_pairs<Bits>(q, p));
   }
